@@ -1,0 +1,42 @@
+// Params: the one argument of every cudaflash forward kernel, passed by value as
+// `const __grid_constant__ Params` (no copy to local memory, read through the constant bank).
+// Mirrored field for field by cudaflash/_params.py (ctypes); the size is checked on both sides.
+#pragma once
+#include <cstdint>
+
+namespace cudaflash {
+
+struct Params {
+    // Pointers. q: (batch, seqlen_q, n_heads, d_head); k, v: (batch, seqlen_k, n_heads_k, d_head);
+    // o: like q; lse: (batch, n_heads, seqlen_q) float32, contiguous.
+    const void* q;
+    const void* k;
+    const void* v;
+    void* o;
+    float* lse;
+
+    // Strides in elements (the last dimension is contiguous). 64-bit: a 131072-token sequence
+    // of 16 heads x 128 already needs 2^28 elements per batch entry.
+    int64_t q_batch_stride, q_seq_stride, q_head_stride;
+    int64_t k_batch_stride, k_seq_stride, k_head_stride;
+    int64_t v_batch_stride, v_seq_stride, v_head_stride;
+    int64_t o_batch_stride, o_seq_stride, o_head_stride;
+
+    // Sizes. Heads h of q read K/V head h / (n_heads / n_heads_k) (GQA/MQA).
+    int32_t batch;
+    int32_t n_heads;
+    int32_t n_heads_k;
+    int32_t seqlen_q;
+    int32_t seqlen_k;
+    int32_t is_causal;  // 0 or 1; causal mask aligned bottom-right (flash-attn >= 2.1)
+
+    // Scales. softmax_scale multiplies q.k; scale_log2 = softmax_scale * log2(e) is folded into
+    // one FFMA before exp2.
+    float softmax_scale;
+    float scale_log2;
+};
+
+constexpr int kParamsBytes = 168;
+static_assert(sizeof(Params) == kParamsBytes, "Params layout changed: update cudaflash/_params.py");
+
+}  // namespace cudaflash

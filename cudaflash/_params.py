@@ -1,0 +1,50 @@
+"""ctypes mirror of ``cuda_src/params.cuh``: the kernel's single by-value argument.
+
+Field order, types and padding must match the CUDA struct exactly; ``PARAMS_BYTES`` is
+``static_assert``ed on the CUDA side, recorded in the manifest by the build, and compared
+with ``ctypes.sizeof(Params)`` by the tests.
+"""
+
+import ctypes
+
+PARAMS_BYTES = 168
+
+
+class Params(ctypes.Structure):
+    _fields_ = [
+        # pointers
+        ("q", ctypes.c_void_p),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("o", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),
+        # strides, in elements
+        ("q_batch_stride", ctypes.c_int64),
+        ("q_seq_stride", ctypes.c_int64),
+        ("q_head_stride", ctypes.c_int64),
+        ("k_batch_stride", ctypes.c_int64),
+        ("k_seq_stride", ctypes.c_int64),
+        ("k_head_stride", ctypes.c_int64),
+        ("v_batch_stride", ctypes.c_int64),
+        ("v_seq_stride", ctypes.c_int64),
+        ("v_head_stride", ctypes.c_int64),
+        ("o_batch_stride", ctypes.c_int64),
+        ("o_seq_stride", ctypes.c_int64),
+        ("o_head_stride", ctypes.c_int64),
+        # sizes
+        ("batch", ctypes.c_int32),
+        ("n_heads", ctypes.c_int32),
+        ("n_heads_k", ctypes.c_int32),
+        ("seqlen_q", ctypes.c_int32),
+        ("seqlen_k", ctypes.c_int32),
+        ("is_causal", ctypes.c_int32),
+        # scales
+        ("softmax_scale", ctypes.c_float),
+        ("scale_log2", ctypes.c_float),
+    ]
+
+
+# struct.pack format of the same layout (native alignment matches: every field is naturally
+# aligned and the total is a multiple of 8), used by the launcher to fill a reusable buffer
+# without building a ctypes object per call.
+PARAMS_STRUCT_FORMAT = "=5Q12q6i2f"

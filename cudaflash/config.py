@@ -1,0 +1,257 @@
+"""The kernel config model: one frozen dataclass shared by the build and the runtime.
+
+A ``KernelConfig`` holds every field that changes the compiled forward kernel. The same
+validation rules live here (for the build and the runtime) and as ``static_assert``s in
+``cuda_src/kernel_config.cuh`` (for anyone compiling by hand). The canonical name built by
+``KernelConfig.name`` is the cubin file name, the manifest key, the pytest id and the debug tag.
+
+Field semantics follow the seed kernel (see docs/design.md):
+
+- ``dtype``: element type of Q/K/V/O (``fp16`` or ``bf16``); accumulation is always fp32.
+- ``d_head``: head dimension, a multiple of 64 (shared memory is tiled in 64-column slabs).
+- ``B_r`` / ``B_c``: query rows per CTA / key rows per inner iteration.
+- ``n_warps``: warps per CTA; each warp owns ``B_r / n_warps`` query rows.
+- ``async_copy``: global->shared copies with ``cp.async`` (true) or through registers (false).
+- ``eager_load_blocks``: prefetch the next K block and the current V block while computing
+  (true) or load each block right before its use (false). Needs ``async_copy``.
+- ``swizzled``: XOR-swizzled shared-memory layout (no bank conflicts for ldmatrix).
+- ``{Q,K,V}_mma_load_K_fragments``: how many 8-column fragments of the operand are moved from
+  shared memory to registers per load step. 0 loads the whole operand at once (for Q: once per
+  CTA, before the KV loop); n > 0 loads n/2 16-column k-slices per step, interleaved with the mma.
+- ``mma_double_buffer_loads``: prefetch the next k-slice group before the mma of the current one.
+- ``optimized_softmax``: a specialised first KV iteration that initialises the row max and sum
+  from the first score tile and skips the rescale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+DTYPES = ("fp16", "bf16")
+D_HEADS = (64, 128, 256)
+N_WARPS = (4, 8)
+ROWS_PER_WARP = (16, 32)
+B_C_VALUES = (32, 64, 128)
+
+# Largest dynamic shared memory one block may opt into, per arch (CUDA C Programming Guide,
+# compute capability table). The build uses it to decide which arch a config is compiled
+# for; the runtime reads the real limit off the device instead.
+ARCH_SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+
+ELEMENT_BYTES = 2  # fp16 and bf16
+
+
+class ConfigError(ValueError):
+    """A kernel config that cannot be built; the message names the config and the field."""
+
+
+@dataclass(frozen=True, order=True)
+class KernelConfig:
+    dtype: str
+    d_head: int
+    B_r: int
+    B_c: int
+    n_warps: int
+    async_copy: bool
+    eager_load_blocks: bool
+    swizzled: bool
+    Q_mma_load_K_fragments: int
+    K_mma_load_K_fragments: int
+    V_mma_load_K_fragments: int
+    mma_double_buffer_loads: bool
+    optimized_softmax: bool
+
+    # ---- derived quantities ---------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """Canonical name, built from every field (parsed back by ``from_name``)."""
+        return (
+            f"fwd_{self.dtype}_d{self.d_head}_br{self.B_r}_bc{self.B_c}_w{self.n_warps}"
+            f"_async{int(self.async_copy)}_eager{int(self.eager_load_blocks)}"
+            f"_swz{int(self.swizzled)}"
+            f"_q{self.Q_mma_load_K_fragments}k{self.K_mma_load_K_fragments}"
+            f"v{self.V_mma_load_K_fragments}"
+            f"_dbuf{int(self.mma_double_buffer_loads)}_osm{int(self.optimized_softmax)}"
+        )
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.n_warps
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: one Q block (reused for O) plus one K and one V block."""
+        return (self.B_r + 2 * self.B_c) * self.d_head * ELEMENT_BYTES
+
+    def fits_arch(self, arch: int) -> bool:
+        return self.smem_bytes <= ARCH_SMEM_LIMIT[arch]
+
+    def nvcc_defines(self) -> dict[str, int]:
+        """The -D macros that instantiate this config in cuda_src/flash_fwd.cu."""
+        return {
+            "CF_DTYPE_BF16": int(self.dtype == "bf16"),
+            "CF_D_HEAD": self.d_head,
+            "CF_B_R": self.B_r,
+            "CF_B_C": self.B_c,
+            "CF_N_WARPS": self.n_warps,
+            "CF_ASYNC_COPY": int(self.async_copy),
+            "CF_EAGER_LOAD_BLOCKS": int(self.eager_load_blocks),
+            "CF_SWIZZLED": int(self.swizzled),
+            "CF_Q_FRAGS": self.Q_mma_load_K_fragments,
+            "CF_K_FRAGS": self.K_mma_load_K_fragments,
+            "CF_V_FRAGS": self.V_mma_load_K_fragments,
+            "CF_DOUBLE_BUFFER": int(self.mma_double_buffer_loads),
+            "CF_OPTIMIZED_SOFTMAX": int(self.optimized_softmax),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ---- validation -----------------------------------------------------------------------
+
+    def errors(self) -> list[str]:
+        """Every rule this config breaks, as '<field>: <what is wrong>' strings.
+
+        Mirrors the static_asserts in cuda_src/kernel_config.cuh.
+        """
+        errs: list[str] = []
+
+        def bad(field: str, msg: str) -> None:
+            errs.append(f"{field}={getattr(self, field)!r}: {msg}")
+
+        if self.dtype not in DTYPES:
+            bad("dtype", f"must be one of {list(DTYPES)}")
+        if self.d_head not in D_HEADS:
+            bad("d_head", f"must be one of {list(D_HEADS)}")
+        if self.n_warps not in N_WARPS:
+            bad("n_warps", f"must be one of {list(N_WARPS)}")
+        if self.B_c not in B_C_VALUES:
+            bad("B_c", f"must be one of {list(B_C_VALUES)}")
+        if self.n_warps in N_WARPS:
+            if self.B_r % self.n_warps or self.B_r // self.n_warps not in ROWS_PER_WARP:
+                bad("B_r", f"B_r / n_warps must be one of {list(ROWS_PER_WARP)} "
+                           f"(each warp owns whole 16-row mma tiles); n_warps={self.n_warps}")
+            # One cooperative global->shared pass covers threads/8 rows (8 threads x 16 bytes
+            # per 64-column row slab), so block heights must be multiples of it.
+            rows_per_pass = self.threads // 8
+            if self.B_c in B_C_VALUES and self.B_c % rows_per_pass:
+                bad("B_c", f"must be a multiple of {rows_per_pass} rows (one copy pass of "
+                           f"{self.n_warps} warps)")
+        for field, k_dim in (("Q_mma_load_K_fragments", self.d_head),
+                             ("K_mma_load_K_fragments", self.d_head),
+                             ("V_mma_load_K_fragments", self.B_c)):
+            n = getattr(self, field)
+            whole = k_dim // 8  # fragments (8 columns each) along the reduction dimension
+            limit = whole // 2 if self.mma_double_buffer_loads else whole - 1
+            if not isinstance(n, int) or n < 0 or (n and (n & (n - 1) or n == 1)):
+                bad(field, "must be 0 (whole operand) or an even power of two")
+            elif n > limit:
+                why = ("at most half the operand so that two slice groups alternate"
+                       if self.mma_double_buffer_loads else
+                       "less than the whole operand (0 already means whole)")
+                bad(field, f"must be <= {limit} for a reduction dimension of {k_dim}: {why}")
+        if self.Q_mma_load_K_fragments not in (0, self.K_mma_load_K_fragments):
+            bad("Q_mma_load_K_fragments",
+                f"must be 0 or equal K_mma_load_K_fragments={self.K_mma_load_K_fragments} "
+                "(Q and K slices are loaded together)")
+        if self.mma_double_buffer_loads and not (
+                self.Q_mma_load_K_fragments or self.K_mma_load_K_fragments
+                or self.V_mma_load_K_fragments):
+            bad("mma_double_buffer_loads",
+                "needs at least one operand loaded in slices (a *_mma_load_K_fragments > 0)")
+        if self.eager_load_blocks and not self.async_copy:
+            bad("eager_load_blocks", "needs async_copy=True (synchronous copies cannot overlap)")
+        if not any(self.fits_arch(a) for a in ARCH_SMEM_LIMIT):
+            bad("B_r", f"shared memory {self.smem_bytes} bytes exceeds every arch's limit")
+        return errs
+
+    def validate(self) -> "KernelConfig":
+        errs = self.errors()
+        if errs:
+            raise ConfigError(f"invalid kernel config {self._label()}: " + "; ".join(errs))
+        return self
+
+    def _label(self) -> str:
+        try:
+            return self.name
+        except Exception:  # a field of the wrong type can break the name itself
+            return repr(self)
+
+    # ---- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "config") -> "KernelConfig":
+        """Build and validate a config from a mapping with exactly the dataclass fields."""
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        missing = sorted(set(fields) - set(data))
+        if unknown:
+            raise ConfigError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(fields)}")
+        if missing:
+            raise ConfigError(f"{where}: missing field(s) {missing}")
+        values = {}
+        for key, typ in fields.items():
+            value = data[key]
+            want = {"str": str, "int": int, "bool": bool}[typ]
+            if want is int and isinstance(value, bool) or not isinstance(value, want):
+                raise ConfigError(f"{where}: field {key}={value!r} must be a {typ}")
+            values[key] = value
+        cfg = cls(**values)
+        errs = cfg.errors()
+        if errs:
+            raise ConfigError(f"{where} ({cfg._label()}): " + "; ".join(errs))
+        return cfg
+
+    @classmethod
+    def from_name(cls, name: str) -> "KernelConfig":
+        m = _NAME_RE.fullmatch(name)
+        if not m:
+            raise ConfigError(f"{name!r} is not a canonical kernel config name "
+                              "(expected e.g. fwd_bf16_d128_br128_bc64_w4_async1_eager1_swz1"
+                              "_q2k2v0_dbuf1_osm1)")
+        g = m.groupdict()
+        data = {k: (int(v) if k != "dtype" else v) for k, v in g.items()}
+        for k in ("async_copy", "eager_load_blocks", "swizzled", "mma_double_buffer_loads",
+                  "optimized_softmax"):
+            data[k] = bool(data[k])
+        return cls.from_dict(data, where=f"config name {name!r}")
+
+
+_NAME_RE = re.compile(
+    r"fwd_(?P<dtype>[a-z0-9]+)_d(?P<d_head>\d+)_br(?P<B_r>\d+)_bc(?P<B_c>\d+)_w(?P<n_warps>\d+)"
+    r"_async(?P<async_copy>[01])_eager(?P<eager_load_blocks>[01])_swz(?P<swizzled>[01])"
+    r"_q(?P<Q_mma_load_K_fragments>\d+)k(?P<K_mma_load_K_fragments>\d+)"
+    r"v(?P<V_mma_load_K_fragments>\d+)"
+    r"_dbuf(?P<mma_double_buffer_loads>[01])_osm(?P<optimized_softmax>[01])")
+
+
+def expand_config_entries(entries: Iterable[Mapping[str, Any]],
+                          defaults: Mapping[str, Any] | None = None,
+                          where: str = "configs") -> list[KernelConfig]:
+    """Expand yaml config entries into validated configs.
+
+    Each entry is merged over ``defaults``; any field given as a list expands into the
+    cartesian product of its values (``dtype: [fp16, bf16]`` gives two configs).
+    Duplicates are an error: two entries must not describe the same kernel.
+    """
+    configs: list[KernelConfig] = []
+    seen: dict[KernelConfig, str] = {}
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{where}[{i}] must be a mapping of config fields, got {entry!r}")
+        merged = {**(defaults or {}), **entry}
+        keys = list(merged)
+        choices = [v if isinstance(v, list) else [v] for v in merged.values()]
+        for combo in itertools.product(*choices):
+            label = f"{where}[{i}]"
+            cfg = KernelConfig.from_dict(dict(zip(keys, combo)), where=label)
+            if cfg in seen:
+                raise ConfigError(f"{label}: {cfg.name} is already listed by {seen[cfg]}")
+            seen[cfg] = label
+            configs.append(cfg)
+    return configs
