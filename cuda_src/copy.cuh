@@ -1,0 +1,75 @@
+// Cooperative copies between global memory and a shared (rows, d_head) tile. Thread t moves the
+// 16-byte chunk t % 8 of slab rows t / 8, t / 8 + threads / 8, ...: one pass covers
+// threads / 8 full rows, and each row is a fully coalesced 128-byte segment per slab.
+// Rows at or past `valid_rows` are zero-filled (loads) or skipped (stores), so the caller
+// never pads sequences to a block multiple.
+#pragma once
+#include "kernel_config.cuh"
+#include "ptx.cuh"
+#include "smem_layout.cuh"
+
+namespace cudaflash {
+
+template <class C, int kRows>
+struct TileCopy {
+    using elem_t = typename C::elem_t;
+    static constexpr int kPasses = kRows / C::kRowsPerCopyPass;
+
+    // Global -> shared. `gmem` points at the tile's first row; `row_stride` in elements.
+    __device__ __forceinline__ static void load(elem_t* smem, const elem_t* gmem,
+                                                int64_t row_stride, int valid_rows) {
+        const int chunk = threadIdx.x % 8;
+        const int row0 = threadIdx.x / 8;
+#pragma unroll
+        for (int slab = 0; slab < C::kSlabs; ++slab) {
+#pragma unroll
+            for (int pass = 0; pass < kPasses; ++pass) {
+                const int row = row0 + pass * C::kRowsPerCopyPass;
+                const bool valid = row < valid_rows;
+                // A masked row still needs an address; row 0 always exists.
+                const elem_t* src =
+                    gmem + (valid ? row * row_stride : 0) + slab * C::kSlab + chunk * 8;
+                elem_t* dst = smem + SmemTile<C>::template offset<kRows>(row, slab * 8 + chunk);
+                if constexpr (C::kAsyncCopy) {
+                    cp_async_16(smem_addr(dst), src, valid ? 16 : 0);
+                } else {
+                    uint4 v = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+                    *reinterpret_cast<uint4*>(dst) = v;
+                }
+            }
+        }
+    }
+
+    // Shared -> global, rows below valid_rows only.
+    __device__ __forceinline__ static void store(elem_t* gmem, const elem_t* smem,
+                                                 int64_t row_stride, int valid_rows) {
+        const int chunk = threadIdx.x % 8;
+        const int row0 = threadIdx.x / 8;
+#pragma unroll
+        for (int slab = 0; slab < C::kSlabs; ++slab) {
+#pragma unroll
+            for (int pass = 0; pass < kPasses; ++pass) {
+                const int row = row0 + pass * C::kRowsPerCopyPass;
+                if (row < valid_rows) {
+                    const uint4 v = *reinterpret_cast<const uint4*>(
+                        smem + SmemTile<C>::template offset<kRows>(row, slab * 8 + chunk));
+                    *reinterpret_cast<uint4*>(gmem + row * row_stride + slab * C::kSlab +
+                                              chunk * 8) = v;
+                }
+            }
+        }
+    }
+};
+
+// Completion of the copies issued so far (a no-op for synchronous copies, which complete in
+// program order; the caller's __syncthreads makes them visible).
+template <class C>
+__device__ __forceinline__ void copy_commit() {
+    if constexpr (C::kAsyncCopy) cp_async_commit();
+}
+template <class C>
+__device__ __forceinline__ void copy_wait_all() {
+    if constexpr (C::kAsyncCopy) cp_async_wait_all();
+}
+
+}  // namespace cudaflash

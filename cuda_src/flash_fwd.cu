@@ -1,0 +1,181 @@
+// cudaflash forward: O = softmax(scale * Q K^T + mask) V, FlashAttention-2 style.
+//
+// q: (batch, seqlen_q, n_heads, d_head), k/v: (batch, seqlen_k, n_heads_k, d_head), any strides
+// with a contiguous last dim; o like q; lse (batch, n_heads, seqlen_q) float32.
+// One CTA computes B_r query rows of one (batch, head): grid (ceil(seqlen_q / B_r), n_heads,
+// batch). It streams K/V blocks of B_c keys through shared memory, last block first, keeping S,
+// P and the O accumulator in registers. Tails of both sequences are masked here; causal masking
+// is bottom-right aligned (query i sees keys j <= i + seqlen_k - seqlen_q) and blocks wholly
+// above the diagonal are never loaded.
+//
+// The config (tile sizes, copy/load strategies) comes from -D macros: kernel_config.cuh.
+#include "copy.cuh"
+#include "gemm.cuh"
+#include "kernel_config.cuh"
+#include "params.cuh"
+#include "softmax.cuh"
+
+#include <type_traits>
+
+namespace cudaflash {
+
+template <class C>
+__device__ __forceinline__ void flash_fwd(const Params& p) {
+    using elem_t = typename C::elem_t;
+    constexpr int kM = C::kMTiles;
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    elem_t* sQ = reinterpret_cast<elem_t*>(smem);  // (B_r, d_head); holds O at the end
+    elem_t* sK = sQ + C::kBr * C::kDHead;          // (B_c, d_head)
+    elem_t* sV = sK + C::kBc * C::kDHead;          // (B_c, d_head)
+
+    // Causal CTAs with more KV blocks start first (the last query blocks do the most work).
+    const int q_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int head_k = head / (p.n_heads / p.n_heads_k);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+
+    const int q_row0 = q_block * C::kBr;
+    const int q_rows = min(C::kBr, p.seqlen_q - q_row0);
+    const elem_t* q = static_cast<const elem_t*>(p.q) + batch * p.q_batch_stride +
+                      head * p.q_head_stride + q_row0 * p.q_seq_stride;
+    const elem_t* k = static_cast<const elem_t*>(p.k) + batch * p.k_batch_stride +
+                      head_k * p.k_head_stride;
+    const elem_t* v = static_cast<const elem_t*>(p.v) + batch * p.v_batch_stride +
+                      head_k * p.v_head_stride;
+
+    // KV blocks [0, n_blocks) are visible to some row of this CTA; blocks >= mask_from hold a
+    // key that some row must not see (the seqlen_k tail, or keys right of the causal diagonal).
+    const int causal_shift = p.seqlen_k - p.seqlen_q;
+    const int n_kv = (p.seqlen_k + C::kBc - 1) / C::kBc;
+    int n_blocks = n_kv;
+    int mask_from = p.seqlen_k % C::kBc ? n_kv - 1 : n_kv;
+    if (p.is_causal) {
+        const int last_key = q_row0 + q_rows - 1 + causal_shift;  // of the CTA's last row
+        n_blocks = last_key < 0 ? 0 : min(n_kv, last_key / C::kBc + 1);
+        const int first_row_keys = q_row0 + causal_shift + 1;  // keys the first row sees
+        mask_from = min(mask_from, max(first_row_keys, 0) / C::kBc);
+    }
+
+    // Per-row key limits for the masked blocks: key index < limit is visible.
+    int key_limit[kM][2];
+#pragma unroll
+    for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = q_row0 + warp * C::kRowsPerWarp + mi * 16 + lane / 4 + 8 * r;
+            key_limit[mi][r] = p.is_causal ? min(p.seqlen_k, row + causal_shift + 1) : p.seqlen_k;
+        }
+
+    using QCopy = TileCopy<C, C::kBr>;
+    using KvCopy = TileCopy<C, C::kBc>;
+    auto load_kv = [&](elem_t* dst, const elem_t* head_base, int64_t seq_stride, int block) {
+        KvCopy::load(dst, head_base + int64_t(block) * C::kBc * seq_stride, seq_stride,
+                     p.seqlen_k - block * C::kBc);
+    };
+
+    QCopy::load(sQ, q, p.q_seq_stride, q_rows);
+    copy_commit<C>();
+    if constexpr (C::kEagerLoad) {
+        if (n_blocks > 0) load_kv(sK, k, p.k_seq_stride, n_blocks - 1);
+        copy_commit<C>();
+    }
+
+    const WarpGemm<C> gemm(sQ, sK, sV, warp, lane);
+    uint32_t q_whole[kM][C::kDSlices][4];  // used only when Q_FRAGS = 0
+    if constexpr (C::kQFrags == 0) {
+        copy_wait_all<C>();
+        __syncthreads();
+        gemm.load_q_whole(q_whole);
+    }
+
+    float O[kM][C::kOTiles][4];
+#pragma unroll
+    for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+        for (int nd = 0; nd < C::kOTiles; ++nd)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) O[mi][nd][e] = 0.f;
+    OnlineSoftmax<C> softmax;
+    float S[kM][C::kSTiles][4];
+
+    auto iteration = [&](int block, auto first_tag) {
+        constexpr bool kFirst = decltype(first_tag)::value;
+        if constexpr (C::kEagerLoad) {
+            // K_block has landed; every warp is done with the previous V.
+            copy_wait_all<C>();
+            __syncthreads();
+            load_kv(sV, v, p.v_seq_stride, block);  // overlaps QK^T
+            copy_commit<C>();
+            gemm.qk(S, q_whole);
+            // V_block has landed; every warp is done reading K.
+            copy_wait_all<C>();
+            __syncthreads();
+            if (block > 0) load_kv(sK, k, p.k_seq_stride, block - 1);  // overlaps softmax + PV
+            copy_commit<C>();
+        } else {
+            load_kv(sK, k, p.k_seq_stride, block);
+            copy_commit<C>();
+            copy_wait_all<C>();
+            __syncthreads();
+            gemm.qk(S, q_whole);
+            load_kv(sV, v, p.v_seq_stride, block);
+            copy_commit<C>();
+            copy_wait_all<C>();
+            __syncthreads();
+        }
+        if (block >= mask_from) OnlineSoftmax<C>::mask(S, block * C::kBc, key_limit, lane);
+        softmax.template update<kFirst>(S, O, p.scale_log2);
+        gemm.pv(O, S);
+    };
+
+    // Last block first: the masked blocks (tail, diagonal) come first, then unmasked ones.
+    int block = n_blocks - 1;
+    if constexpr (C::kOptimizedSoftmax) {
+        if (block >= 0) iteration(block--, std::true_type{});
+    }
+    for (; block >= 0; --block) iteration(block, std::false_type{});
+
+    float lse[kM][2];
+    softmax.finalize(O, p.scale_log2, lse);
+
+    if (lane % 4 == 0) {
+        float* lse_row = p.lse + (int64_t(batch) * p.n_heads + head) * p.seqlen_q;
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = q_row0 + warp * C::kRowsPerWarp + mi * 16 + lane / 4 + 8 * r;
+                if (row < p.seqlen_q) lse_row[row] = lse[mi][r];
+            }
+    }
+
+    // O goes registers -> shared (over Q) -> global, so the global stores are 16-byte and
+    // coalesced. Wait for every copy first: with no visible KV block the Q copy may still fly.
+    copy_wait_all<C>();
+    __syncthreads();
+#pragma unroll
+    for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+        for (int nd = 0; nd < C::kOTiles; ++nd)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = warp * C::kRowsPerWarp + mi * 16 + lane / 4 + 8 * r;
+                elem_t* dst = sQ + SmemTile<C>::template offset<C::kBr>(row, nd) + 2 * (lane % 4);
+                *reinterpret_cast<uint32_t*>(dst) =
+                    pack_2<C::kBf16>(O[mi][nd][2 * r], O[mi][nd][2 * r + 1]);
+            }
+    __syncthreads();
+    elem_t* o = static_cast<elem_t*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
+                q_row0 * p.o_seq_stride;
+    QCopy::store(o, sQ, p.o_seq_stride, q_rows);
+}
+
+}  // namespace cudaflash
+
+extern "C" __global__ void __launch_bounds__(cudaflash::KernelConfig::kThreads)
+    cudaflash_fwd(const __grid_constant__ cudaflash::Params p) {
+    cudaflash::flash_fwd<cudaflash::KernelConfig>(p);
+}

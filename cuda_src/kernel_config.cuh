@@ -1,0 +1,91 @@
+// KernelConfig: the compile-time config of one forward kernel, from the -D macros that
+// cudaflash.config.KernelConfig.nvcc_defines() produces. The validity rules repeat
+// KernelConfig.errors() so a config compiled by hand fails with the same explanation.
+//
+// Build one config by hand (what build_cubins.py does):
+//   nvcc -cubin -gencode arch=compute_90,code=sm_90 -O3 -std=c++17 -I cuda_src \
+//        -DCF_DTYPE_BF16=1 -DCF_D_HEAD=128 -DCF_B_R=128 -DCF_B_C=64 -DCF_N_WARPS=4 \
+//        -DCF_ASYNC_COPY=1 -DCF_EAGER_LOAD_BLOCKS=1 -DCF_SWIZZLED=1 -DCF_Q_FRAGS=2 \
+//        -DCF_K_FRAGS=2 -DCF_V_FRAGS=0 -DCF_DOUBLE_BUFFER=1 -DCF_OPTIMIZED_SOFTMAX=1 \
+//        cuda_src/flash_fwd.cu -o fwd.cubin
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <type_traits>
+
+#if !defined(CF_DTYPE_BF16) || !defined(CF_D_HEAD) || !defined(CF_B_R) || !defined(CF_B_C) ||   \
+    !defined(CF_N_WARPS) || !defined(CF_ASYNC_COPY) || !defined(CF_EAGER_LOAD_BLOCKS) ||          \
+    !defined(CF_SWIZZLED) || !defined(CF_Q_FRAGS) || !defined(CF_K_FRAGS) ||                      \
+    !defined(CF_V_FRAGS) || !defined(CF_DOUBLE_BUFFER) || !defined(CF_OPTIMIZED_SOFTMAX)
+#error "define every CF_* macro: see cudaflash.config.KernelConfig.nvcc_defines()"
+#endif
+
+namespace cudaflash {
+
+constexpr bool is_even_pow2_or_zero(int n) { return n == 0 || (n >= 2 && (n & (n - 1)) == 0); }
+
+// Largest legal *_FRAGS value for a reduction dimension of k_dim columns: with double
+// buffering two slice groups must alternate; without it, a value covering the whole operand
+// would be the same kernel as 0.
+constexpr int max_load_frags(int k_dim, bool double_buffer) {
+    return double_buffer ? k_dim / 16 : k_dim / 8 - 1;
+}
+
+struct KernelConfig {
+    static constexpr bool kBf16 = CF_DTYPE_BF16;
+    static constexpr int kDHead = CF_D_HEAD;
+    static constexpr int kBr = CF_B_R;  // query rows per CTA
+    static constexpr int kBc = CF_B_C;  // key rows per KV iteration
+    static constexpr int kWarps = CF_N_WARPS;
+    static constexpr bool kAsyncCopy = CF_ASYNC_COPY;
+    static constexpr bool kEagerLoad = CF_EAGER_LOAD_BLOCKS;
+    static constexpr bool kSwizzled = CF_SWIZZLED;
+    static constexpr int kQFrags = CF_Q_FRAGS;
+    static constexpr int kKFrags = CF_K_FRAGS;
+    static constexpr int kVFrags = CF_V_FRAGS;
+    static constexpr bool kDoubleBuffer = CF_DOUBLE_BUFFER;
+    static constexpr bool kOptimizedSoftmax = CF_OPTIMIZED_SOFTMAX;
+
+    using elem_t = std::conditional_t<kBf16, __nv_bfloat16, __half>;
+
+    static constexpr int kThreads = 32 * kWarps;
+    static constexpr int kRowsPerWarp = kBr / kWarps;
+    static constexpr int kMTiles = kRowsPerWarp / 16;  // m16 tiles per warp
+    static constexpr int kSlab = 64;                   // smem/gmem copies work in 64-column slabs
+    static constexpr int kSlabs = kDHead / kSlab;
+    static constexpr int kRowsPerCopyPass = kThreads / 8;  // 8 threads x 16 B cover one slab row
+
+    static constexpr int kDSlices = kDHead / 16;  // k16 slices of the QK^T reduction
+    static constexpr int kKvSlices = kBc / 16;    // k16 slices of the PV reduction
+    static constexpr int kSTiles = kBc / 8;       // n8 tiles of S per m16 tile
+    static constexpr int kOTiles = kDHead / 8;    // n8 tiles of O per m16 tile
+
+    // k16 slices moved smem -> registers per load step (the whole operand when *_FRAGS is 0).
+    static constexpr int kQGroup = kQFrags == 0 ? kDSlices : kQFrags / 2;
+    static constexpr int kKGroup = kKFrags == 0 ? kDSlices : kKFrags / 2;
+    static constexpr int kVGroup = kVFrags == 0 ? kKvSlices : kVFrags / 2;
+
+    static constexpr int kSmemBytes = (kBr + 2 * kBc) * kDHead * int(sizeof(elem_t));
+
+    static_assert(kDHead == 64 || kDHead == 128 || kDHead == 256, "d_head must be 64, 128 or 256");
+    static_assert(kWarps == 4 || kWarps == 8, "n_warps must be 4 or 8");
+    static_assert(kBc == 32 || kBc == 64 || kBc == 128, "B_c must be 32, 64 or 128");
+    static_assert(kBr % kWarps == 0 && (kRowsPerWarp == 16 || kRowsPerWarp == 32),
+                  "B_r / n_warps must be 16 or 32: each warp owns whole m16 mma tiles");
+    static_assert(kBr % kRowsPerCopyPass == 0 && kBc % kRowsPerCopyPass == 0,
+                  "B_r and B_c must be multiples of the rows one copy pass covers (threads / 8)");
+    static_assert(is_even_pow2_or_zero(kQFrags) && is_even_pow2_or_zero(kKFrags) &&
+                      is_even_pow2_or_zero(kVFrags),
+                  "*_mma_load_K_fragments must be 0 or an even power of two");
+    static_assert(kQFrags <= max_load_frags(kDHead, kDoubleBuffer) &&
+                      kKFrags <= max_load_frags(kDHead, kDoubleBuffer) &&
+                      kVFrags <= max_load_frags(kBc, kDoubleBuffer),
+                  "*_mma_load_K_fragments too large for the reduction dimension");
+    static_assert(kQFrags == 0 || kQFrags == kKFrags,
+                  "Q_mma_load_K_fragments must be 0 or equal K_mma_load_K_fragments");
+    static_assert(!kDoubleBuffer || kQFrags || kKFrags || kVFrags,
+                  "mma_double_buffer_loads needs an operand loaded in slices");
+    static_assert(!kEagerLoad || kAsyncCopy, "eager_load_blocks needs async_copy");
+};
+
+}  // namespace cudaflash
