@@ -59,16 +59,6 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
         mask_from = min(mask_from, max(first_row_keys, 0) / C::kBc);
     }
 
-    // Per-row key limits for the masked blocks: key index < limit is visible.
-    int key_limit[kM][2];
-#pragma unroll
-    for (int mi = 0; mi < kM; ++mi)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = q_row0 + warp * C::kRowsPerWarp + mi * 16 + lane / 4 + 8 * r;
-            key_limit[mi][r] = p.is_causal ? min(p.seqlen_k, row + causal_shift + 1) : p.seqlen_k;
-        }
-
     using QCopy = TileCopy<C, C::kBr>;
     using KvCopy = TileCopy<C, C::kBc>;
     auto load_kv = [&](elem_t* dst, const elem_t* head_base, int64_t seq_stride, int block) {
@@ -126,7 +116,8 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
             copy_wait_all<C>();
             __syncthreads();
         }
-        if (block >= mask_from) OnlineSoftmax<C>::mask(S, block * C::kBc, key_limit, lane);
+        if (block >= mask_from)
+            OnlineSoftmax<C>::mask(S, block * C::kBc, q_row0 + warp * C::kRowsPerWarp, p, lane);
         softmax.template update<kFirst>(S, O, p.scale_log2);
         gemm.pv(O, S);
     };
@@ -139,7 +130,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     for (; block >= 0; --block) iteration(block, std::false_type{});
 
     float lse[kM][2];
-    softmax.finalize(O, p.scale_log2, lse);
+    softmax.finalize(O, lse);
 
     if (lane % 4 == 0) {
         float* lse_row = p.lse + (int64_t(batch) * p.n_heads + head) * p.seqlen_q;

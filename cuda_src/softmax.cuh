@@ -1,10 +1,10 @@
 // Online softmax over the KV blocks of one warp's rows, in base 2: scores are scaled by
-// softmax_scale * log2(e) inside one FFMA before MUFU.EX2, and the running row max m is kept in
-// raw score units. Each thread holds 2 rows per m16 tile (lane / 4 and lane / 4 + 8); a row's
+// softmax_scale * log2(e) inside one FFMA before MUFU.EX2. Each thread holds 2 rows per m16 tile (lane / 4 and lane / 4 + 8); a row's
 // 4 owners are the lanes of one quad, so row reductions are two xor-shuffles.
 #pragma once
 #include <cmath>
 #include "kernel_config.cuh"
+#include "params.cuh"
 #include "ptx.cuh"
 
 namespace cudaflash {
@@ -12,7 +12,13 @@ namespace cudaflash {
 template <class C>
 struct OnlineSoftmax {
     static constexpr int kM = C::kMTiles;
-    float row_max[kM][2];  // raw units, -inf until the row has seen an unmasked key
+    // Exponentials are taken against a per-row reference max, raised only when a tile's max
+    // exceeds it by more than this many powers of two. P then stays <= 2^8 (exact in fp32,
+    // representable in fp16/bf16) and the O rescale, kOTiles * 4 FMULs per row pair, is skipped
+    // in most iterations. The result is exact: O, the row sum and the lse all use the same max.
+    static constexpr float kRescaleThreshold = 8.f;
+
+    float ref_max[kM][2];  // log2 units (score * scale_log2); -inf until a key is visible
     float row_sum[kM][2];  // this thread's partial sum; the quad reduction waits for the end
 
     __device__ __forceinline__ OnlineSoftmax() {
@@ -20,46 +26,71 @@ struct OnlineSoftmax {
         for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                row_max[mi][r] = -INFINITY;
+                ref_max[mi][r] = -INFINITY;
                 row_sum[mi][r] = 0.f;
             }
     }
 
-    // Scores of keys at or past a row's limit become -inf (sequence tail, causal mask).
-    __device__ __forceinline__ static void mask(float (&S)[kM][C::kSTiles][4], int kv0,
-                                                const int (&key_limit)[kM][2], int lane) {
-#pragma unroll
-        for (int mi = 0; mi < kM; ++mi)
-#pragma unroll
-            for (int nj = 0; nj < C::kSTiles; ++nj)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = kv0 + nj * 8 + 2 * (lane % 4) + e % 2;
-                    if (key >= key_limit[mi][e / 2]) S[mi][nj][e] = -INFINITY;
-                }
-    }
-
-    // Turns S into P = exp2(S * scale_log2 - m * scale_log2) and rescales O and the row sums by
-    // exp2((m_old - m_new) * scale_log2). kFirst (optimized_softmax): nothing accumulated yet,
-    // so the rescale is skipped and m, l start from this tile.
-    template <bool kFirst>
-    __device__ __forceinline__ void update(float (&S)[kM][C::kSTiles][4],
-                                           float (&O)[kM][C::kOTiles][4], float scale_log2) {
+    // Scores of keys a row must not see become -inf: keys >= seqlen_k (the tail) and, when
+    // causal, keys > row + seqlen_k - seqlen_q. `row0` is the warp's first query row.
+    __device__ __forceinline__ static void mask(float (&S)[kM][C::kSTiles][4], int kv0, int row0,
+                                                const Params& p, int lane) {
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                float m = kFirst ? -INFINITY : row_max[mi][r];
+                const int row = row0 + mi * 16 + lane / 4 + 8 * r;
+                const int limit = p.is_causal ? min(p.seqlen_k, row + p.seqlen_k - p.seqlen_q + 1)
+                                              : p.seqlen_k;
+#pragma unroll
+                for (int nj = 0; nj < C::kSTiles; ++nj)
+#pragma unroll
+                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                        const int key = kv0 + nj * 8 + 2 * (lane % 4) + e % 2;
+                        if (key >= limit) S[mi][nj][e] = -INFINITY;
+                    }
+            }
+    }
+
+    // Turns S into P = exp2(S * scale_log2 - ref_max), raising ref_max (and rescaling O and the
+    // row sums by exp2(old - new)) where the tile demands it. kFirst (optimized_softmax):
+    // nothing is accumulated yet, so ref_max starts at the tile's max with no rescale.
+    template <bool kFirst>
+    __device__ __forceinline__ void update(float (&S)[kM][C::kSTiles][4],
+                                           float (&O)[kM][C::kOTiles][4], float scale_log2) {
+        float tile_max[kM][2];
+        bool raise = false;
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float m = -INFINITY;
 #pragma unroll
                 for (int nj = 0; nj < C::kSTiles; ++nj)
                     m = fmaxf(m, fmaxf(S[mi][nj][2 * r], S[mi][nj][2 * r + 1]));
                 m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
                 m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-                // A row with every key masked so far keeps m = -inf; subtracting 0 instead keeps
-                // its exponentials at exp2(-inf) = 0 rather than NaN.
-                const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
-                if constexpr (!kFirst) {
-                    const float alpha = ex2(row_max[mi][r] * scale_log2 - m_scaled);
+                tile_max[mi][r] = m * scale_log2;
+                raise |= tile_max[mi][r] > ref_max[mi][r] + kRescaleThreshold;
+            }
+
+        if constexpr (kFirst) {
+#pragma unroll
+            for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) ref_max[mi][r] = tile_max[mi][r];
+        } else if (__any_sync(0xffffffffu, raise)) {  // warp-uniform: skip the whole rescale
+#pragma unroll
+            for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const float new_max = tile_max[mi][r] > ref_max[mi][r] + kRescaleThreshold
+                                              ? tile_max[mi][r]
+                                              : ref_max[mi][r];
+                    // -inf - -inf would be NaN: a row that has seen no key has nothing to scale.
+                    const float alpha =
+                        new_max == -INFINITY ? 1.f : ex2(ref_max[mi][r] - new_max);
+                    ref_max[mi][r] = new_max;
                     row_sum[mi][r] *= alpha;
 #pragma unroll
                     for (int nd = 0; nd < C::kOTiles; ++nd) {
@@ -67,13 +98,21 @@ struct OnlineSoftmax {
                         O[mi][nd][2 * r + 1] *= alpha;
                     }
                 }
-                row_max[mi][r] = m;
+        }
+
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                // A row with every key masked so far keeps ref_max = -inf; subtracting 0 instead
+                // keeps its exponentials at exp2(-inf) = 0 rather than NaN.
+                const float m = ref_max[mi][r] == -INFINITY ? 0.f : ref_max[mi][r];
                 float sum = 0.f;
 #pragma unroll
                 for (int nj = 0; nj < C::kSTiles; ++nj)
 #pragma unroll
                     for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                        S[mi][nj][e] = ex2(fmaf(S[mi][nj][e], scale_log2, -m_scaled));
+                        S[mi][nj][e] = ex2(fmaf(S[mi][nj][e], scale_log2, -m));
                         sum += S[mi][nj][e];
                     }
                 row_sum[mi][r] = kFirst ? sum : row_sum[mi][r] + sum;
@@ -82,8 +121,7 @@ struct OnlineSoftmax {
 
     // Normalises O by the row sums and returns each row's natural-log logsumexp of the scaled
     // scores (-inf and O = 0 for a row that saw no unmasked key).
-    __device__ __forceinline__ void finalize(float (&O)[kM][C::kOTiles][4], float scale_log2,
-                                             float (&lse)[kM][2]) {
+    __device__ __forceinline__ void finalize(float (&O)[kM][C::kOTiles][4], float (&lse)[kM][2]) {
         constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi)
@@ -98,7 +136,7 @@ struct OnlineSoftmax {
                     O[mi][nd][2 * r] *= inv;
                     O[mi][nd][2 * r + 1] *= inv;
                 }
-                lse[mi][r] = l > 0.f ? (row_max[mi][r] * scale_log2 + __log2f(l)) * kLn2 : -INFINITY;
+                lse[mi][r] = l > 0.f ? (ref_max[mi][r] + __log2f(l)) * kLn2 : -INFINITY;
             }
     }
 };
