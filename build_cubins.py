@@ -1,0 +1,645 @@
+#!/usr/bin/env python3
+"""Compile every kernel config of configs.yaml with nvcc and write cudaflash/kernels/.
+
+    python build_cubins.py [-j N] [--configs PATH] [--out DIR] [--src DIR] [--nvcc PATH]
+                           [--only SUBSTRING] [--archs 80,90]
+
+One nvcc job per (config, arch): ``sm_XX/<name>.cubin`` for every arch of configs.yaml whose
+shared-memory limit the config fits, plus ``ptx/compute_XX/<name>.ptx`` for ``ptx_arch`` so
+newer GPUs can JIT it. Then ``manifest.json`` (schema: docs/contracts.md) is written
+atomically. A job is skipped when its output exists and its ``.stamp`` file holds the same
+sha256 of (source files, nvcc argv, nvcc version). The build stops at the first nvcc error
+and prints that command with nvcc's full log.
+
+``--only`` and ``--archs`` build a subset (the manifest then lists only that subset); files
+of other configs are kept so that the next full build does not redo them. Files of configs
+no longer in configs.yaml are removed.
+
+This script runs inside pip's isolated build environment (setup.py calls ``build``), where
+torch is not installed: it loads cudaflash/config.py and cudaflash/selection.py by path
+instead of importing cudaflash. Environment (for setup.py, which takes no arguments):
+CUDAFLASH_NVCC (nvcc path), CUDAFLASH_SRC_DIR (kernel sources, default cuda_src),
+CUDAFLASH_BUILD_JOBS (parallel nvcc jobs, default: usable CPU cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hashlib
+import importlib
+import importlib.machinery
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent
+
+# Flags of every nvcc job, cubin and PTX alike (they are part of each job's stamp).
+# -std=c++17: the kernel headers use if constexpr. -O3 is nvcc's host-side level (ptxas
+# already optimises device code at -O3); it is listed so hand builds match. -Xptxas -v makes
+# ptxas print registers, spills and stack per entry, which go into the manifest (PTX jobs run
+# no ptxas and ignore it).
+NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas", "-v")
+
+KERNEL_SOURCE = "flash_fwd.cu"  # the single translation unit, under the source dir
+PARAMS_HEADER = "params.cuh"  # holds `constexpr int kParamsBytes = N;`
+ENTRY = "cudaflash_fwd"  # the one extern "C" entry every cubin exports
+MANIFEST_NAME = "manifest.json"
+MANIFEST_SCHEMA = 1
+YAML_KEYS = ("archs", "ptx_arch", "defaults", "configs", "selection")
+
+
+def _load_cudaflash_modules():
+    """Import cudaflash/config.py and cudaflash/selection.py without cudaflash/__init__.py.
+
+    The package __init__ imports torch, which pip's build environment does not have. A
+    stand-in package whose __path__ is the cudaflash directory lets selection.py keep its
+    relative ``from .config import ...``.
+    """
+    pkg_name = "_cudaflash_build"
+    if pkg_name not in sys.modules:
+        spec = importlib.machinery.ModuleSpec(pkg_name, None, is_package=True)
+        pkg = importlib.util.module_from_spec(spec)
+        pkg.__path__ = [str(ROOT / "cudaflash")]
+        sys.modules[pkg_name] = pkg
+    return (importlib.import_module(f"{pkg_name}.config"),
+            importlib.import_module(f"{pkg_name}.selection"))
+
+
+config, selection = _load_cudaflash_modules()
+ConfigError = config.ConfigError
+
+
+class BuildError(RuntimeError):
+    """nvcc failed or produced something that breaks the manifest contract."""
+
+
+# ---- the build plan ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spec:
+    """configs.yaml, validated."""
+
+    archs: tuple
+    ptx_arch: int
+    configs: tuple  # KernelConfig, in file order
+    rules: tuple  # selection.Rule
+
+
+@dataclass(frozen=True)
+class Job:
+    cfg: "config.KernelConfig"
+    kind: str  # "cubin" or "ptx"
+    arch: int
+    file: str  # relative to the output dir, as recorded in the manifest
+
+    @property
+    def label(self) -> str:
+        return (f"{self.cfg.name} sm_{self.arch}" if self.kind == "cubin"
+                else f"{self.cfg.name} compute_{self.arch} (ptx)")
+
+
+def job_file(cfg, kind: str, arch: int) -> str:
+    if kind == "cubin":
+        return f"sm_{arch}/{cfg.name}.cubin"
+    return f"ptx/compute_{arch}/{cfg.name}.ptx"
+
+
+def nvcc_argv(cfg, arch: int, kind: str, *, nvcc: str, src_dir: Path, out: Path) -> list:
+    """The nvcc command that compiles one config for one arch (pure: no I/O)."""
+    if kind == "cubin":
+        target = ["-cubin", "-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+    elif kind == "ptx":
+        target = ["-ptx", f"-arch=compute_{arch}"]
+    else:
+        raise ValueError(f"kind={kind!r}; allowed: 'cubin', 'ptx'")
+    defines = [f"-D{macro}={value}" for macro, value in cfg.nvcc_defines().items()]
+    return [nvcc, *target, *NVCC_FLAGS, "-I", str(src_dir), *defines,
+            str(src_dir / KERNEL_SOURCE), "-o", str(out)]
+
+
+def load_spec(path: Path) -> Spec:
+    where = path.name
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid yaml: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping with keys {list(YAML_KEYS)}")
+    unknown = sorted(set(data) - set(YAML_KEYS), key=str)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {list(YAML_KEYS)}")
+    for key in ("archs", "ptx_arch", "configs"):
+        if key not in data:
+            raise ConfigError(f"{where}: missing key {key!r}")
+
+    known = sorted(config.ARCH_SMEM_LIMIT)
+    archs = data["archs"]
+    if (not isinstance(archs, list) or not archs
+            or any(a not in config.ARCH_SMEM_LIMIT or isinstance(a, bool) for a in archs)
+            or len(set(archs)) != len(archs)):
+        raise ConfigError(f"{where}: archs={archs!r} must be a non-empty list of distinct archs "
+                          f"from {known} (the ones with a known smem limit in config.py)")
+    ptx_arch = data["ptx_arch"]
+    if not isinstance(ptx_arch, int) or isinstance(ptx_arch, bool) or ptx_arch < min(known):
+        raise ConfigError(f"{where}: ptx_arch={ptx_arch!r} must be an integer compute "
+                          f"capability >= {min(known)}")
+    defaults = data.get("defaults") or {}
+    if not isinstance(defaults, dict):
+        raise ConfigError(f"{where}: defaults={defaults!r} must be a mapping of config fields")
+    if not isinstance(data["configs"], list) or not data["configs"]:
+        raise ConfigError(f"{where}: configs must be a non-empty list of config entries")
+    configs = config.expand_config_entries(data["configs"], defaults, where=f"{where} configs")
+    rules = selection.parse_rules(data.get("selection") or [], where=where)
+    _check_rules_built(rules, configs, where)
+    return Spec(archs=tuple(sorted(archs)), ptx_arch=ptx_arch, configs=tuple(configs),
+                rules=rules)
+
+
+def _check_rules_built(rules, configs, where: str) -> None:
+    """Every name a rule can produce must be a listed config that fits the rule's archs."""
+    by_name = {cfg.name: cfg for cfg in configs}
+    for rule in rules:
+        for dtype in rule.dtypes():
+            name = rule.config_name(dtype)
+            cfg = by_name.get(name)
+            if cfg is None:
+                raise ConfigError(f"{where}: rule {rule.index}: config {name!r} is not in the "
+                                  "configs list, so it is never built (add it to configs, or "
+                                  "give the rule a dtype condition if it serves one dtype)")
+            for arch in rule.arch or ():
+                if arch in config.ARCH_SMEM_LIMIT and not cfg.fits_arch(arch):
+                    raise ConfigError(
+                        f"{where}: rule {rule.index}: config {name!r} needs {cfg.smem_bytes} "
+                        f"bytes of shared memory, more than sm_{arch}'s "
+                        f"{config.ARCH_SMEM_LIMIT[arch]}, so it can never run there")
+
+
+def plan_jobs(spec: Spec, only: Optional[str] = None,
+              archs: Optional[Sequence[int]] = None) -> list:
+    """Jobs in manifest order: per config, its cubins by arch, then its PTX.
+
+    ``archs`` filters the cubin archs; the PTX is built when ``ptx_arch`` is among them.
+    """
+    wanted = set(spec.archs) | {spec.ptx_arch} if archs is None else set(archs)
+    jobs = []
+    for cfg in spec.configs:
+        if only and only not in cfg.name:
+            continue
+        for arch in spec.archs:
+            if arch in wanted and cfg.fits_arch(arch):
+                jobs.append(Job(cfg, "cubin", arch, job_file(cfg, "cubin", arch)))
+        if spec.ptx_arch in wanted:
+            jobs.append(Job(cfg, "ptx", spec.ptx_arch, job_file(cfg, "ptx", spec.ptx_arch)))
+    return jobs
+
+
+def expected_files(spec: Spec) -> set:
+    """Every output file of a full build of spec (what the stale-file sweep keeps)."""
+    return {job.file for job in plan_jobs(spec)}
+
+
+# ---- toolchain and hashing ---------------------------------------------------------------
+
+
+def find_nvcc(explicit: Optional[str] = None) -> str:
+    """--nvcc, else $CUDAFLASH_NVCC, else $CUDA_HOME/bin/nvcc, else nvcc on PATH."""
+    for origin, candidate in (("--nvcc", explicit),
+                              ("CUDAFLASH_NVCC", os.environ.get("CUDAFLASH_NVCC"))):
+        if candidate:
+            path = shutil.which(candidate)
+            if path is None:
+                raise BuildError(f"{origin}={candidate!r} is not an executable nvcc")
+            return path
+    cuda_home = os.environ.get("CUDA_HOME")
+    if cuda_home:
+        path = Path(cuda_home) / "bin" / "nvcc"
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    path = shutil.which("nvcc")
+    if path is None:
+        raise BuildError("nvcc not found: pass --nvcc PATH, set CUDAFLASH_NVCC or CUDA_HOME, "
+                         "or put the CUDA toolkit's bin directory on PATH")
+    return path
+
+
+def nvcc_version(nvcc: str) -> str:
+    out = subprocess.run([nvcc, "--version"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    m = re.search(r"\bV(\d+\.\d+\.\d+)", out.stdout)
+    if out.returncode or not m:
+        raise BuildError(f"'{nvcc} --version' failed or printed no version:\n{out.stdout}")
+    return m.group(1)
+
+
+def source_digest(src_dir: Path) -> str:
+    """sha256 over every file under src_dir, in path order, names included."""
+    h = hashlib.sha256()
+    files = sorted(p for p in src_dir.rglob("*") if p.is_file())
+    if not files:
+        raise BuildError(f"no kernel sources under {src_dir}")
+    for path in files:
+        h.update(path.relative_to(src_dir).as_posix().encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def job_stamp(digest: str, argv: Sequence[str], version: str) -> str:
+    # argv[0] (the nvcc path) is left out: the same nvcc version found elsewhere on PATH
+    # compiles the same cubin.
+    return hashlib.sha256("\0".join([digest, version, *argv[1:]]).encode()).hexdigest()
+
+
+def params_bytes(src_dir: Path) -> int:
+    header = src_dir / PARAMS_HEADER
+    try:
+        m = re.search(r"kParamsBytes\s*=\s*(\d+)", header.read_text())
+    except OSError as e:
+        raise BuildError(f"{header}: cannot read it ({e}); the manifest records "
+                         "sizeof(Params) from its kParamsBytes") from None
+    if not m:
+        raise BuildError(f"{header}: no 'constexpr int kParamsBytes = N;' found; the manifest "
+                         "records sizeof(Params) from it")
+    return int(m.group(1))
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write through a temp file in the same directory + os.replace: readers never see half."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+# ---- ptxas report ------------------------------------------------------------------------
+
+
+def parse_ptxas(log: str) -> dict:
+    """registers, spill_bytes (stores + loads), stack_bytes, static_smem of ENTRY.
+
+    Raises BuildError unless ENTRY is the only entry ptxas compiled.
+    """
+    entries = re.findall(r"Compiling entry function '([^']+)'", log)
+    if entries != [ENTRY]:
+        raise BuildError(f"ptxas compiled entries {entries}; every cubin must export exactly "
+                         f"one entry {ENTRY!r} (docs/contracts.md)")
+    section = log.split(f"Compiling entry function '{ENTRY}'", 1)[1]
+    props = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                      r"(\d+) bytes spill loads", section)
+    used = re.search(r"Used (\d+) registers", section)
+    if not props or not used:
+        raise BuildError(f"could not read registers/spills of {ENTRY!r} from the ptxas report")
+    smem = re.search(r"Used \d+ registers[^\n]*?(\d+) bytes smem", section)
+    return {"registers": int(used.group(1)),
+            "spill_bytes": int(props.group(2)) + int(props.group(3)),
+            "stack_bytes": int(props.group(1)),
+            "static_smem": int(smem.group(1)) if smem else 0}
+
+
+def ptx_entries(text: str) -> list:
+    return re.findall(r"\.entry\s+(\w+)", text)
+
+
+# ---- running nvcc ------------------------------------------------------------------------
+
+
+class Builder:
+    def __init__(self, *, out_dir: Path, src_dir: Path, nvcc: str, version: str, digest: str):
+        self.out_dir = out_dir
+        self.src_dir = src_dir
+        self.nvcc = nvcc
+        self.version = version
+        self.digest = digest
+        self._print_lock = threading.Lock()
+        self._failed = threading.Event()  # set by the first failing job; later ones skip
+
+    def say(self, msg: str) -> None:
+        with self._print_lock:
+            print(msg, flush=True)
+
+    def argv(self, job: Job) -> list:
+        return nvcc_argv(job.cfg, job.arch, job.kind, nvcc=self.nvcc, src_dir=self.src_dir,
+                         out=self.out_dir / job.file)
+
+    def stamp_path(self, job: Job) -> Path:
+        return self.out_dir / (job.file + ".stamp")
+
+    def up_to_date(self, job: Job, stamp: str) -> Optional[dict]:
+        """The recorded ptxas stats when the output exists and was built with this stamp."""
+        try:
+            recorded = json.loads(self.stamp_path(job).read_text())
+        except (OSError, ValueError):
+            return None
+        if recorded.get("stamp") != stamp or not (self.out_dir / job.file).is_file():
+            return None
+        return recorded["stats"]
+
+    def compile(self, job: Job, stamp: str) -> Optional[dict]:
+        if self._failed.is_set():
+            return None
+        try:
+            return self._compile(job, stamp)
+        except JobFailed:
+            self._failed.set()
+            raise
+
+    def _compile(self, job: Job, stamp: str) -> dict:
+        out = self.out_dir / job.file
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # Drop the old stamp first: an interrupted nvcc may leave a partial output behind,
+        # which must not look up to date next time.
+        self.stamp_path(job).unlink(missing_ok=True)
+        argv = self.argv(job)
+        self.say(shlex.join(argv))
+        start = time.monotonic()
+        proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        seconds = time.monotonic() - start
+        if proc.returncode:
+            raise JobFailed(job, argv, f"nvcc exited with status {proc.returncode}", proc.stdout)
+        try:
+            if job.kind == "cubin":
+                stats = parse_ptxas(proc.stdout)
+            else:
+                entries = ptx_entries(out.read_text())
+                if entries != [ENTRY]:
+                    raise BuildError(f"the PTX defines entries {entries}; it must define "
+                                     f"exactly one entry {ENTRY!r} (docs/contracts.md)")
+                stats = {"registers": None, "spill_bytes": None, "stack_bytes": None,
+                         "static_smem": 0}
+        except BuildError as e:
+            raise JobFailed(job, argv, str(e), proc.stdout) from None
+        write_atomic(self.stamp_path(job), json.dumps({"stamp": stamp, "stats": stats}) + "\n")
+        regs = "" if stats["registers"] is None else \
+            f" ({stats['registers']} registers, {stats['spill_bytes']} bytes spilled)"
+        self.say(f"built {job.label} in {seconds:.1f}s{regs}")
+        return stats
+
+    def run(self, jobs: Sequence[Job], n_jobs: int) -> dict:
+        """Compile what is out of date; returns {job: stats}. Raises JobFailed on the first
+        nvcc failure after cancelling the jobs not yet started."""
+        stats = {}
+        todo = []
+        for job in jobs:
+            stamp = job_stamp(self.digest, self.argv(job), self.version)
+            recorded = self.up_to_date(job, stamp)
+            if recorded is not None:
+                self.say(f"up to date: {job.label}")
+                stats[job] = recorded
+            else:
+                todo.append((job, stamp))
+        if not todo:
+            return stats
+        self.say(f"compiling {len(todo)} of {len(jobs)} kernels with {n_jobs} parallel jobs")
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=n_jobs)
+        futures = {pool.submit(self.compile, job, stamp): job for job, stamp in todo}
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                stats[futures[future]] = future.result()
+        except JobFailed as failure:
+            # cancel() drops a job not yet started and returns False for a running one.
+            running = sum(1 for f in futures if not f.done() and not f.cancel())
+            self.say(f"FAILED: {failure.job.label}; cancelled pending jobs"
+                     + (f", waiting for {running} running" if running else ""))
+            raise
+        finally:
+            pool.shutdown(wait=True)
+        return stats
+
+
+class JobFailed(BuildError):
+    def __init__(self, job: Job, argv: Sequence[str], why: str, log: str):
+        super().__init__(f"{job.label}: {why}")
+        self.job = job
+        self.argv = list(argv)
+        self.log = log
+
+    def report(self) -> str:
+        return (f"error: {self}\ncommand:\n  {shlex.join(self.argv)}\n"
+                f"nvcc output:\n{self.log.rstrip() or '(none)'}")
+
+
+# ---- outputs -----------------------------------------------------------------------------
+
+
+def remove_stale(out_dir: Path, keep: set) -> list:
+    """Delete cubins/PTX (and their stamps) of configs or archs no longer in configs.yaml.
+
+    Only files matching the build's own layout are touched, whatever --out points at.
+    """
+    removed = []
+    for pattern in ("sm_*/*.cubin", "sm_*/*.cubin.stamp", "ptx/compute_*/*.ptx",
+                    "ptx/compute_*/*.ptx.stamp"):
+        for path in sorted(out_dir.glob(pattern)):
+            rel = path.relative_to(out_dir).as_posix()
+            if rel.endswith(".stamp"):
+                rel = rel[: -len(".stamp")]
+            if rel not in keep:
+                path.unlink()
+                removed.append(path.relative_to(out_dir).as_posix())
+    for pattern in ("sm_*", "ptx/compute_*", "ptx"):
+        for path in sorted(out_dir.glob(pattern)):
+            if path.is_dir() and not any(path.iterdir()):
+                path.rmdir()
+    return removed
+
+
+def manifest_dict(spec: Spec, jobs: Sequence[Job], stats: dict, *, out_dir: Path,
+                  version: str, src_hash: str, params_size: int) -> dict:
+    kernels = []
+    for job in jobs:
+        s = stats[job]
+        kernels.append({
+            "name": job.cfg.name,
+            "config": job.cfg.to_dict(),
+            "arch": job.arch,
+            "kind": job.kind,
+            "file": job.file,
+            "entry": ENTRY,
+            "threads": job.cfg.threads,
+            "smem_bytes": job.cfg.smem_bytes,
+            "registers": s["registers"],
+            "spill_bytes": s["spill_bytes"],
+            "sha256": sha256_file(out_dir / job.file),
+            "nvcc_version": version,
+            "source_hash": src_hash,
+        })
+    return {
+        "schema": MANIFEST_SCHEMA,
+        "nvcc_version": version,
+        "source_hash": src_hash,
+        "params_bytes": params_size,
+        "entry": ENTRY,
+        "archs": sorted({job.arch for job in jobs if job.kind == "cubin"}),
+        "ptx_arch": spec.ptx_arch,
+        "selection": [rule.to_dict() for rule in spec.rules],
+        "kernels": kernels,
+    }
+
+
+def _cell(value) -> str:
+    return "-" if value is None else str(value)  # PTX has no ptxas stats
+
+
+def summary(jobs: Sequence[Job], stats: dict) -> str:
+    rows = [("name", "arch", "regs", "spill", "stack", "smem")]
+    for job in jobs:
+        s = stats[job]
+        arch = f"sm_{job.arch}" if job.kind == "cubin" else f"compute_{job.arch}"
+        rows.append((job.cfg.name, arch, _cell(s["registers"]), _cell(s["spill_bytes"]),
+                     _cell(s["stack_bytes"]), str(job.cfg.smem_bytes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))) for r in rows)
+
+
+# ---- entry points ------------------------------------------------------------------------
+
+
+def default_jobs() -> int:
+    if os.environ.get("CUDAFLASH_BUILD_JOBS"):
+        value = os.environ["CUDAFLASH_BUILD_JOBS"]
+        if not value.isdigit() or int(value) < 1:
+            raise BuildError(f"CUDAFLASH_BUILD_JOBS={value!r} must be a positive integer")
+        return int(value)
+    # Usable cores, not the host's: a container limited to 2 cores still reports them all
+    # through os.cpu_count(), and each nvcc job needs ~1 GB of memory.
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def build(*, configs_path: Path = ROOT / "configs.yaml",
+          out_dir: Path = ROOT / "cudaflash" / "kernels",
+          src_dir: Optional[Path] = None, nvcc: Optional[str] = None,
+          jobs: Optional[int] = None, only: Optional[str] = None,
+          archs: Optional[Sequence[int]] = None) -> dict:
+    """Build what is out of date and write the manifest; returns the manifest dict.
+
+    Raises ConfigError for a bad configs.yaml or filter, BuildError (JobFailed for nvcc) for
+    a failed build.
+    """
+    start = time.monotonic()
+    if src_dir is None:
+        src_dir = Path(os.environ.get("CUDAFLASH_SRC_DIR") or ROOT / "cuda_src")
+    configs_path, out_dir, src_dir = (Path(p).resolve() for p in (configs_path, out_dir,
+                                                                  src_dir))
+    if not (src_dir / KERNEL_SOURCE).is_file():
+        raise BuildError(f"kernel source {src_dir / KERNEL_SOURCE} not found")
+    spec = load_spec(configs_path)
+    if archs is not None:
+        allowed = sorted(set(spec.archs) | {spec.ptx_arch})
+        bad = [a for a in archs if a not in allowed]
+        if bad:
+            raise ConfigError(f"--archs {bad} not in {configs_path.name}; allowed: {allowed}")
+    plan = plan_jobs(spec, only, archs)
+    if not plan:
+        raise ConfigError(f"no kernel to build: no config name contains only={only!r} "
+                          f"(for archs {list(archs) if archs else list(spec.archs)})")
+
+    nvcc = find_nvcc(nvcc)
+    version = nvcc_version(nvcc)
+    digest = source_digest(src_dir)
+    src_hash = hashlib.sha256("\0".join([digest, *NVCC_FLAGS]).encode()).hexdigest()
+    params_size = params_bytes(src_dir)
+    print(f"nvcc {version} ({nvcc}); sources {src_dir}; output {out_dir}", flush=True)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for rel in remove_stale(out_dir, expected_files(spec)):
+        print(f"removed stale: {rel}", flush=True)
+    builder = Builder(out_dir=out_dir, src_dir=src_dir, nvcc=nvcc, version=version,
+                      digest=digest)
+    stats = builder.run(plan, jobs or default_jobs())
+
+    manifest = manifest_dict(spec, plan, stats, out_dir=out_dir, version=version,
+                             src_hash=src_hash, params_size=params_size)
+    write_atomic(out_dir / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
+
+    print(summary(plan, stats))
+    for job in plan:
+        s = stats[job]
+        if s["spill_bytes"]:
+            print(f"WARNING: {job.label} spills {s['spill_bytes']} bytes to local memory "
+                  f"({s['registers']} registers, stack frame {s['stack_bytes']} bytes)")
+        if s["static_smem"]:
+            print(f"WARNING: {job.label} uses {s['static_smem']} bytes of static shared "
+                  f"memory on top of the {job.cfg.smem_bytes} dynamic bytes in the manifest")
+    print(f"wrote {out_dir / MANIFEST_NAME}: {len(plan)} kernels in "
+          f"{time.monotonic() - start:.1f}s", flush=True)
+    return manifest
+
+
+def _arch_list(text: str) -> list:
+    try:
+        return [int(a) for a in text.split(",") if a.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of archs "
+                                         "such as 80,90") from None
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-j", "--jobs", type=_positive, default=None,
+                        help="parallel nvcc jobs (default: usable CPU cores, or "
+                             "$CUDAFLASH_BUILD_JOBS)")
+    parser.add_argument("--configs", type=Path, default=ROOT / "configs.yaml",
+                        help="config list (default: configs.yaml next to this script)")
+    parser.add_argument("--out", type=Path, default=ROOT / "cudaflash" / "kernels",
+                        help="output directory (default: cudaflash/kernels)")
+    parser.add_argument("--src", type=Path, default=None,
+                        help="kernel source directory (default: $CUDAFLASH_SRC_DIR or cuda_src)")
+    parser.add_argument("--nvcc", default=None,
+                        help="nvcc to use (default: $CUDAFLASH_NVCC, $CUDA_HOME/bin/nvcc, PATH)")
+    parser.add_argument("--only", default=None, metavar="SUBSTRING",
+                        help="build only configs whose name contains SUBSTRING")
+    parser.add_argument("--archs", type=_arch_list, default=None, metavar="90,...",
+                        help="build only these archs (the PTX is built when ptx_arch is listed)")
+    args = parser.parse_args(argv)
+    try:
+        build(configs_path=args.configs, out_dir=args.out, src_dir=args.src, nvcc=args.nvcc,
+              jobs=args.jobs, only=args.only, archs=args.archs)
+    except JobFailed as e:
+        print(e.report(), file=sys.stderr, flush=True)
+        return 1
+    except (BuildError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

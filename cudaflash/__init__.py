@@ -1,0 +1,11 @@
+"""cudaflash: FlashAttention forward for PyTorch, from prebuilt cubins launched through the
+CUDA driver API (cuda-python). No compiler and no C++ extension at run time; importing it
+touches no GPU.
+"""
+
+from .api import flash_attn_func, forward, list_kernels
+from .config import KernelConfig
+
+__version__ = "0.1.0"
+
+__all__ = ["flash_attn_func", "forward", "list_kernels", "KernelConfig", "__version__"]

@@ -1,0 +1,79 @@
+"""Command line: ``python -m cudaflash list`` (the manifest's kernels, no GPU needed) and
+``python -m cudaflash info`` (versions, GPUs and the config each would run)."""
+
+import argparse
+import platform
+import sys
+
+from . import __version__, _driver, api, selection
+from .manifest import load_manifest
+
+
+def _table(header: tuple, rows: list) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()
+                     for row in [header, *rows])
+
+
+def cmd_list(args) -> int:
+    m = load_manifest()
+    rows = [(e.name, ("compute_" if e.kind == "ptx" else "sm_") + str(e.arch), e.kind,
+             e.threads, e.smem_bytes, "-" if e.registers is None else e.registers,
+             "-" if e.spill_bytes is None else e.spill_bytes) for e in m.kernels]
+    print(_table(("name", "arch", "kind", "threads", "smem", "regs", "spills"), rows))
+    print(f"\n{len(rows)} kernels in {m.path} (nvcc {m.nvcc_version}, sources "
+          f"{m.source_hash[:12]})")
+    return 0
+
+
+def cmd_info(args) -> int:
+    import torch
+
+    try:
+        from cuda.bindings import __version__ as bindings_version
+    except ImportError as e:
+        bindings_version = f"not importable ({e})"
+    print(f"cudaflash {__version__}, python {platform.python_version()}, torch "
+          f"{torch.__version__} (CUDA {torch.version.cuda}), cuda-bindings {bindings_version}")
+    m = load_manifest()
+    print(f"kernels: {len(m.kernels)} in {m.path} (nvcc {m.nvcc_version}, sources "
+          f"{m.source_hash[:12]})")
+    if not torch.cuda.is_available():
+        print("GPU: none (torch.cuda.is_available() is False)")
+        return 0
+    print(f"CUDA driver {_driver.driver_version()}")
+    rules = api._rules().rules
+    for index in range(torch.cuda.device_count()):
+        dk = api._device_kernels(index)
+        print(f"\n{dk.describe()}: {len(dk.usable)} configs usable; selection for "
+              f"seqlen_q = seqlen_k = {args.seqlen}:")
+        rows = []
+        for dtype, d_head in sorted({(e.config.dtype, e.config.d_head)
+                                     for e in dk.usable.values()}):
+            for causal in (False, True):
+                name, reason = selection.select(
+                    rules, dk.usable, arch=dk.device.arch, dtype=dtype, d_head=d_head,
+                    causal=causal, seqlen_q=args.seqlen, seqlen_k=args.seqlen)
+                rows.append((dtype, d_head, causal, name, dk.usable[name].kind, reason))
+        print(_table(("dtype", "d_head", "causal", "config", "kind", "chosen by"), rows))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cudaflash", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="list the kernels of the manifest").set_defaults(run=cmd_list)
+    info = sub.add_parser("info", help="versions, GPUs and the configs they select")
+    info.add_argument("--seqlen", type=int, default=4096,
+                      help="sequence length to show the selection for (default 4096)")
+    info.set_defaults(run=cmd_info)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except RuntimeError as e:  # no manifest, no driver, old GPU: one line, not a traceback
+        print(f"cudaflash: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""The only module that calls the CUDA driver (``cuda.bindings.driver`` from cuda-python).
+
+cuda.bindings is imported on first use, so importing cudaflash needs neither a GPU nor a
+driver. Every driver call goes through ``check``. Kernels run in torch's context: the primary
+context of the device, made current on the calling thread if that thread has none yet.
+Modules are loaded once per (device, context, kernel) and stay loaded for the life of the
+context: a captured CUDA graph may still launch their functions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import struct
+import threading
+from dataclasses import dataclass
+
+from ._env import log
+from ._params import PARAMS_STRUCT_FORMAT, Params
+from .manifest import KernelEntry
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed; the message names the call and the CUDA error."""
+
+
+def check(result: tuple, call_name: str):
+    """Unpack a cuda-python ``(CUresult, *values)`` tuple: the value(s), or raise CudaError."""
+    err = result[0]
+    if err:  # CUresult is an int enum; CUDA_SUCCESS is 0
+        raise CudaError(f"{call_name} failed: {_error_text(err)}")
+    return result[1] if len(result) == 2 else result[1:]
+
+
+def _error_text(err) -> str:
+    from cuda.bindings import driver
+
+    name_err, name = driver.cuGetErrorName(err)
+    text_err, text = driver.cuGetErrorString(err)
+    name = name.decode() if not name_err else getattr(err, "name", str(err))
+    return f"{name}: {text.decode()}" if not text_err else name
+
+
+@functools.cache
+def _cu():
+    """The driver bindings, with cuInit done (a no-op if torch already initialised CUDA)."""
+    from cuda.bindings import driver
+
+    check(driver.cuInit(0), "cuInit")
+    return driver
+
+
+def driver_version() -> str:
+    v = check(_cu().cuDriverGetVersion(), "cuDriverGetVersion")
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+# ---- devices and contexts --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Device:
+    index: int  # the CUDA ordinal, as torch numbers devices
+    name: str
+    arch: int  # compute capability, major*10+minor
+    smem_optin: int  # largest dynamic shared memory one block may opt into, bytes
+
+
+@functools.cache
+def device(index: int) -> Device:
+    cu = _cu()
+    dev = check(cu.cuDeviceGet(index), f"cuDeviceGet({index})")
+    attr = cu.CUdevice_attribute
+
+    def get(a) -> int:
+        return check(cu.cuDeviceGetAttribute(a, dev), f"cuDeviceGetAttribute({a.name})")
+
+    raw_name = check(cu.cuDeviceGetName(256, dev), "cuDeviceGetName")
+    return Device(
+        index=index,
+        name=raw_name.split(b"\0", 1)[0].decode(),
+        arch=10 * get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+        + get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+        smem_optin=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+    )
+
+
+@functools.cache
+def _primary_context(index: int):
+    # Retained for the life of the process, like torch does; never released.
+    cu = _cu()
+    dev = check(cu.cuDeviceGet(index), f"cuDeviceGet({index})")
+    return check(cu.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain({index})")
+
+
+def current_context(index: int) -> int:
+    """Handle of the calling thread's current context.
+
+    The caller has made ``index`` torch's current device, so a current context belongs to
+    it. A thread that has not touched CUDA yet has none: make the device's primary context
+    (the one torch uses) current, as Triton's launcher does.
+    """
+    cu = _cu()
+    ctx = check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if not int(ctx):
+        ctx = _primary_context(index)
+        check(cu.cuCtxSetCurrent(ctx), f"cuCtxSetCurrent(primary context of device {index})")
+    return int(ctx)
+
+
+# ---- modules ---------------------------------------------------------------------------------
+
+_functions: dict[tuple[int, int, str], object] = {}
+_functions_lock = threading.Lock()
+
+
+def get_function(entry: KernelEntry, device_index: int, ctx: int):
+    """The CUfunction of ``entry`` in context ``ctx`` (which must be current), loaded once."""
+    key = (device_index, ctx, entry.name)
+    with _functions_lock:
+        fn = _functions.get(key)
+        if fn is None:
+            fn = _functions[key] = _load(entry)
+    return fn
+
+
+def clear_cache() -> None:
+    """Forget loaded functions (the modules stay loaded: see the module docstring)."""
+    with _functions_lock:
+        _functions.clear()
+
+
+def _load(entry: KernelEntry):
+    cu = _cu()
+    try:
+        image = entry.path.read_bytes()
+    except FileNotFoundError:
+        raise RuntimeError(
+            f"kernel file {entry.path} of {entry.name} is missing although the manifest lists "
+            "it: reinstall cudaflash or rebuild the kernels with `python build_cubins.py`"
+        ) from None
+    digest = hashlib.sha256(image).hexdigest()
+    if digest != entry.sha256:
+        raise RuntimeError(
+            f"kernel file {entry.path} is corrupt or from another build: its sha256 is "
+            f"{digest}, the manifest says {entry.sha256}; reinstall cudaflash or rebuild the "
+            "kernels with `python build_cubins.py`")
+    if entry.kind == "ptx":
+        image += b"\0"  # the driver reads PTX as a C string
+    module = check(cu.cuModuleLoadData(image), f"cuModuleLoadData({entry.path})")
+    fn = check(cu.cuModuleGetFunction(module, entry.entry.encode()),
+               f"cuModuleGetFunction({entry.entry!r} in {entry.path})")
+    # Above 48 KiB, dynamic shared memory needs an explicit opt-in per function and context.
+    check(cu.cuFuncSetAttribute(
+        fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        entry.smem_bytes), f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={entry.smem_bytes}"
+                           f", {entry.name})")
+    log.debug("loaded %s (%s sm_%d) from %s", entry.name, entry.kind, entry.arch, entry.path)
+    return fn
+
+
+# ---- launch ----------------------------------------------------------------------------------
+
+
+class _ArgBuffer(threading.local):
+    """Per thread: one Params struct and the one-element ``void*`` array pointing at it.
+
+    cuLaunchKernel copies the parameters before it returns (also into a graph node under
+    stream capture), so every launch of a thread reuses the same two buffers.
+    """
+
+    def __init__(self) -> None:
+        self.params = Params()  # aligned like the CUDA struct
+        self.args = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
+        self.address = ctypes.addressof(self.args)
+
+
+_arg_buffer = _ArgBuffer()
+_pack_into = struct.Struct(PARAMS_STRUCT_FORMAT).pack_into
+
+
+def launch(fn, label: str, grid: tuple[int, int, int], threads: int, smem: int, stream: int,
+           synchronize: bool, params: tuple) -> None:
+    """Launch ``fn`` with one by-value Params argument built from ``params`` (field order of
+    ``cudaflash._params.Params``) on ``stream`` (a raw CUstream handle, 0 for the legacy
+    default stream). ``label`` names the kernel in errors.
+
+    With ``synchronize`` (CUDAFLASH_DEBUG) the stream is synchronized and checked, so a fault
+    is reported here, except while the stream is being captured into a graph, where
+    synchronizing is illegal.
+    """
+    cu = _cu()
+    buf = _arg_buffer
+    _pack_into(buf.params, 0, *params)
+    check(cu.cuLaunchKernel(fn, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream,
+                            buf.address, 0), label)
+    if synchronize:
+        status = check(cu.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
+        if status == cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+            check(cu.cuStreamSynchronize(stream), f"cuStreamSynchronize after {label}")

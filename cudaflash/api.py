@@ -1,0 +1,445 @@
+"""Public API: ``flash_attn_func`` (flash-attn 2.x semantics) and ``forward`` (one config).
+
+A call goes: check the arguments on the host (nothing bad reaches a kernel) -> get the kernel
+(cached per context and problem class; on a miss: selection rules filtered by what the
+manifest has for this GPU, module load) -> allocate out/lse -> one launch on torch's current
+stream (so torch streams and CUDA-graph capture work). Eager calls stay off the torch
+dispatcher (a custom op costs 10-30 us per call); under torch.compile the call goes through
+the ``cudaflash::fwd`` custom op so the graph sees an opaque op with a fake implementation.
+"""
+
+import bisect
+import functools
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import _driver, _env, manifest as _manifest, selection
+from ._env import log
+from .config import D_HEADS, KernelConfig
+from .manifest import KernelEntry
+
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_LOG2E = math.log2(math.e)
+_MIN_ARCH = 80  # cp.async, ldmatrix and bf16 mma
+_GRID_YZ_MAX = 65535  # CUDA limit on grid.y (heads) and grid.z (batch)
+_INT32_MAX = 2**31 - 1  # Params sizes are int32
+_DIMS = ("batch", "seqlen", "head")
+
+
+# ---- public functions ------------------------------------------------------------------------
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False):
+    """Scaled dot-product attention, forward only; drop-in for flash-attn 2.x.
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16, on a CUDA GPU (sm_80+).
+        k, v: (batch, seqlen_k, nheads_k, headdim), q's dtype and device; nheads must be a
+            multiple of nheads_k (GQA/MQA: query head h reads K/V head h // (nheads // nheads_k)).
+            Any strides whose last one is 1 (a non-unit last stride is copied away, like
+            flash-attn's maybe_contiguous); data pointers 16-byte aligned; other strides
+            multiples of 8 elements.
+        softmax_scale: scale of q @ k^T before the softmax; default headdim ** -0.5.
+        causal: mask aligned to the bottom-right corner (query i sees keys
+            j <= i + seqlen_k - seqlen_q); query rows that see no key give out = 0.
+        deterministic: accepted; the forward is always deterministic.
+        return_attn_probs: also return the softmax log-sum-exp.
+        dropout_p, window_size, softcap, alibi_slopes: only their defaults (no dropout, no
+            sliding window, no softcapping, no ALiBi); anything else raises NotImplementedError.
+
+    Returns:
+        out: (batch, seqlen_q, nheads, headdim), q's dtype, laid out like q (torch.empty_like,
+        as in flash-attn). With return_attn_probs, ``(out, softmax_lse, None)``: softmax_lse
+        float32 (batch, nheads, seqlen_q), the natural log of the sum of exp(scaled scores)
+        per query row (-inf for rows that see no key).
+    """
+    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    if torch.compiler.is_compiling():
+        out, lse = _fwd_op(q, k, v, softmax_scale, causal)
+    else:
+        out, lse = _forward(None, q, k, v, None, softmax_scale, causal)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def forward(config, q, k, v, out=None, softmax_scale=None, causal=False):
+    """Run one explicit kernel config; returns ``(out, lse)``.
+
+    ``config`` is a KernelConfig or its canonical name (``list_kernels(device)`` lists the
+    ones built for a GPU); its dtype and d_head must be q's. ``out``, if given, must have q's
+    shape, dtype and device, a contiguous last dim and aligned strides, and must not overlap
+    q, k or v. Other arguments as in ``flash_attn_func``.
+    """
+    if isinstance(config, str):
+        config = KernelConfig.from_name(config)
+    elif not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a KernelConfig or a canonical config name, got "
+                        f"{type(config).__name__}")
+    return _forward(config, q, k, v, out, softmax_scale, causal)
+
+
+def list_kernels(device=None) -> list[KernelEntry]:
+    """The manifest's kernels; with ``device`` (index, "cuda:N" or torch.device) only the ones
+    that run there, one per config (the cubin or PTX the runtime would load)."""
+    if device is None:
+        return list(_manifest.load_manifest().kernels)
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device={device}; cudaflash kernels run on CUDA devices")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return list(_device_kernels(index).usable.values())
+
+
+def clear_caches() -> None:
+    """Forget the manifest, selected kernels and loaded functions, so the next call re-reads
+    the CUDAFLASH_* variables and the kernel files (tests use it). Modules stay loaded."""
+    _manifest.clear_cache()
+    _driver.clear_cache()
+    _rules.cache_clear()
+    _devices.clear()
+    _auto_kernels.clear()
+    _config_kernels.clear()
+
+
+# ---- argument checks (host only: no GPU state is touched) --------------------------------
+
+
+def _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes) -> None:
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"dropout_p={dropout_p!r}: cudaflash has no dropout (it is a "
+                                  "forward for inference); pass dropout_p=0.0")
+    if not (isinstance(window_size, (tuple, list)) and list(window_size) == [-1, -1]):
+        raise NotImplementedError(f"window_size={window_size!r}: sliding-window attention is "
+                                  "not implemented; pass window_size=(-1, -1)")
+    if softcap != 0.0:
+        raise NotImplementedError(f"softcap={softcap!r}: softcapping is not implemented; pass "
+                                  "softcap=0.0")
+    if alibi_slopes is not None:
+        raise NotImplementedError(f"alibi_slopes is a {type(alibi_slopes).__name__}: ALiBi is "
+                                  "not implemented; pass alibi_slopes=None")
+
+
+def _check_qkv(q, k, v):
+    """Checked (q, k, v); a tensor with a non-unit last stride is replaced by a copy."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected 4 dims "
+                             f"(batch, seqlen, nheads, headdim)")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; cudaflash supports torch.float16 and "
+                        "torch.bfloat16")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}; they must be "
+                        "the same")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        # Returning an out without a grad_fn would silently drop the gradient.
+        raise NotImplementedError("q, k or v requires grad, but cudaflash has no backward "
+                                  "yet; call it under torch.no_grad() or torch.inference_mode()")
+    batch, seqlen_q, n_heads, d_head = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must "
+                         "be the same")
+    batch_k, seqlen_k, n_heads_k, d_head_k = k.shape
+    if batch_k != batch:
+        raise ValueError(f"q has batch size {batch} but k and v have {batch_k}")
+    if d_head_k != d_head:
+        raise ValueError(f"q has head dim {d_head} but k and v have {d_head_k}")
+    if d_head not in D_HEADS:
+        raise ValueError(f"head dim {d_head} is not supported; cudaflash has kernels for head "
+                         f"dims {list(D_HEADS)} (pad q, k, v with zeros to the next one, pass "
+                         f"softmax_scale={d_head}**-0.5 and slice out, as flash-attn does)")
+    if n_heads < 1 or n_heads_k < 1 or n_heads % n_heads_k:
+        raise ValueError(f"q has {n_heads} heads and k, v have {n_heads_k}; nheads must be a "
+                         "positive multiple of nheads_k")
+    if batch > _GRID_YZ_MAX or n_heads > _GRID_YZ_MAX:
+        raise ValueError(f"batch={batch}, nheads={n_heads}: each must be <= {_GRID_YZ_MAX} "
+                         "(the CUDA grid limit); split the call")
+    if seqlen_q > _INT32_MAX or seqlen_k > _INT32_MAX:
+        raise ValueError(f"seqlen_q={seqlen_q}, seqlen_k={seqlen_k}: each must be < 2**31")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v are on {q.device}, {k.device}, {v.device}; they must be on "
+                         "the same device")
+    return _kernel_input("q", q), _kernel_input("k", k), _kernel_input("v", v)
+
+
+def _kernel_input(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy if its last stride is not 1 (flash-attn's maybe_contiguous:
+    every other layout is used in place), checked for alignment."""
+    s = t.stride()
+    if s[3] != 1:
+        t = t.contiguous()
+        s = t.stride()
+    _check_aligned(name, t, s)
+    return t
+
+
+def _check_aligned(name: str, t: torch.Tensor, s: tuple) -> None:
+    """16-byte aligned data and batch/seq/head strides (``s``) of whole 16-byte vectors (8
+    elements): the kernels move q/k/v/out in 16-byte vectors."""
+    if t.data_ptr() % 16 == 0 and not (s[0] | s[1] | s[2]) % 8:
+        return
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} is not 16-byte aligned (data_ptr() % 16 = {t.data_ptr() % 16}"
+                         f", storage_offset() = {t.storage_offset()}): cudaflash moves 16-byte "
+                         f"vectors; pass a tensor starting on a 16-byte boundary, e.g. "
+                         f"{name}.clone()")
+    for dim in range(3):
+        # A stride of a size-1 dim is never multiplied by a non-zero index.
+        if t.shape[dim] > 1 and s[dim] % 8:
+            raise ValueError(f"{name} has strides {s}: its {_DIMS[dim]} stride {s[dim]} is not a "
+                             "multiple of 8 elements (16 bytes), which cudaflash needs for its "
+                             f"16-byte vector loads; {name}.contiguous() fixes it")
+
+
+def _check_out(out, q, k, v) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out is a {tuple(out.shape)} {out.dtype} tensor on {out.device}; it "
+                         f"must be like q: {tuple(q.shape)} {q.dtype} on {q.device}")
+    s = out.stride()
+    if s[3] != 1:
+        raise ValueError(f"out has strides {s}; its last stride must be 1")
+    _check_aligned("out", out, s)
+    if out.numel() == 0:
+        return
+    if _internal_overlap(out):
+        raise ValueError(f"out has shape {tuple(out.shape)} and strides {out.stride()}: some "
+                         "of its elements share memory")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if _overlaps(out, t):
+            raise ValueError(f"out overlaps {name} in memory; the kernel would overwrite "
+                             f"{name} while reading it. Pass a separate out tensor")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, end byte) that a non-empty tensor touches."""
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if b.numel() == 0:
+        return False
+    a0, a1 = _span(a)
+    b0, b1 = _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _internal_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements may share memory: sufficient test for non-overlap is that, with
+    dims sorted by stride, each stride exceeds the extent of all smaller ones."""
+    extent = 0
+    for stride, size in sorted(zip(t.stride(), t.shape)):
+        if size > 1:
+            if stride <= extent:
+                return True
+            extent += (size - 1) * stride
+    return False
+
+
+def _softmax_scale(softmax_scale, d_head: int) -> float:
+    if softmax_scale is None:
+        return d_head ** -0.5
+    if (isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool)
+            and math.isfinite(softmax_scale) and softmax_scale > 0):
+        return float(softmax_scale)
+    raise ValueError(f"softmax_scale={softmax_scale!r}; it must be a finite number > 0 or None "
+                     f"(None means headdim ** -0.5 = {d_head ** -0.5:.6g})")
+
+
+# ---- the call --------------------------------------------------------------------------------
+
+
+def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal):
+    q, k, v = _check_qkv(q, k, v)
+    d_head = q.shape[3]
+    if config is not None and (config.dtype, config.d_head) != (_DTYPES[q.dtype], d_head):
+        raise ValueError(f"config {config.name} is for {config.dtype} with d_head="
+                         f"{config.d_head}, but q is {_DTYPES[q.dtype]} with head dim {d_head}")
+    scale = _softmax_scale(softmax_scale, d_head)
+    if causal not in (True, False):
+        raise TypeError(f"causal={causal!r}; it must be a bool")
+    if out is not None:
+        _check_out(out, q, k, v)
+    if not q.is_cuda:
+        why = "" if torch.cuda.is_available() else (
+            f" (torch.cuda.is_available() is False: torch {torch.__version__} sees no CUDA "
+            "GPU or driver)")
+        raise ValueError(f"q, k, v are on {q.device}; cudaflash runs on CUDA GPUs only{why}")
+    index = q.get_device()
+    if index != torch.cuda.current_device():
+        # The driver calls work in the current context: make q's device current.
+        with torch.cuda.device(index):
+            return _run(config, index, q, k, v, out, scale, bool(causal))
+    return _run(config, index, q, k, v, out, scale, bool(causal))
+
+
+def _run(config, index: int, q, k, v, out, scale: float, causal: bool):
+    batch, seqlen_q, n_heads, d_head = q.shape
+    seqlen_k, n_heads_k = k.shape[1], k.shape[2]
+    ctx = _driver.current_context(index)
+    if config is None:
+        kernel = _auto_kernel(ctx, index, q.dtype, d_head, causal, seqlen_q, seqlen_k)
+    else:
+        kernel = _config_kernels.get((ctx, config)) or _config_kernel(ctx, index, config)
+
+    if out is None:
+        out = torch.empty_like(q)  # q's layout, as flash-attn does
+    lse = q.new_empty((batch, n_heads, seqlen_q), dtype=torch.float32)
+    if batch == 0 or seqlen_q == 0:
+        return out, lse
+    if seqlen_k == 0:  # every row sees no key
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse
+
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
+    params = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+              qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+              os_[0], os_[1], os_[2],
+              batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal),
+              scale, scale * _LOG2E)  # exp(s * scale) = exp2(s * scale * log2(e))
+    grid = ((seqlen_q + kernel.block_rows - 1) // kernel.block_rows, n_heads, batch)
+    stream = _current_stream(index)
+    _driver.launch(kernel.fn, kernel.label, grid, kernel.threads, kernel.smem, stream,
+                   kernel.synchronize, params)
+    return out, lse
+
+
+def _current_stream(index: int) -> int:
+    """Raw handle of torch's current stream on device ``index``: a side stream, or the capture
+    stream inside ``torch.cuda.graph``. Same value as ``torch.cuda.current_stream(index)
+    .cuda_stream`` without building a Stream object per call (Inductor's generated code uses
+    the same function)."""
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+# ---- kernels: per device, per context, per problem class -------------------------------------
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """What a launch needs, resolved once per (context, problem class or config)."""
+
+    fn: object  # CUfunction
+    label: str  # names the kernel in a launch error
+    block_rows: int  # B_r: query rows per CTA
+    threads: int
+    smem: int
+    synchronize: bool  # CUDAFLASH_DEBUG
+
+
+@dataclass(frozen=True)
+class _DeviceKernels:
+    device: "_driver.Device"
+    usable: dict  # config name -> KernelEntry, manifest order
+    debug: bool
+
+    def head_dims(self, dtype: str) -> list[int]:
+        return sorted({e.config.d_head for e in self.usable.values() if e.config.dtype == dtype})
+
+    def describe(self) -> str:
+        d = self.device
+        return f"cuda:{d.index} ({d.name}, sm_{d.arch}, {d.smem_optin} bytes of shared memory)"
+
+
+@dataclass(frozen=True)
+class _Rules:
+    rules: tuple
+    # Every max_seqlen bound of the rules, sorted: two lengths with the same bisect position
+    # satisfy the same conditions, so that position is the cache key's seqlen bucket.
+    q_bounds: tuple[int, ...]
+    k_bounds: tuple[int, ...]
+
+
+_devices: dict[int, _DeviceKernels] = {}
+_auto_kernels: dict[tuple, _Kernel] = {}
+_config_kernels: dict[tuple, _Kernel] = {}
+
+
+@functools.cache
+def _rules() -> _Rules:
+    """The shipped rules, behind the user's (CUDAFLASH_CONFIG) if any."""
+    rules = _manifest.load_manifest().selection
+    path = _env.config_path()
+    if path is not None:
+        rules = selection.load_user_rules(path) + rules
+    return _Rules(rules,
+                  tuple(sorted({r.max_seqlen_q for r in rules if r.max_seqlen_q is not None})),
+                  tuple(sorted({r.max_seqlen_k for r in rules if r.max_seqlen_k is not None})))
+
+
+def _device_kernels(index: int) -> _DeviceKernels:
+    dk = _devices.get(index)
+    if dk is None:
+        device = _driver.device(index)
+        if device.arch < _MIN_ARCH:
+            raise RuntimeError(f"cuda:{index} ({device.name}) is sm_{device.arch}; cudaflash "
+                               f"needs sm_{_MIN_ARCH} (Ampere) or newer")
+        usable = _manifest.load_manifest().usable(device.arch, device.smem_optin)
+        dk = _devices[index] = _DeviceKernels(device, usable, _env.debug())
+    return dk
+
+
+def _auto_kernel(ctx: int, index: int, dtype: torch.dtype, d_head: int, causal: bool,
+                 seqlen_q: int, seqlen_k: int) -> _Kernel:
+    r = _rules()
+    key = (ctx, dtype, d_head, causal, bisect.bisect_left(r.q_bounds, seqlen_q),
+           bisect.bisect_left(r.k_bounds, seqlen_k))
+    kernel = _auto_kernels.get(key)
+    if kernel is None:
+        dk = _device_kernels(index)
+        name = _DTYPES[dtype]
+        if d_head not in dk.head_dims(name):
+            raise ValueError(f"no {name} kernel with head dim {d_head} runs on {dk.describe()}; "
+                             f"{name} head dims built for it: {dk.head_dims(name)}")
+        config_name, reason = selection.select(
+            r.rules, dk.usable, arch=dk.device.arch, dtype=name, d_head=d_head, causal=causal,
+            seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        if dk.debug:
+            log.debug("cuda:%d %s d_head=%d causal=%s seqlen_q=%d seqlen_k=%d -> %s (%s)", index,
+                      name, d_head, causal, seqlen_q, seqlen_k, config_name, reason)
+        kernel = _auto_kernels[key] = _make_kernel(dk, dk.usable[config_name], ctx)
+    return kernel
+
+
+def _config_kernel(ctx: int, index: int, config: KernelConfig) -> _Kernel:
+    dk = _device_kernels(index)
+    entry = dk.usable.get(config.name)
+    if entry is None:
+        raise ValueError(f"config {config.name} is not built for {dk.describe()}; configs "
+                         f"built for it: {list(dk.usable) or 'none'}")
+    if dk.debug:
+        log.debug("cuda:%d explicit config %s", index, config.name)
+    kernel = _config_kernels[(ctx, config)] = _make_kernel(dk, entry, ctx)
+    return kernel
+
+
+def _make_kernel(dk: _DeviceKernels, entry: KernelEntry, ctx: int) -> _Kernel:
+    fn = _driver.get_function(entry, dk.device.index, ctx)
+    return _Kernel(fn=fn, label=f"cuLaunchKernel({entry.name})", block_rows=entry.config.B_r,
+                   threads=entry.threads, smem=entry.smem_bytes, synchronize=dk.debug)
+
+
+# ---- torch.compile ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("cudaflash::fwd", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, float? softmax_scale, "
+                                "bool causal) -> (Tensor, Tensor)")
+def _fwd_op(q, k, v, softmax_scale, causal):
+    return _forward(None, q, k, v, None, softmax_scale, causal)
+
+
+@_fwd_op.register_fake
+def _(q, k, v, softmax_scale, causal):
+    batch, seqlen_q, n_heads, _ = q.shape
+    return torch.empty_like(q), q.new_empty((batch, n_heads, seqlen_q), dtype=torch.float32)

@@ -1,0 +1,563 @@
+"""``python -m cudaflash bench``: cudaflash next to PyTorch SDPA's flash, cuDNN and efficient
+backends, in one process, on the same random tensors.
+
+cudaflash gets BSHD tensors; SDPA gets ``transpose(1, 2)`` views of the same tensors (BHSD, no
+copy). The default sweep is the FlashAttention benchmark convention: batch = 16384 / S,
+nheads = 2048 / d, TFLOP/s = 4 * B * H * Sq * Sk * d / time, halved when causal. How a call is
+timed: ``method_text``. The measurement functions (``time_gpu``, ``time_backend``,
+``measure_case``, ``measure_host``) return numbers and print nothing, so ``tune`` reuses them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from . import __version__, api, selection
+from .config import D_HEADS, DTYPES, KernelConfig
+from .tune import comma_list  # tune.py is stdlib-only at import: no cycle, no cost
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
+BACKENDS = ("cudaflash", *SDPA_BACKENDS)
+
+# FlashAttention's benchmark convention: a constant number of tokens per batch and a constant
+# model width, so every size does comparable total work.
+FA_TOKENS = 16384
+FA_HIDDEN = 2048
+DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+DEFAULT_HEAD_DIMS = (64, 128)
+CAUSAL_CHOICES = {"both": (False, True), "yes": (True,), "no": (False,)}
+
+DEFAULT_ITERS = 30
+MIN_ITERS = 20  # fewer timed calls make the median too noisy to compare backends
+DEFAULT_WARMUP = 10
+# Larger than the L2 of any current GPU (H100: 50 MB): zeroing it evicts the inputs, so every
+# timed call reads them from device memory, as a call inside a model would.
+L2_FLUSH_BYTES = 256 * 2**20
+
+# Host overhead probe: a problem so small that the GPU finishes each call before the host has
+# issued the next, so the loop time is the time the host spends per call.
+HOST_BATCH, HOST_HEADS, HOST_SEQLEN, HOST_D_HEAD, HOST_DTYPE = 1, 1, 128, 64, "bf16"
+HOST_CALLS = 2000
+HOST_WARMUP = 100
+
+
+# ---- problem sizes and FLOPs -----------------------------------------------------------------
+
+
+def attention_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, d_head: int,
+                    causal: bool) -> float:
+    """FLOPs of one forward, as FlashAttention counts them: two matmuls (QK^T, PV) of
+    2 * Sq * Sk * d each per head; causal does half of them."""
+    flops = 4 * batch * nheads * seqlen_q * seqlen_k * d_head
+    return flops / 2 if causal else flops
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmarked problem: seqlen_q = seqlen_k = seqlen."""
+
+    dtype: str  # "bf16" or "fp16"
+    d_head: int
+    causal: bool
+    seqlen: int
+    batch: int
+    nheads: int
+
+    @property
+    def flops(self) -> float:
+        return attention_flops(self.batch, self.nheads, self.seqlen, self.seqlen, self.d_head,
+                               self.causal)
+
+
+def fa_case(dtype: str, d_head: int, causal: bool, seqlen: int) -> Case:
+    """The problem the FlashAttention convention times at this seqlen and head dim."""
+    return Case(dtype=dtype, d_head=d_head, causal=causal, seqlen=seqlen,
+                batch=max(1, FA_TOKENS // seqlen), nheads=FA_HIDDEN // d_head)
+
+
+def build_cases(dtypes, head_dims, causals, seqlens) -> list[Case]:
+    return [fa_case(dtype, d_head, causal, seqlen)
+            for dtype in dtypes for d_head in head_dims for causal in causals
+            for seqlen in seqlens]
+
+
+def make_qkv(batch: int, seqlen: int, nheads: int, d_head: int, dtype: str, device):
+    """Random BSHD q, k, v: never zeros, which hide wrong indexing and can run faster."""
+    shape = (batch, seqlen, nheads, d_head)
+    return tuple(torch.randn(shape, dtype=TORCH_DTYPES[dtype], device=device)
+                 for _ in range(3))
+
+
+# ---- timing ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    iters: int
+
+
+def flush_buffer(device) -> torch.Tensor:
+    return torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
+
+
+def method_text(iters: int, warmup: int) -> str:
+    return (f"CUDA events around each single call, after {warmup} warm-up calls; median of "
+            f"{iters} calls (min and max kept in --json); L2 flushed before every timed call "
+            f"by zeroing a {L2_FLUSH_BYTES // 2**20} MiB buffer, outside the events; inputs "
+            "torch.randn (BSHD for cudaflash, transpose(1, 2) views of the same tensors for "
+            "SDPA); torch.inference_mode()")
+
+
+def time_gpu(fn: Callable[[], object], *, iters: int, warmup: int,
+             flush: torch.Tensor) -> Timing:
+    """Device time of ``fn()``: events around each call, L2 flushed before each (see
+    ``method_text``)."""
+    for _ in range(warmup):  # module loads, kernel selection, cuDNN plan building
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for start, end in zip(starts, ends):
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = [start.elapsed_time(end) for start, end in zip(starts, ends)]
+    return Timing(statistics.median(times), min(times), max(times), iters)
+
+
+def backend_call(backend: str, q, k, v, causal: bool,
+                 config: Optional[KernelConfig] = None):
+    """``(fn, context)``: ``fn()`` runs one forward of ``backend`` and must run inside
+    ``context()``. The context is separate so that a timing loop enters it once: entering
+    ``sdpa_kernel`` per call would add its own host cost to SDPA's.
+
+    For cudaflash, ``config`` None means ``flash_attn_func`` (the runtime's selection); a
+    config runs that kernel through ``cudaflash.forward``.
+    """
+    if backend == "cudaflash":
+        if config is None:
+            return (lambda: api.flash_attn_func(q, k, v, causal=causal)), contextlib.nullcontext
+        return (lambda: api.forward(config, q, k, v, causal=causal)), contextlib.nullcontext
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # views, no copy
+    return ((lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)),
+            lambda: sdpa_kernel(SDPA_BACKENDS[backend]))
+
+
+def _attempt(measure: Callable[[], object], context) -> Union[object, str]:
+    """``measure()`` inside ``context()``; on failure the reason as a string (the backend is
+    n/a for this problem). Any exception counts: one backend failing on one shape must not
+    lose the rest of the sweep. SDPA explains a refusal in warnings, so those are kept."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with context():
+                return measure()
+        except Exception as e:
+            lines = str(e).strip().splitlines() or [type(e).__name__]
+            why = [str(w.message).strip().splitlines()[0] for w in caught
+                   if str(w.message).strip()]
+            return "; ".join([f"{type(e).__name__}: {lines[0]}", *dict.fromkeys(why)])
+
+
+def time_backend(backend: str, q, k, v, causal: bool, *, config: Optional[KernelConfig],
+                 iters: int, warmup: int, flush: torch.Tensor) -> Union[Timing, str]:
+    """``time_gpu`` of one backend on (q, k, v), or why it cannot run them."""
+    fn, context = backend_call(backend, q, k, v, causal, config)
+    return _attempt(lambda: time_gpu(fn, iters=iters, warmup=warmup, flush=flush), context)
+
+
+def selected_config(device_index: int, dtype: str, d_head: int, causal: bool, seqlen_q: int,
+                    seqlen_k: int) -> Optional[str]:
+    """The config ``flash_attn_func`` runs for such a call, or None if there is none.
+
+    api has no public helper for this, so it repeats what ``python -m cudaflash info`` does:
+    the runtime's rules (``api._rules``, CUDAFLASH_CONFIG included) over the kernels usable on
+    this GPU.
+    """
+    usable = {e.name: e for e in api.list_kernels(device_index)}
+    major, minor = torch.cuda.get_device_capability(device_index)
+    try:
+        name, _ = selection.select(api._rules().rules, usable, arch=10 * major + minor,
+                                   dtype=dtype, d_head=d_head, causal=causal,
+                                   seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    except LookupError:
+        return None
+    return name
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    timings: dict  # backend -> Timing
+    errors: dict  # backend -> why it is n/a
+    config: Optional[str]  # the config cudaflash ran (None: no cudaflash measurement)
+
+    def tflops(self, backend: str) -> Optional[float]:
+        t = self.timings.get(backend)
+        return None if t is None else self.case.flops / t.median_ms / 1e9
+
+    def ratio(self, backend: str, other: str) -> Optional[float]:
+        a, b = self.tflops(backend), self.tflops(other)
+        return None if a is None or b is None else a / b
+
+
+def measure_case(case: Case, backends, *, device, config: Optional[KernelConfig], iters: int,
+                 warmup: int, flush: torch.Tensor, progress: "Progress") -> CaseResult:
+    """Time every backend on one set of random tensors."""
+    q, k, v = make_qkv(case.batch, case.seqlen, case.nheads, case.d_head, case.dtype, device)
+    timings, errors = {}, {}
+    for backend in backends:
+        progress.step(f"{case.dtype} d={case.d_head} causal={case.causal} S={case.seqlen} "
+                      f"{backend}")
+        result = time_backend(backend, q, k, v, case.causal, config=config, iters=iters,
+                              warmup=warmup, flush=flush)
+        (errors if isinstance(result, str) else timings)[backend] = result
+    used = None
+    if "cudaflash" in timings:  # a failed cudaflash call may mean there is no manifest at all
+        used = config.name if config is not None else selected_config(
+            device.index, case.dtype, case.d_head, case.causal, case.seqlen, case.seqlen)
+    return CaseResult(case, timings, errors, used)
+
+
+def measure_host(backends, *, device, progress: "Progress") -> dict:
+    """Microseconds per call at the tiny size (or why n/a), per backend: ``HOST_CALLS`` calls
+    with no sync inside the loop, one sync at the end, after warm-up."""
+    q, k, v = make_qkv(HOST_BATCH, HOST_SEQLEN, HOST_HEADS, HOST_D_HEAD, HOST_DTYPE, device)
+    out = {}
+    for backend in backends:
+        progress.step(f"host time {backend}")
+        fn, context = backend_call(backend, q, k, v, causal=False)
+
+        def loop():
+            for _ in range(HOST_WARMUP):
+                fn()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(HOST_CALLS):
+                fn()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - start) / HOST_CALLS * 1e6
+
+        out[backend] = _attempt(loop, context)
+    return out
+
+
+# ---- output ----------------------------------------------------------------------------------
+
+
+class Progress:
+    """A one-line ``\\r`` counter on stderr. Only on a terminal: in a log, hundreds of
+    carriage-return updates would bury the table."""
+
+    def __init__(self, total: int, label: str):
+        self.total, self.label, self.done, self._width = total, label, 0, 0
+        self.enabled = sys.stderr.isatty()
+
+    def step(self, what: str) -> None:
+        """Announce the next unit of work (shown while it runs)."""
+        self.done += 1
+        if self.enabled:
+            line = f"\r[{self.label} {self.done}/{self.total}] {what}"
+            sys.stderr.write(line.ljust(self._width))  # pad over a longer previous line
+            sys.stderr.flush()
+            self._width = len(line)
+
+    def close(self) -> None:
+        if self.enabled and self.done:
+            sys.stderr.write("\r" + " " * self._width + "\r")
+            sys.stderr.flush()
+
+
+def format_table(header, rows, left=()) -> str:
+    """Aligned columns: numbers right-aligned, the column indices in ``left`` left-aligned."""
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    return "\n".join(
+        "  ".join(str(x).ljust(w) if i in left else str(x).rjust(w)
+                  for i, (x, w) in enumerate(zip(row, widths))).rstrip()
+        for row in [header, *rows])
+
+
+def _num(x: Optional[float], fmt: str) -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def environment(device_index: int) -> dict:
+    """What the numbers depend on: GPU, driver, library versions."""
+    props = torch.cuda.get_device_properties(device_index)
+    try:
+        from cuda.bindings import __version__ as bindings_version
+    except ImportError:
+        bindings_version = None
+    try:
+        from . import _driver
+
+        driver = _driver.driver_version()
+    except (ImportError, RuntimeError):  # no cuda-bindings, or the driver call failed
+        driver = None
+    return {
+        "gpu": props.name,
+        "sm_count": props.multi_processor_count,
+        "compute_capability": f"{props.major}.{props.minor}",
+        "driver": driver,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "cuda_bindings": bindings_version,
+        "cudaflash": __version__,
+        "python": platform.python_version(),
+    }
+
+
+def print_results(results: list[CaseResult], backends) -> None:
+    others = [b for b in backends if b != "cudaflash"] if "cudaflash" in backends else []
+    header = ("dtype", "d", "causal", "S", "B", "H", *backends, *(f"cf/{b}" for b in others))
+    rows = [(r.case.dtype, r.case.d_head, r.case.causal, r.case.seqlen, r.case.batch,
+             r.case.nheads, *(_num(r.tflops(b), ".1f") for b in backends),
+             *(_num(r.ratio("cudaflash", b), ".2f") for b in others)) for r in results]
+    print("TFLOP/s per backend; cf/X = cudaflash TFLOP/s / X TFLOP/s")
+    print(format_table(header, rows))
+
+    failures: dict = {}  # (backend, reason) -> number of sizes
+    for r in results:
+        for backend, why in r.errors.items():
+            failures[(backend, why)] = failures.get((backend, why), 0) + 1
+    for (backend, why), n in failures.items():
+        print(f"n/a: {backend} on {n} size(s): {why}")
+    configs: dict = {}  # config -> number of sizes it ran
+    for r in results:
+        if r.config is not None:
+            configs[r.config] = configs.get(r.config, 0) + 1
+    for name, n in configs.items():
+        print(f"cudaflash config {name}: {n} size(s)")
+
+    if "cudaflash" in backends and "flash" in backends:
+        print("\ncudaflash / SDPA flash over S:")
+        groups: dict = {}
+        for r in results:
+            groups.setdefault((r.case.dtype, r.case.d_head, r.case.causal), []).append(r)
+        for (dtype, d_head, causal), group in groups.items():
+            ratios = [x for x in (r.ratio("cudaflash", "flash") for r in group) if x is not None]
+            stats = (f"min {min(ratios):.2f}, median {statistics.median(ratios):.2f} "
+                     f"({len(ratios)} of {len(group)} sizes)" if ratios else "n/a")
+            print(f"  {dtype} d={d_head} causal={causal}: {stats}")
+
+
+def print_host(host: dict) -> None:
+    print(f"\nhost time per call (B={HOST_BATCH} H={HOST_HEADS} S={HOST_SEQLEN} d={HOST_D_HEAD} "
+          f"{HOST_DTYPE}, {HOST_CALLS} calls, no sync inside the loop; cudaflash = "
+          "flash_attn_func):")
+    for backend, us in host.items():
+        print(f"  {backend}: " + (f"n/a ({us})" if isinstance(us, str) else f"{us:.1f} us"))
+
+
+def _import_pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib, which is not installed; install the "
+                           "extra: pip install 'cudaflash[plot]'") from None
+    matplotlib.use("Agg")  # write a file; no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(path: Path, results: list[CaseResult], backends) -> None:
+    """TFLOP/s over S, one panel per (dtype, d, causal), one line per backend."""
+    plt = _import_pyplot()
+    groups: dict = {}
+    for r in results:
+        groups.setdefault((r.case.dtype, r.case.d_head, r.case.causal), []).append(r)
+    fig, axes = plt.subplots(len(groups), 1, figsize=(7, 3.2 * len(groups)), squeeze=False)
+    for ax, ((dtype, d_head, causal), group) in zip(axes[:, 0], groups.items()):
+        seqlens = [r.case.seqlen for r in group]
+        for backend in backends:
+            ax.plot(seqlens, [r.tflops(backend) or float("nan") for r in group], marker="o",
+                    label=backend)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(seqlens, [str(s) for s in seqlens])
+        ax.set_title(f"{dtype} d={d_head} {'causal' if causal else 'non-causal'}")
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("TFLOP/s")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_json(path: Path, env: dict, method: dict, results: list[CaseResult],
+               host: Optional[dict]) -> None:
+    def backend_entry(r: CaseResult, backend: str) -> dict:
+        if backend in r.errors:
+            return {"error": r.errors[backend]}
+        return {"tflops": r.tflops(backend), **dataclasses.asdict(r.timings[backend])}
+
+    data = {
+        "env": env,
+        "method": method,
+        "results": [{**dataclasses.asdict(r.case), "flops": r.case.flops,
+                     "cudaflash_config": r.config,
+                     "backends": {b: backend_entry(r, b) for b in [*r.timings, *r.errors]}}
+                    for r in results],
+        "host_us_per_call": None if host is None else {
+            b: ({"error": us} if isinstance(us, str) else us) for b, us in host.items()},
+    }
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"{value} < 1")
+    return value
+
+
+def _iters(text: str) -> int:
+    value = int(text)
+    if value < MIN_ITERS:
+        raise argparse.ArgumentTypeError(f"{value}: at least {MIN_ITERS} timed calls, so that "
+                                         "the median is stable")
+    return value
+
+
+def _warmup(text: str) -> int:
+    value = int(text)
+    if value < 1:  # the first call loads modules and builds plans: never time it
+        raise argparse.ArgumentTypeError(f"{value}: at least 1 warm-up call")
+    return value
+
+
+def _config(text: str) -> KernelConfig:
+    try:
+        return KernelConfig.from_name(text)
+    except ValueError as e:  # ConfigError; argparse would drop its message
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "bench", help="cudaflash vs PyTorch SDPA (flash, cuDNN, efficient) on this GPU",
+        description="Time cudaflash and PyTorch SDPA's flash, cuDNN and efficient backends on "
+                    "the same random tensors (FlashAttention convention: batch = "
+                    f"{FA_TOKENS} / S, nheads = {FA_HIDDEN} / d), print TFLOP/s and ratios, "
+                    "and the host time per call at a tiny size.")
+    p.add_argument("--seqlens", type=comma_list(_positive), default=list(DEFAULT_SEQLENS),
+                   help="comma-separated sequence lengths (default "
+                        f"{','.join(map(str, DEFAULT_SEQLENS))}); batch = {FA_TOKENS} // S")
+    p.add_argument("--head-dims", type=comma_list(int, D_HEADS), default=None,
+                   help=f"comma-separated head dims from {list(D_HEADS)} (default "
+                        f"{','.join(map(str, DEFAULT_HEAD_DIMS))}, or --config's); nheads = "
+                        f"{FA_HIDDEN} // d")
+    p.add_argument("--dtype", type=comma_list(str, DTYPES), default=None,
+                   help="bf16, fp16 or bf16,fp16 (default bf16, or --config's)")
+    p.add_argument("--causal", choices=list(CAUSAL_CHOICES), default="both",
+                   help="causal masking: both (default), yes or no")
+    p.add_argument("--backends", type=comma_list(str, BACKENDS), default=list(BACKENDS),
+                   help=f"comma-separated subset of {','.join(BACKENDS)} (default: all)")
+    p.add_argument("--iters", type=_iters, default=DEFAULT_ITERS,
+                   help=f"timed calls per backend and size, >= {MIN_ITERS} (default "
+                        "%(default)s)")
+    p.add_argument("--warmup", type=_warmup, default=DEFAULT_WARMUP,
+                   help="untimed calls before timing (default %(default)s)")
+    p.add_argument("--config", type=_config, default=None, metavar="NAME",
+                   help="time this kernel config through cudaflash.forward instead of "
+                        "flash_attn_func's selection (`python -m cudaflash list` names them)")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH",
+                   help="write every number, the environment and the method to PATH")
+    p.add_argument("--plot", type=Path, default=None, metavar="PATH",
+                   help="save a TFLOP/s plot to PATH (needs the extra cudaflash[plot])")
+    p.add_argument("--no-host", action="store_true",
+                   help="skip the host-overhead measurement")
+    p.set_defaults(run=run)
+    return p
+
+
+def sweep_dims(args) -> tuple[list, list]:
+    """(dtypes, head dims) of the sweep; with --config they default to the config's and must
+    not contradict it. Raises ValueError on a contradiction."""
+    dtypes = args.dtype or ([args.config.dtype] if args.config else ["bf16"])
+    head_dims = args.head_dims or ([args.config.d_head] if args.config
+                                   else list(DEFAULT_HEAD_DIMS))
+    if args.config and (dtypes != [args.config.dtype] or head_dims != [args.config.d_head]):
+        raise ValueError(f"--config {args.config.name} is a {args.config.dtype} kernel with "
+                         f"d_head={args.config.d_head}; --dtype and --head-dims must be those "
+                         "(or left out)")
+    return dtypes, head_dims
+
+
+def run(args) -> int:
+    try:
+        dtypes, head_dims = sweep_dims(args)
+    except ValueError as e:
+        print(f"cudaflash bench: {e}", file=sys.stderr)
+        return 2
+    if args.plot is not None:
+        _import_pyplot()  # fail now, not after a sweep of several minutes
+    if not torch.cuda.is_available():
+        print(f"cudaflash bench: no CUDA GPU (torch {torch.__version__}: "
+              "torch.cuda.is_available() is False)", file=sys.stderr)
+        return 1
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    env = environment(device.index)
+    method = {"text": method_text(args.iters, args.warmup), "iters": args.iters,
+              "warmup": args.warmup, "l2_flush_bytes": L2_FLUSH_BYTES,
+              "host_calls": HOST_CALLS, "host_warmup": HOST_WARMUP}
+    print(f"{env['gpu']} ({env['sm_count']} SMs, compute capability "
+          f"{env['compute_capability']}), driver "
+          f"{env['driver']}, torch {env['torch']} (CUDA {env['torch_cuda']}, cuDNN "
+          f"{env['cudnn']}), cuda-bindings {env['cuda_bindings']}, cudaflash {env['cudaflash']}")
+    print(f"timing: {method['text']}")
+    if args.config is not None:
+        print(f"cudaflash config: {args.config.name} (cudaflash.forward)")
+
+    cases = build_cases(dtypes, head_dims, CAUSAL_CHOICES[args.causal], args.seqlens)
+    progress = Progress(len(cases) * len(args.backends)
+                        + (0 if args.no_host else len(args.backends)), "bench")
+    flush = flush_buffer(device)
+    with torch.inference_mode():
+        results = [measure_case(case, args.backends, device=device, config=args.config,
+                                iters=args.iters, warmup=args.warmup, flush=flush,
+                                progress=progress) for case in cases]
+        host = None if args.no_host else measure_host(args.backends, device=device,
+                                                      progress=progress)
+    progress.close()
+
+    print()
+    print_results(results, args.backends)
+    if host is not None:
+        print_host(host)
+    if args.json is not None:
+        write_json(args.json, env, method, results, host)
+        print(f"\nwrote {args.json}")
+    if args.plot is not None:
+        plot(args.plot, results, args.backends)
+        print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,132 @@
+"""The kernel manifest: what build_cubins.py built, read by the runtime.
+
+``manifest.json`` (schema in docs/contracts.md) is the only contract between the build and the
+runtime: the runtime never parses file names and never recomputes shared-memory sizes. This
+module reads and checks it and answers "which kernels can run on a GPU of compute capability
+X with Y bytes of opt-in shared memory per block". It needs no GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import _env
+from ._params import PARAMS_BYTES
+from .config import KernelConfig
+from .selection import Rule, parse_rules
+
+SCHEMA = 1
+KINDS = ("cubin", "ptx")
+
+
+@dataclass(frozen=True)
+class KernelEntry:
+    """One compiled kernel: a config built for one arch, as the manifest lists it."""
+
+    name: str  # canonical config name (KernelConfig.name)
+    config: KernelConfig
+    arch: int  # compute capability as major*10+minor; for PTX the virtual arch
+    kind: str  # "cubin" (SASS for one major) or "ptx" (JIT-compiled by the driver)
+    path: Path  # absolute
+    entry: str  # the one extern "C" kernel symbol
+    threads: int  # per block
+    smem_bytes: int  # dynamic shared memory per block
+    registers: int | None  # per thread; None for PTX (decided by the JIT)
+    spill_bytes: int | None
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: Path
+    nvcc_version: str
+    source_hash: str
+    ptx_arch: int | None
+    selection: tuple[Rule, ...]
+    kernels: tuple[KernelEntry, ...]
+
+    def usable(self, arch: int, smem_limit: int) -> dict[str, KernelEntry]:
+        """The kernels that run on a device of compute capability ``arch``, by config name.
+
+        Per config: the cubin of the highest compatible arch, else the PTX (contracts.md,
+        "Arch compatibility"); configs needing more shared memory than ``smem_limit`` (the
+        device's opt-in maximum per block) are left out. Manifest order is kept: selection
+        falls back to the first usable config of a (dtype, d_head).
+        """
+        best: dict[str, KernelEntry] = {}
+        for e in self.kernels:
+            if e.smem_bytes > smem_limit or not runs_on(e, arch):
+                continue
+            held = best.get(e.name)
+            if held is None or _preference(e) > _preference(held):
+                best[e.name] = e
+        return best
+
+
+def runs_on(entry: KernelEntry, arch: int) -> bool:
+    """SASS for sm_XY runs on sm_XZ with Z >= Y; PTX for compute_N JITs for any arch >= N."""
+    if entry.kind == "ptx":
+        return arch >= entry.arch
+    return entry.arch // 10 == arch // 10 and entry.arch <= arch
+
+
+def _preference(entry: KernelEntry) -> tuple[bool, int]:
+    return entry.kind == "cubin", entry.arch
+
+
+def load_manifest() -> Manifest:
+    """The manifest of ``CUDAFLASH_KERNEL_DIR`` (default: the package's kernels/), cached."""
+    return _read(_env.kernel_dir())
+
+
+def clear_cache() -> None:
+    _read.cache_clear()
+
+
+@functools.lru_cache(maxsize=None)
+def _read(kernel_dir: Path) -> Manifest:
+    path = kernel_dir / "manifest.json"
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise RuntimeError(
+            f"cudaflash was installed without its kernels: {path} does not exist. Build them "
+            "from a source checkout with `python build_cubins.py` (needs nvcc) and reinstall, "
+            "or set CUDAFLASH_KERNEL_DIR to a directory holding manifest.json and the "
+            "cubins.") from None
+    try:
+        data = json.loads(text)
+        return _parse(data, path)
+    except (ValueError, KeyError, TypeError) as e:
+        # ConfigError is a ValueError: a bad config or rule is a malformed manifest too.
+        raise RuntimeError(f"{path} is malformed ({type(e).__name__}: {e}); rebuild it with "
+                           "`python build_cubins.py`") from None
+
+
+def _parse(data: dict, path: Path) -> Manifest:
+    if data["schema"] != SCHEMA:
+        raise ValueError(f"schema {data['schema']!r}, this cudaflash reads schema {SCHEMA}")
+    if data["params_bytes"] != PARAMS_BYTES:
+        raise ValueError(f"params_bytes={data['params_bytes']} but cudaflash/_params.py packs "
+                         f"{PARAMS_BYTES} bytes: kernels and runtime come from different "
+                         "sources")
+    kernels = []
+    for i, k in enumerate(data["kernels"]):
+        config = KernelConfig.from_dict(k["config"], where=f"kernels[{i}].config")
+        if k["name"] != config.name:
+            raise ValueError(f"kernels[{i}]: name {k['name']!r} is not the canonical name "
+                             f"{config.name!r} of its config")
+        if k["kind"] not in KINDS:
+            raise ValueError(f"kernels[{i}]: kind {k['kind']!r}, expected one of {KINDS}")
+        kernels.append(KernelEntry(
+            name=k["name"], config=config, arch=int(k["arch"]), kind=k["kind"],
+            path=path.parent / k["file"], entry=k["entry"], threads=int(k["threads"]),
+            smem_bytes=int(k["smem_bytes"]), registers=k["registers"],
+            spill_bytes=k["spill_bytes"], sha256=k["sha256"]))
+    selection = parse_rules(data["selection"], where=path.name)
+    return Manifest(path=path, nvcc_version=data["nvcc_version"],
+                    source_hash=data["source_hash"], ptx_arch=data.get("ptx_arch"),
+                    selection=selection, kernels=tuple(kernels))

@@ -1,0 +1,255 @@
+"""``python -m cudaflash tune``: the fastest built config per problem class on this GPU.
+
+For each (dtype, head dim, causal, seqlen bucket) it times every config built for this GPU
+(the manifest's kernels usable here with that dtype and head dim) through
+``cudaflash.forward`` at one representative size of the bucket (FlashAttention convention:
+batch = 16384 / S, nheads = 2048 / d), with the timing method of ``bench``. The winner of
+each bucket becomes a selection rule; the rules go to ``tuned_table_path(arch)`` (or
+``--out``) as yaml with a top-level ``selection:`` list, the format of configs.yaml's.
+
+This module imports only the standard library and cudaflash's stdlib-only modules at import
+time (torch and the timing code are imported inside ``run``), so the runtime can import
+``tuned_table_path`` without cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+from .config import D_HEADS, DTYPES
+
+
+class Bucket(NamedTuple):
+    max_seqlen_k: Optional[int]  # the rule's bound; None for the last bucket (no bound)
+    seqlen: int  # the representative size timed for the bucket (seqlen_q = seqlen_k)
+    label: str
+
+
+# Buckets by max seqlen. Each representative is the geometric middle of the FlashAttention
+# sweep's lengths (512..16384) inside the bucket.
+BUCKETS = (
+    Bucket(1024, 512, "S<=1024"),
+    Bucket(4096, 2048, "1024<S<=4096"),
+    Bucket(None, 8192, "S>4096"),
+)
+QUICK_ITERS, QUICK_WARMUP = 5, 1
+
+
+class Winner(NamedTuple):
+    """The config that won one bucket."""
+
+    dtype: str
+    d_head: int
+    causal: bool
+    max_seqlen_k: Optional[int]
+    config: str  # canonical name
+
+
+def tuned_table_path(arch: int) -> Path:
+    """Where ``tune`` writes the table for GPUs of compute capability ``arch`` by default:
+    ``$XDG_CACHE_HOME/cudaflash/tuned-sm<arch>.yaml``, or under ``~/.cache`` when
+    XDG_CACHE_HOME is unset, empty or relative (the XDG spec says to ignore a relative one)."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    cache = Path(base) if os.path.isabs(base) else Path.home() / ".cache"
+    return cache / "cudaflash" / f"tuned-sm{arch}.yaml"
+
+
+def selection_rules(arch: int, winners) -> list[dict]:
+    """One selection rule per winner, ordered for first-match semantics: within a (dtype,
+    d_head, causal), the smaller max_seqlen_k first and the unbounded bucket last (a rule
+    without a bound matches every length, so anything after it would never be reached)."""
+
+    def order(w: Winner):
+        return (w.dtype, w.d_head, w.causal,
+                math.inf if w.max_seqlen_k is None else w.max_seqlen_k)
+
+    rules = []
+    for w in sorted(winners, key=order):
+        rule = {"arch": [arch], "dtype": w.dtype, "d_head": w.d_head, "causal": w.causal}
+        if w.max_seqlen_k is not None:
+            rule["max_seqlen_k"] = w.max_seqlen_k
+        rule["config"] = w.config
+        rules.append(rule)
+    return rules
+
+
+def render_table(rules: list[dict], header_lines: list[str]) -> str:
+    """yaml text: comment header, then ``selection:`` with one flow mapping per rule, as in
+    configs.yaml. Values are written with json.dumps: JSON scalars and lists of numbers are
+    valid yaml, so no yaml library is needed to write it."""
+    lines = [f"# {line}" for line in header_lines]
+    if not rules:
+        return "\n".join([*lines, "selection: []"]) + "\n"
+    lines.append("selection:")
+    for rule in rules:
+        lines.append("  - {" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in rule.items()) + "}")
+    return "\n".join(lines) + "\n"
+
+
+def write_table(path: Path, text: str) -> None:
+    """Write atomically, so that a runtime reading the file never sees half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+
+def comma_list(convert, allowed=None):
+    """An argparse type: a comma-separated list of ``convert``ed values, each in ``allowed``
+    (any value ``convert`` accepts when None); repeats are dropped. bench uses it too."""
+
+    def parse(text: str) -> list:
+        try:
+            values = [convert(x.strip()) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
+                                             "valid values") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"{text!r}: no values")
+        bad = [x for x in values if allowed is not None and x not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{text!r}: {bad} not allowed; choose from "
+                                             f"{list(allowed)}")
+        return list(dict.fromkeys(values))
+
+    return parse
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "tune", help="time every built config on this GPU and write the fastest as selection "
+                     "rules",
+        description="For each (dtype, head dim, causal, seqlen bucket: <= 1024, <= 4096, "
+                    "longer), time every config built for this GPU and write the fastest as "
+                    "selection rules (yaml, the format of configs.yaml's selection:).")
+    p.add_argument("--dtypes", type=comma_list(str, DTYPES), default=list(DTYPES),
+                   help="comma-separated dtypes (default %(default)s)")
+    p.add_argument("--head-dims", type=comma_list(int, D_HEADS), default=None,
+                   help="comma-separated head dims (default: every head dim with kernels for "
+                        "this GPU)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"{QUICK_ITERS} timed calls per candidate instead of the default: a "
+                        "smoke test, not a table to rely on")
+    p.add_argument("--out", type=Path, default=None, metavar="PATH",
+                   help="write the table here instead of "
+                        "$XDG_CACHE_HOME/cudaflash/tuned-sm<arch>.yaml")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args) -> int:
+    import torch
+
+    from . import __version__, api, bench, manifest, selection
+
+    if not torch.cuda.is_available():
+        print(f"cudaflash tune: no CUDA GPU (torch {torch.__version__}: "
+              "torch.cuda.is_available() is False)", file=sys.stderr)
+        return 1
+    index = torch.cuda.current_device()
+    device = torch.device("cuda", index)
+    major, minor = torch.cuda.get_device_capability(index)
+    arch = 10 * major + minor
+    gpu = torch.cuda.get_device_name(index)
+    usable = {e.name: e for e in api.list_kernels(index)}
+    shipped_rules = manifest.load_manifest().selection
+    head_dims = args.head_dims or sorted({e.config.d_head for e in usable.values()})
+    iters, warmup = ((QUICK_ITERS, QUICK_WARMUP) if args.quick
+                     else (bench.DEFAULT_ITERS, bench.DEFAULT_WARMUP))
+
+    tasks = []  # (case, bucket, candidate configs)
+    for dtype in args.dtypes:
+        for d_head in head_dims:
+            candidates = [e.config for e in usable.values()
+                          if (e.config.dtype, e.config.d_head) == (dtype, d_head)]
+            if not candidates:
+                print(f"no {dtype} d_head={d_head} kernels are built for {gpu} (sm_{arch}); "
+                      "skipped")
+                continue
+            for causal in (False, True):
+                for bucket in BUCKETS:
+                    tasks.append((bench.fa_case(dtype, d_head, causal, bucket.seqlen), bucket,
+                                  candidates))
+    if not tasks:
+        print("cudaflash tune: nothing to time", file=sys.stderr)
+        return 1
+    print(f"{gpu} (sm_{arch}): {len(tasks)} buckets, {len(usable)} configs usable; timing: "
+          f"{bench.method_text(iters, warmup)}")
+
+    progress = bench.Progress(sum(len(c) for _, _, c in tasks), "tune")
+    flush = bench.flush_buffer(device)
+    rows, winners, changes = [], [], []
+    with torch.inference_mode():
+        for case, bucket, candidates in tasks:
+            where = f"{case.dtype} d={case.d_head} causal={case.causal} {bucket.label}"
+            q, k, v = bench.make_qkv(case.batch, case.seqlen, case.nheads, case.d_head,
+                                     case.dtype, device)
+            results = {}  # config name -> Timing, or why it failed
+            for cfg in candidates:  # all on the same tensors
+                progress.step(f"{where} {cfg.name}")
+                results[cfg.name] = bench.time_backend("cudaflash", q, k, v, case.causal,
+                                                       config=cfg, iters=iters, warmup=warmup,
+                                                       flush=flush)
+            shipped, _ = selection.select(shipped_rules, usable, arch=arch, dtype=case.dtype,
+                                          d_head=case.d_head, causal=case.causal,
+                                          seqlen_q=case.seqlen, seqlen_k=case.seqlen)
+            timed = {n: t for n, t in results.items() if not isinstance(t, str)}
+            best = min(timed, key=lambda n: timed[n].median_ms) if timed else None
+            for name, t in results.items():
+                tags = [tag for tag, on in (("best", name == best), ("shipped", name == shipped))
+                        if on]
+                if isinstance(t, str):
+                    rows.append((where, name, case.seqlen, "n/a", "n/a", "n/a", f"failed: {t}"))
+                    continue
+                rows.append((where, name, case.seqlen, f"{t.median_ms:.3f}",
+                             f"{case.flops / t.median_ms / 1e9:.1f}",
+                             f"{timed[best].median_ms / t.median_ms:.2f}", ", ".join(tags)))
+            if best is None:
+                changes.append(f"{where}: no candidate ran; no rule written")
+                continue
+            winners.append(Winner(case.dtype, case.d_head, case.causal, bucket.max_seqlen_k,
+                                  best))
+            if best == shipped:
+                changes.append(f"{where}: {shipped} (unchanged)")
+            elif shipped in timed:
+                speedup = timed[shipped].median_ms / timed[best].median_ms
+                changes.append(f"{where}: {shipped} -> {best} ({speedup:.2f}x)")
+            else:
+                changes.append(f"{where}: {shipped} -> {best} (shipped config failed)")
+    progress.close()
+
+    print("\ncandidates per bucket (time: median ms; vs best: best time / this time):")
+    print(bench.format_table(("bucket", "config", "S", "ms", "TFLOP/s", "vs best", "note"),
+                             rows, left=(0, 1, 6)))
+    print("\nchanges vs the shipped selection (speedup = shipped time / tuned time at the "
+          "timed S):")
+    for line in changes:
+        print(f"  {line}")
+    if not winners:
+        print("cudaflash tune: no config ran; no table written", file=sys.stderr)
+        return 1
+
+    path = args.out if args.out is not None else tuned_table_path(arch)
+    header = [
+        f"cudaflash tuned selection for {gpu} (sm_{arch}), {datetime.date.today()}, "
+        f"cudaflash {__version__}",
+        "written by `python -m cudaflash tune" + (" --quick`: a smoke test" if args.quick
+                                                  else "`"),
+        f"winner per (dtype, d_head, causal, seqlen bucket); timing: median of {iters} calls "
+        f"at batch = {bench.FA_TOKENS} / S, nheads = {bench.FA_HIDDEN} / d",
+        "the first rule that matches a call wins: shorter max_seqlen_k first",
+    ]
+    write_table(path, render_table(selection_rules(arch, winners), header))
+    print(f"\nwrote {len(winners)} rules to {path} (CUDAFLASH_CONFIG={path} puts them before "
+          "the shipped rules)")
+    return 0

@@ -1,0 +1,250 @@
+"""Argument checks of flash_attn_func and forward: every bad input is refused on the host with
+a message naming the argument, the value and what is allowed.
+
+CPU tensors are enough: every check runs before the device check, which comes last and is
+tested too. The GPU-only ones (head dims built for this GPU, empty inputs) are in
+test_gpu_correctness.py.
+"""
+
+import math
+
+import pytest
+import torch
+
+from cudaflash import KernelConfig, flash_attn_func, forward
+from cudaflash.api import _internal_overlap
+from cudaflash.config import ConfigError
+
+F16 = torch.float16
+CPU_ERROR = r"on cpu; cudaflash runs on CUDA GPUs only"
+
+
+def qkv(b=1, sq=4, sk=4, h=2, hk=2, d=64, dtype=F16):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(b, sq, h, d, generator=g).to(dtype),
+            torch.randn(b, sk, hk, d, generator=g).to(dtype),
+            torch.randn(b, sk, hk, d, generator=g).to(dtype))
+
+
+def test_valid_cpu_call_reaches_the_device_check():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=CPU_ERROR) as e:
+        flash_attn_func(q, k, v)
+    if not torch.cuda.is_available():
+        assert "torch.cuda.is_available() is False" in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_not_a_tensor(name):
+    args = dict(zip("qkv", qkv()))
+    args[name] = args[name].numpy()
+    with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor, got ndarray"):
+        flash_attn_func(**args)
+
+
+def test_wrong_ndim():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"k has shape \(1, 4, 128\); expected 4 dims"):
+        flash_attn_func(q, k.flatten(2), v)
+
+
+def test_dtype():
+    q, k, v = qkv(dtype=torch.float32)
+    with pytest.raises(TypeError, match="q has dtype torch.float32; cudaflash supports "
+                                        "torch.float16 and torch.bfloat16"):
+        flash_attn_func(q, k, v)
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="dtypes torch.float16, torch.bfloat16, torch.float16"):
+        flash_attn_func(q, k.bfloat16(), v)
+
+
+@pytest.mark.parametrize("shapes, message", [
+    (dict(k=(1, 4, 2, 64), v=(1, 5, 2, 64)), r"k has shape \(1, 4, 2, 64\) but v has "
+                                             r"\(1, 5, 2, 64\)"),
+    (dict(k=(2, 4, 2, 64), v=(2, 4, 2, 64)), "q has batch size 1 but k and v have 2"),
+    (dict(k=(1, 4, 2, 128), v=(1, 4, 2, 128)), "q has head dim 64 but k and v have 128"),
+    (dict(q=(1, 4, 3, 64)), "q has 3 heads and k, v have 2; nheads must be a positive "
+                            "multiple of nheads_k"),
+    (dict(q=(1, 4, 0, 64)), "q has 0 heads"),
+    (dict(q=(1, 4, 2, 96), k=(1, 4, 2, 96), v=(1, 4, 2, 96)),
+     r"head dim 96 is not supported; cudaflash has kernels for head dims \[64, 128, 256\]"),
+])
+def test_shape_mismatch(shapes, message):
+    args = dict(zip("qkv", qkv()))
+    for name, shape in shapes.items():
+        args[name] = torch.randn(shape).half()
+    with pytest.raises(ValueError, match=message):
+        flash_attn_func(**args)
+
+
+def test_grid_limits():
+    # expand() gives huge shapes without memory; stride 0 is aligned.
+    q = torch.zeros(1, 1, 1, 64, dtype=F16).expand(65536, 1, 1, 64)
+    with pytest.raises(ValueError, match=r"batch=65536, nheads=1: each must be <= 65535"):
+        flash_attn_func(q, q, q)
+    q = torch.zeros(1, 1, 1, 64, dtype=F16).expand(1, 1, 65536, 64)
+    with pytest.raises(ValueError, match=r"batch=1, nheads=65536"):
+        flash_attn_func(q, q[:, :, :1], q[:, :, :1])
+
+
+def test_devices_differ():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="q, k, v are on cpu, meta, cpu; they must be on the "
+                                         "same device"):
+        flash_attn_func(q, k.to("meta"), v)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_misaligned_data_pointer(name):
+    args = dict(zip("qkv", qkv()))
+    t = args[name]
+    args[name] = torch.empty(t.numel() + 1, dtype=F16)[1:].view(t.shape)  # 2 bytes off
+    with pytest.raises(ValueError, match=f"{name} is not 16-byte aligned .*storage_offset\\(\\)"
+                                         f" = 1.*{name}.clone\\(\\)"):
+        flash_attn_func(**args)
+
+
+def test_stride_not_a_multiple_of_8():
+    q, k, v = qkv()
+    q = torch.zeros(1, 4, 2, 68, dtype=F16)[..., :64]  # head stride 68
+    with pytest.raises(ValueError, match=r"q has strides \(544, 136, 68, 1\): its head stride 68"
+                                         r" is not a multiple of 8 elements"):
+        flash_attn_func(q, k, v)
+
+
+def test_stride_of_a_size_one_dim_is_ignored():
+    q, k, v = qkv(sq=1)
+    q = torch.zeros(1, 1, 2, 68, dtype=F16)[..., :64]  # seq stride 136, head stride 68
+    q = q.as_strided(q.shape, (8, 3, 64, 1))  # size-1 seq dim with stride 3
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        flash_attn_func(q, k, v)
+
+
+def test_non_unit_last_stride_is_copied_like_flash_attn():
+    q, k, v = qkv()
+    q = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # stride(-1) == 4
+    assert q.stride(-1) != 1
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dropout_p=0.1), r"dropout_p=0.1: cudaflash has no dropout.*dropout_p=0.0"),
+    (dict(window_size=(128, 0)), r"window_size=\(128, 0\): sliding-window attention is not "
+                                 r"implemented; pass window_size=\(-1, -1\)"),
+    (dict(window_size=None), r"window_size=None"),
+    (dict(softcap=30.0), r"softcap=30.0: softcapping is not implemented; pass softcap=0.0"),
+    (dict(alibi_slopes=torch.ones(2)), r"alibi_slopes is a Tensor: ALiBi is not implemented"),
+])
+def test_unsupported_features(kwargs, message):
+    with pytest.raises(NotImplementedError, match=message):
+        flash_attn_func(*qkv(), **kwargs)
+
+
+def test_defaults_and_deterministic_are_accepted():
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        flash_attn_func(*qkv(), dropout_p=0.0, window_size=[-1, -1], softcap=0.0,
+                        alibi_slopes=None, deterministic=True, return_attn_probs=True)
+
+
+@pytest.mark.parametrize("scale", [0, -1.0, math.nan, math.inf, "0.1", True, torch.ones(2)])
+def test_bad_softmax_scale(scale):
+    with pytest.raises(ValueError, match=r"softmax_scale=.*; it must be a finite number > 0 or "
+                                         r"None \(None means headdim \*\* -0.5 = 0.125\)"):
+        flash_attn_func(*qkv(), softmax_scale=scale)
+
+
+def test_good_softmax_scale():
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        flash_attn_func(*qkv(), softmax_scale=1)
+
+
+def test_causal_must_be_bool():
+    with pytest.raises(TypeError, match="causal='yes'; it must be a bool"):
+        flash_attn_func(*qkv(), causal="yes")
+
+
+def test_requires_grad_is_refused_until_there_is_a_backward():
+    q, k, v = qkv()
+    with pytest.raises(NotImplementedError, match=r"no backward yet.*torch.no_grad\(\)"):
+        flash_attn_func(q.requires_grad_(), k, v)
+    with torch.no_grad(), pytest.raises(ValueError, match=CPU_ERROR):
+        flash_attn_func(q, k, v)
+
+
+# ---- forward(config, ...) --------------------------------------------------------------------
+
+D64_NAME = "fwd_fp16_d64_br128_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1"
+
+
+def test_forward_config_forms():
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        forward(D64_NAME, *qkv())
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        forward(KernelConfig.from_name(D64_NAME), *qkv())
+    with pytest.raises(ConfigError, match="not a canonical kernel config name"):
+        forward("fwd_fp16_d64", *qkv())
+    with pytest.raises(TypeError, match="config must be a KernelConfig or a canonical config "
+                                        "name, got dict"):
+        forward({}, *qkv())
+
+
+def test_forward_config_must_fit_the_tensors():
+    with pytest.raises(ValueError, match=f"config {D64_NAME} is for fp16 with d_head=64, but q "
+                                         "is bf16 with head dim 64"):
+        forward(D64_NAME, *qkv(dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="but q is fp16 with head dim 128"):
+        forward(D64_NAME, *qkv(d=128))
+
+
+def _out_error(out, q=None, k=None, v=None):
+    q0, k0, v0 = qkv()
+    return forward(D64_NAME, q if q is not None else q0, k if k is not None else k0,
+                   v if v is not None else v0, out=out)
+
+
+@pytest.mark.parametrize("out, message", [
+    (torch.empty(1, 4, 2, 64, dtype=torch.bfloat16), r"out is a \(1, 4, 2, 64\) torch.bfloat16 "
+                                                     r"tensor on cpu; it must be like q"),
+    (torch.empty(1, 4, 3, 64, dtype=F16), r"out is a \(1, 4, 3, 64\)"),
+    (torch.empty(1, 4, 2, 64, dtype=F16, device="meta"), "out is .* on meta"),
+    (torch.empty(1, 4, 64, 2, dtype=F16).transpose(-1, -2), r"its last stride must be 1"),
+    (torch.empty(1 * 4 * 2 * 64 + 1, dtype=F16)[1:].view(1, 4, 2, 64), "out is not 16-byte "
+                                                                        "aligned"),
+    (torch.empty(1, 1, 2, 64, dtype=F16).expand(1, 4, 2, 64), "some of its elements share "
+                                                             "memory"),
+    ([0.0], "out must be a torch.Tensor or None, got list"),
+])
+def test_bad_out(out, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        _out_error(out)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_out_overlapping_an_input(name):
+    args = dict(zip("qkv", qkv()))
+    with pytest.raises(ValueError, match=f"out overlaps {name} in memory"):
+        _out_error(args[name], **args)
+    big = torch.empty(2, 4, 2, 64, dtype=F16)
+    args[name], out = big[:1], big[:, :, :, :].view(8, 2, 64)[2:6].view(1, 4, 2, 64)
+    with pytest.raises(ValueError, match=f"out overlaps {name}"):
+        _out_error(out, **args)
+
+
+def test_out_next_to_an_input_is_fine():
+    big = torch.empty(2, 4, 2, 64, dtype=F16)
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        _out_error(big[1:], q=big[:1], k=k, v=v)
+
+
+@pytest.mark.parametrize("shape, strides, overlaps", [
+    ((2, 3, 4, 64), (768, 256, 64, 1), False),  # contiguous
+    ((2, 3, 4, 64), (768, 64, 192, 1), False),  # transposed view of a BHSD tensor
+    ((2, 3, 4, 64), (0, 256, 64, 1), True),  # expanded batch
+    ((2, 3, 4, 64), (768, 256, 32, 1), True),  # heads overlap by half
+    ((1, 3, 1, 64), (5, 64, 7, 1), False),  # strides of size-1 dims do not matter
+])
+def test_internal_overlap(shape, strides, overlaps):
+    t = torch.empty(4096, dtype=F16).as_strided(shape, strides)
+    assert _internal_overlap(t) is overlaps

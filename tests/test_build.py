@@ -1,0 +1,405 @@
+"""build_cubins.py: nvcc commands, ptxas parsing, incremental/fail-fast builds, the manifest.
+
+CPU only. Tests that run nvcc build a tiny stand-in kernel (not the real one) in a temp dir
+and skip when nvcc is missing; the checks of the real build read cudaflash/kernels/
+manifest.json (made by `pip install .` or `python build_cubins.py`) and skip without it.
+"""
+
+import ctypes
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import build_cubins
+
+ROOT = Path(build_cubins.__file__).resolve().parent
+SPEC = build_cubins.load_spec(ROOT / "configs.yaml")
+KernelConfig = build_cubins.config.KernelConfig
+MANIFEST = ROOT / "cudaflash" / "kernels" / "manifest.json"
+
+CFG = KernelConfig(dtype="bf16", d_head=128, B_r=128, B_c=64, n_warps=4, async_copy=True,
+                   eager_load_blocks=True, swizzled=True, Q_mma_load_K_fragments=2,
+                   K_mma_load_K_fragments=2, V_mma_load_K_fragments=0,
+                   mma_double_buffer_loads=True, optimized_softmax=True)
+
+
+def load_params_module():
+    # By path, so that the test does not import cudaflash (and torch) for a ctypes struct.
+    spec = importlib.util.spec_from_file_location("_cf_params", ROOT / "cudaflash" / "_params.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- pure pieces -------------------------------------------------------------------------
+
+
+def test_nvcc_argv_cubin():
+    argv = build_cubins.nvcc_argv(CFG, 86, "cubin", nvcc="/x/nvcc", src_dir=Path("/s"),
+                                  out=Path("/o/sm_86/k.cubin"))
+    assert argv[0] == "/x/nvcc"
+    assert argv[argv.index("-gencode") + 1] == "arch=compute_86,code=sm_86"
+    assert "-cubin" in argv and "-ptx" not in argv
+    joined = " ".join(argv)
+    assert " ".join(build_cubins.NVCC_FLAGS) in joined
+    assert "-I /s " in joined and "/s/flash_fwd.cu -o /o/sm_86/k.cubin" in joined
+    for macro, value in CFG.nvcc_defines().items():
+        assert f"-D{macro}={value}" in argv
+    assert "-DCF_DTYPE_BF16=1" in argv and "-DCF_D_HEAD=128" in argv and "-DCF_Q_FRAGS=2" in argv
+    again = build_cubins.nvcc_argv(CFG, 86, "cubin", nvcc="/x/nvcc", src_dir=Path("/s"),
+                                   out=Path("/o/sm_86/k.cubin"))
+    assert again == argv
+
+
+def test_nvcc_argv_ptx():
+    argv = build_cubins.nvcc_argv(CFG, 90, "ptx", nvcc="nvcc", src_dir=Path("src"),
+                                  out=Path("k.ptx"))
+    assert "-ptx" in argv and "-arch=compute_90" in argv
+    assert "-cubin" not in argv and "-gencode" not in argv
+    with pytest.raises(ValueError, match="kind='sass'"):
+        build_cubins.nvcc_argv(CFG, 90, "sass", nvcc="nvcc", src_dir=Path("s"), out=Path("o"))
+
+
+def test_plan_covers_every_config_and_fitting_arch():
+    jobs = build_cubins.plan_jobs(SPEC)
+    got = {(j.cfg, j.kind, j.arch) for j in jobs}
+    want = {(c, "cubin", a) for c in SPEC.configs for a in SPEC.archs if c.fits_arch(a)}
+    want |= {(c, "ptx", SPEC.ptx_arch) for c in SPEC.configs}
+    assert got == want and len(jobs) == len(want)
+    assert {j.file for j in jobs} == build_cubins.expected_files(SPEC)
+
+
+def test_plan_skips_arch_the_config_does_not_fit():
+    big = KernelConfig(**{**CFG.to_dict(), "d_head": 256})  # 128 KiB of smem
+    spec = build_cubins.Spec(archs=(80, 86, 90), ptx_arch=90, configs=(big,), rules=())
+    assert [(j.kind, j.arch) for j in build_cubins.plan_jobs(spec)] == [
+        ("cubin", 80), ("cubin", 90), ("ptx", 90)]
+
+
+def test_plan_filters():
+    jobs = build_cubins.plan_jobs(SPEC, only="bf16_d128", archs=[80])
+    assert jobs and all("bf16_d128" in j.cfg.name and (j.kind, j.arch) == ("cubin", 80)
+                        for j in jobs)
+    ptx_only = build_cubins.plan_jobs(SPEC, archs=[SPEC.ptx_arch])
+    assert {j.kind for j in ptx_only} == {"cubin", "ptx"}
+
+
+PTXAS_LOG = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'cudaflash_fwd' for 'sm_90'
+ptxas info    : Function properties for cudaflash_fwd
+    16 bytes stack frame, 44 bytes spill stores, 36 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 1024 bytes smem
+ptxas info    : Compile time = 161.2 ms
+"""
+
+
+def test_parse_ptxas():
+    assert build_cubins.parse_ptxas(PTXAS_LOG) == {
+        "registers": 255, "spill_bytes": 80, "stack_bytes": 16, "static_smem": 1024}
+    clean = PTXAS_LOG.replace("16 bytes stack frame, 44 bytes spill stores, 36",
+                              "0 bytes stack frame, 0 bytes spill stores, 0")
+    clean = clean.replace("used 1 barriers, 1024 bytes smem", "used 1 barriers, 520 bytes cmem[0]")
+    assert build_cubins.parse_ptxas(clean) == {
+        "registers": 255, "spill_bytes": 0, "stack_bytes": 0, "static_smem": 0}
+
+
+@pytest.mark.parametrize("log", [
+    "",
+    PTXAS_LOG.replace("'cudaflash_fwd'", "'_Z3fooPf'"),
+    PTXAS_LOG + PTXAS_LOG.replace("'cudaflash_fwd'", "'other'"),
+])
+def test_parse_ptxas_requires_exactly_the_one_entry(log):
+    with pytest.raises(build_cubins.BuildError, match="exactly one entry 'cudaflash_fwd'"):
+        build_cubins.parse_ptxas(log)
+
+
+def test_stamp_depends_on_sources_flags_and_nvcc_version():
+    argv = ["/a/nvcc", "-cubin", "-DCF_D_HEAD=64"]
+    base = build_cubins.job_stamp("src", argv, "13.0.88")
+    assert build_cubins.job_stamp("src", ["/b/nvcc", *argv[1:]], "13.0.88") == base
+    assert build_cubins.job_stamp("src2", argv, "13.0.88") != base
+    assert build_cubins.job_stamp("src", argv[:-1] + ["-DCF_D_HEAD=128"], "13.0.88") != base
+    assert build_cubins.job_stamp("src", argv, "13.1.0") != base
+
+
+def test_source_digest_sees_every_file(tmp_path):
+    (tmp_path / "a.cuh").write_text("a")
+    first = build_cubins.source_digest(tmp_path)
+    (tmp_path / "b.cuh").write_text("")
+    assert build_cubins.source_digest(tmp_path) != first
+
+
+def test_remove_stale_keeps_expected_and_foreign_files(tmp_path):
+    files = ["sm_80/keep.cubin", "sm_80/keep.cubin.stamp", "sm_80/old.cubin",
+             "sm_80/old.cubin.stamp", "sm_75/gone.cubin", "ptx/compute_90/keep.ptx",
+             "ptx/compute_90/old.ptx", "notes.txt", "manifest.json"]
+    for f in files:
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text("x")
+    removed = build_cubins.remove_stale(tmp_path, {"sm_80/keep.cubin", "ptx/compute_90/keep.ptx"})
+    assert sorted(removed) == ["ptx/compute_90/old.ptx", "sm_75/gone.cubin", "sm_80/old.cubin",
+                               "sm_80/old.cubin.stamp"]
+    left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert left == ["manifest.json", "notes.txt", "ptx/compute_90/keep.ptx", "sm_80/keep.cubin",
+                    "sm_80/keep.cubin.stamp"]
+    assert not (tmp_path / "sm_75").exists()
+
+
+def test_params_bytes_matches_ctypes():
+    params = load_params_module()
+    assert build_cubins.params_bytes(ROOT / "cuda_src") == ctypes.sizeof(params.Params)
+    assert params.PARAMS_BYTES == ctypes.sizeof(params.Params)
+
+
+def test_find_nvcc_errors(monkeypatch, tmp_path):
+    with pytest.raises(build_cubins.BuildError, match="--nvcc='/no/such/nvcc'"):
+        build_cubins.find_nvcc("/no/such/nvcc")
+    monkeypatch.setenv("CUDAFLASH_NVCC", "/no/nvcc")
+    with pytest.raises(build_cubins.BuildError, match="CUDAFLASH_NVCC='/no/nvcc'"):
+        build_cubins.find_nvcc()
+    monkeypatch.delenv("CUDAFLASH_NVCC")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(build_cubins.BuildError, match="nvcc not found: pass --nvcc"):
+        build_cubins.find_nvcc()
+
+
+def test_config_and_selection_load_without_torch():
+    # build_cubins.py runs in pip's build env, which has no torch (nor numpy, nor cudaflash).
+    code = ("import sys, build_cubins; bad = {'torch', 'numpy', 'cudaflash'} & set(sys.modules); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def unlisted_config_template() -> str:
+    """A valid config name (with "{dtype}") that configs.yaml does not list."""
+    listed = {c.name for c in SPEC.configs}
+    for b_r in (64, 128):
+        for b_c in (32, 64, 128):
+            cfg = KernelConfig(**{**CFG.to_dict(), "dtype": "fp16", "B_r": b_r, "B_c": b_c})
+            if not cfg.errors() and cfg.name not in listed:
+                return cfg.name.replace("fwd_fp16_", "fwd_{dtype}_")
+    raise AssertionError("configs.yaml lists every candidate")
+
+
+@pytest.mark.parametrize("change,error", [
+    ({"extra": 1}, "unknown key(s) ['extra']"),
+    ({"archs": [75, 90]}, "archs=[75, 90] must be a non-empty list of distinct archs"),
+    ({"archs": [90, 90]}, "archs=[90, 90]"),
+    ({"ptx_arch": "sm_90"}, "ptx_arch='sm_90' must be an integer"),
+    ({"configs": []}, "configs must be a non-empty list"),
+    ({"defaults": [1]}, "defaults=[1] must be a mapping"),
+    ({"selection": [{"d_head": 128, "config": unlisted_config_template()}]},
+     "rule 0: config '" + unlisted_config_template().format(dtype="fp16")
+     + "' is not in the configs list"),
+])
+def test_bad_configs_yaml(tmp_path, change, error):
+    data = yaml.safe_load((ROOT / "configs.yaml").read_text())
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump({**data, **change}))
+    with pytest.raises(build_cubins.ConfigError) as exc:
+        build_cubins.load_spec(path)
+    assert str(exc.value).startswith("broken.yaml") and error in str(exc.value), str(exc.value)
+
+
+def test_rule_whose_config_cannot_fit_its_arch(tmp_path):
+    # (128 + 2 * 64) * 256 * 2 bytes = 128 KiB of smem: built for sm_80/sm_90, never sm_86.
+    name = "fwd_{dtype}_d256_br128_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1"
+    path = tmp_path / "c.yaml"
+    path.write_text(FAKE_YAML.split("selection:")[0].replace("d_head: 64", "d_head: 256")
+                    .replace("B_r: 64", "B_r: 128")
+                    + f'selection:\n  - {{arch: [86], config: "{name}"}}\n')
+    with pytest.raises(build_cubins.ConfigError, match="rule 0: .* more than sm_86's 101376"):
+        build_cubins.load_spec(path)
+
+
+# ---- manifest schema (docs/contracts.md) ------------------------------------------------
+
+TOP_KEYS = {"schema", "nvcc_version", "source_hash", "params_bytes", "entry", "archs",
+            "ptx_arch", "selection", "kernels"}
+KERNEL_KEYS = {"name", "config", "arch", "kind", "file", "entry", "threads", "smem_bytes",
+               "registers", "spill_bytes", "sha256", "nvcc_version", "source_hash"}
+
+
+def check_manifest(m: dict, out_dir: Path) -> None:
+    assert set(m) == TOP_KEYS
+    assert m["schema"] == 1 and m["entry"] == "cudaflash_fwd"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", m["nvcc_version"])
+    assert re.fullmatch(r"[0-9a-f]{64}", m["source_hash"])
+    assert m["archs"] == sorted(m["archs"]) and all(isinstance(a, int) for a in m["archs"])
+    assert isinstance(m["ptx_arch"], int)
+    build_cubins.selection.parse_rules(m["selection"], where="manifest.json")
+    seen = set()
+    for k in m["kernels"]:
+        assert set(k) == KERNEL_KEYS, k.get("name")
+        cfg = KernelConfig.from_dict(k["config"], where=k["name"])
+        assert k["name"] == cfg.name
+        assert (k["entry"], k["threads"], k["smem_bytes"]) == ("cudaflash_fwd", cfg.threads,
+                                                               cfg.smem_bytes)
+        if k["kind"] == "cubin":
+            assert k["arch"] in m["archs"] and cfg.fits_arch(k["arch"])
+            assert k["file"] == f"sm_{k['arch']}/{cfg.name}.cubin"
+            assert isinstance(k["registers"], int) and 0 < k["registers"] <= 255
+            assert isinstance(k["spill_bytes"], int) and k["spill_bytes"] >= 0
+        else:
+            assert k["kind"] == "ptx" and k["arch"] == m["ptx_arch"]
+            assert k["file"] == f"ptx/compute_{k['arch']}/{cfg.name}.ptx"
+            assert k["registers"] is None and k["spill_bytes"] is None
+        assert k["sha256"] == hashlib.sha256((out_dir / k["file"]).read_bytes()).hexdigest()
+        assert (k["nvcc_version"], k["source_hash"]) == (m["nvcc_version"], m["source_hash"])
+        key = (k["name"], k["kind"], k["arch"])
+        assert key not in seen, key
+        seen.add(key)
+
+
+@pytest.fixture(scope="module")
+def built_manifest():
+    if not MANIFEST.is_file():
+        pytest.skip(f"{MANIFEST.relative_to(ROOT)} not built (run `python build_cubins.py` or "
+                    "`pip install .`)")
+    return json.loads(MANIFEST.read_text())
+
+
+def test_built_manifest_schema(built_manifest):
+    check_manifest(built_manifest, MANIFEST.parent)
+
+
+def test_built_manifest_has_every_config_for_every_arch_it_fits(built_manifest):
+    want = {(j.cfg.name, j.kind, j.arch) for j in build_cubins.plan_jobs(SPEC)}
+    got = {(k["name"], k["kind"], k["arch"]) for k in built_manifest["kernels"]}
+    missing, extra = sorted(want - got), sorted(got - want)
+    assert not missing and not extra, (
+        f"manifest.json is out of date with configs.yaml (rebuild with `python build_cubins.py`):"
+        f" {len(missing)} missing, e.g. {missing[:2]}; {len(extra)} extra, e.g. {extra[:2]}")
+    assert built_manifest["selection"] == [r.to_dict() for r in SPEC.rules]
+
+
+def test_built_manifest_params_bytes(built_manifest):
+    assert built_manifest["params_bytes"] == ctypes.sizeof(load_params_module().Params)
+
+
+# ---- real nvcc runs on a stand-in kernel -------------------------------------------------
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"),
+                                reason="nvcc not found (PATH, CUDA_HOME)")
+
+FAKE_KERNEL = """\
+// Stand-in for the real kernel: exercises the build, computes nothing useful.
+#include "params.cuh"
+extern "C" __global__ void cudaflash_fwd(const __grid_constant__ cudaflash::Params p) {
+    extern __shared__ float smem[];
+    smem[threadIdx.x] = p.softmax_scale * (CF_D_HEAD + CF_B_R + CF_DTYPE_BF16);
+    __syncthreads();
+    static_cast<float*>(p.o)[threadIdx.x] = smem[(threadIdx.x + 1) % (32 * CF_N_WARPS)];
+}
+"""
+FAKE_YAML = """\
+archs: [80, 90]
+ptx_arch: 90
+defaults: {async_copy: true, eager_load_blocks: true, swizzled: true,
+           Q_mma_load_K_fragments: 0, K_mma_load_K_fragments: 0, V_mma_load_K_fragments: 0,
+           mma_double_buffer_loads: false, optimized_softmax: true}
+configs:
+  - {dtype: [fp16, bf16], d_head: 64, B_r: 64, B_c: 64, n_warps: 4}
+selection:
+  - {d_head: 64, config: "fwd_{dtype}_d64_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1"}
+"""
+FAKE_NAMES = [f"fwd_{dt}_d64_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1"
+              for dt in ("fp16", "bf16")]
+
+
+@pytest.fixture
+def fake_tree(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(ROOT / "cuda_src" / "params.cuh", src / "params.cuh")
+    (src / "flash_fwd.cu").write_text(FAKE_KERNEL)
+    (tmp_path / "configs.yaml").write_text(FAKE_YAML)
+    return tmp_path
+
+
+def fake_build(tree: Path, **kw) -> dict:
+    return build_cubins.build(configs_path=tree / "configs.yaml", out_dir=tree / "out",
+                              src_dir=tree / "src", jobs=kw.pop("jobs", 2), **kw)
+
+
+@needs_nvcc
+def test_build_incremental_and_stale(fake_tree, capsys):
+    m = fake_build(fake_tree)
+    check_manifest(m, fake_tree / "out")
+    assert m == json.loads((fake_tree / "out" / "manifest.json").read_text())
+    assert [(k["name"], k["kind"], k["arch"]) for k in m["kernels"]] == [
+        (n, kind, arch) for n in FAKE_NAMES
+        for kind, arch in (("cubin", 80), ("cubin", 90), ("ptx", 90))]
+    out = capsys.readouterr().out
+    assert "-gencode arch=compute_80,code=sm_80" in out and "-ptx -arch=compute_90" in out
+    assert re.search(rf"{FAKE_NAMES[0]} +sm_90 +\d+ +0 +0 +24576", out)  # summary row
+
+    assert fake_build(fake_tree) == m  # nothing changed: nothing compiled
+    out = capsys.readouterr().out
+    assert "nvcc -" not in out and f"up to date: {FAKE_NAMES[1]} sm_80" in out
+    assert out.count("up to date: ") == 6
+
+    with open(fake_tree / "src" / "params.cuh", "a") as f:
+        f.write("// touched\n")
+    fake_build(fake_tree)
+    assert "compiling 6 of 6 kernels" in capsys.readouterr().out
+
+    (fake_tree / "configs.yaml").write_text(
+        FAKE_YAML.replace("[fp16, bf16]", "fp16").replace("{d_head: 64,", "{dtype: fp16, d_head: 64,"))
+    m = fake_build(fake_tree)
+    assert {k["name"] for k in m["kernels"]} == {FAKE_NAMES[0]}
+    out = capsys.readouterr().out
+    assert f"removed stale: sm_80/{FAKE_NAMES[1]}.cubin\n" in out
+    assert not list((fake_tree / "out").rglob(f"{FAKE_NAMES[1]}*"))
+
+
+@needs_nvcc
+def test_build_subset_keeps_other_outputs(fake_tree):
+    fake_build(fake_tree)
+    m = fake_build(fake_tree, only="bf16", archs=[80])
+    assert [(k["name"], k["kind"], k["arch"]) for k in m["kernels"]] == [
+        (FAKE_NAMES[1], "cubin", 80)]
+    assert m["archs"] == [80]
+    assert (fake_tree / "out" / "sm_90" / f"{FAKE_NAMES[0]}.cubin").is_file()
+
+
+@needs_nvcc
+def test_build_stops_at_first_nvcc_error(fake_tree, capsys):
+    (fake_tree / "src" / "flash_fwd.cu").write_text(FAKE_KERNEL.replace("__syncthreads();",
+                                                                        "__syncthreads()"))
+    with pytest.raises(build_cubins.JobFailed) as exc:
+        fake_build(fake_tree, jobs=1)
+    report = exc.value.report()
+    assert "command:\n  " in report and "-DCF_D_HEAD=64" in report
+    assert "error: expected a \";\"" in report  # nvcc's own message
+    out = capsys.readouterr().out
+    assert out.count("nvcc -cubin") == 1, "jobs after the failure must be cancelled"
+    assert "FAILED: " in out and not (fake_tree / "out" / "manifest.json").exists()
+
+    rc = build_cubins.main(["--configs", str(fake_tree / "configs.yaml"), "--src",
+                            str(fake_tree / "src"), "--out", str(fake_tree / "out"), "-j", "2"])
+    assert rc == 1
+    assert "nvcc output:" in capsys.readouterr().err
+
+
+@needs_nvcc
+def test_cli_reports_config_errors(fake_tree, capsys):
+    rc = build_cubins.main(["--configs", str(fake_tree / "configs.yaml"), "--src",
+                            str(fake_tree / "src"), "--out", str(fake_tree / "out"),
+                            "--archs", "86"])
+    assert rc == 1
+    assert "error: --archs [86] not in configs.yaml; allowed: [80, 90]" in capsys.readouterr().err
+    assert build_cubins.main(["--configs", str(fake_tree / "configs.yaml"), "--src",
+                              str(fake_tree / "src"), "--only", "d999"]) == 1
+    assert "no config name contains only='d999'" in capsys.readouterr().err

@@ -1,0 +1,142 @@
+"""Kernel config model (cudaflash/config.py) and configs.yaml: validation, names, expansion.
+
+CPU only. The config module is loaded the way build_cubins.py loads it (without importing
+cudaflash, hence without torch).
+"""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+import build_cubins
+
+config = build_cubins.config
+ConfigError = config.ConfigError
+KernelConfig = config.KernelConfig
+
+ROOT = Path(build_cubins.__file__).resolve().parent
+SPEC = build_cubins.load_spec(ROOT / "configs.yaml")
+
+BASE = dict(dtype="bf16", d_head=128, B_r=128, B_c=64, n_warps=4, async_copy=True,
+            eager_load_blocks=True, swizzled=True, Q_mma_load_K_fragments=2,
+            K_mma_load_K_fragments=2, V_mma_load_K_fragments=0, mma_double_buffer_loads=True,
+            optimized_softmax=True)
+
+
+def test_base_config_is_valid():
+    assert KernelConfig.from_dict(BASE).errors() == []
+
+
+def test_configs_yaml_is_valid_and_names_are_unique():
+    assert SPEC.configs, "configs.yaml lists no configs"
+    names = [cfg.name for cfg in SPEC.configs]
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("cfg", SPEC.configs, ids=lambda c: c.name)
+def test_name_round_trip(cfg):
+    assert KernelConfig.from_name(cfg.name) == cfg
+    assert cfg.validate() is cfg
+
+
+@pytest.mark.parametrize("cfg", SPEC.configs, ids=lambda c: c.name)
+def test_every_config_fits_a_built_arch(cfg):
+    assert any(cfg.fits_arch(a) for a in SPEC.archs), (
+        f"{cfg.name} needs {cfg.smem_bytes} bytes of smem, more than any arch in configs.yaml")
+
+
+# One case per validity rule: the change that breaks it and the field the error must name.
+BAD = [
+    ({"dtype": "fp32"}, "dtype"),
+    ({"d_head": 96}, "d_head"),
+    ({"n_warps": 2}, "n_warps"),
+    ({"B_c": 48}, "B_c"),
+    ({"B_r": 96}, "B_r"),  # 24 rows per warp
+    ({"B_r": 256, "n_warps": 8, "d_head": 256, "B_c": 128, "Q_mma_load_K_fragments": 0,
+      "K_mma_load_K_fragments": 0, "mma_double_buffer_loads": False}, "B_r"),  # smem > 227 KiB
+    ({"Q_mma_load_K_fragments": 3, "K_mma_load_K_fragments": 3}, "K_mma_load_K_fragments"),
+    ({"Q_mma_load_K_fragments": 1, "K_mma_load_K_fragments": 1}, "K_mma_load_K_fragments"),
+    ({"Q_mma_load_K_fragments": 16, "K_mma_load_K_fragments": 16}, "K_mma_load_K_fragments"),
+    ({"V_mma_load_K_fragments": 8, "mma_double_buffer_loads": False}, "V_mma_load_K_fragments"),
+    ({"Q_mma_load_K_fragments": 4}, "Q_mma_load_K_fragments"),  # Q slices must match K's
+    ({"Q_mma_load_K_fragments": 0, "K_mma_load_K_fragments": 0}, "mma_double_buffer_loads"),
+    ({"async_copy": False}, "eager_load_blocks"),
+]
+
+
+@pytest.mark.parametrize("change,field", BAD, ids=[f for _, f in BAD])
+def test_bad_config_names_config_and_field(change, field):
+    cfg = KernelConfig(**{**BASE, **change})
+    assert any(e.startswith(f"{field}=") for e in cfg.errors()), cfg.errors()
+    with pytest.raises(ConfigError) as exc:
+        KernelConfig.from_dict({**BASE, **change}, where="configs.yaml configs[7]")
+    msg = str(exc.value)
+    assert "configs.yaml configs[7]" in msg and cfg.name in msg and f"{field}=" in msg
+    with pytest.raises(ConfigError, match=f"invalid kernel config {cfg.name}: .*{field}="):
+        cfg.validate()
+
+
+@pytest.mark.parametrize("change,text", [
+    ({"d_head": "128"}, "d_head='128' must be a int"),
+    ({"swizzled": 1}, "swizzled=1 must be a bool"),
+    ({"n_warps": True}, "n_warps=True must be a int"),
+    ({"B_m": 64}, "unknown field(s) ['B_m']"),
+])
+def test_from_dict_rejects_bad_fields(change, text):
+    with pytest.raises(ConfigError) as exc:
+        KernelConfig.from_dict({**BASE, **change}, where="here")
+    assert str(exc.value).startswith("here") and text in str(exc.value)
+
+
+def test_from_dict_rejects_missing_field():
+    data = dict(BASE)
+    del data["swizzled"]
+    with pytest.raises(ConfigError, match=r"missing field\(s\) \['swizzled'\]"):
+        KernelConfig.from_dict(data)
+
+
+def test_from_name_rejects_non_canonical_name():
+    with pytest.raises(ConfigError, match="not a canonical kernel config name"):
+        KernelConfig.from_name("fwd_bf16_d128")
+
+
+def test_expand_lists_to_cartesian_product():
+    cfgs = config.expand_config_entries([{**BASE, "dtype": ["fp16", "bf16"]}])
+    assert [c.dtype for c in cfgs] == ["fp16", "bf16"]
+    assert cfgs[0] == dataclasses.replace(cfgs[1], dtype="fp16")
+
+
+def test_expand_merges_defaults():
+    defaults = {k: v for k, v in BASE.items() if k not in ("dtype", "d_head")}
+    (cfg,) = config.expand_config_entries([{"dtype": "fp16", "d_head": 128}], defaults)
+    assert cfg == KernelConfig(**{**BASE, "dtype": "fp16"})
+
+
+def test_duplicate_configs_are_rejected():
+    entries = [{**BASE, "dtype": ["fp16", "bf16"]}, dict(BASE)]
+    with pytest.raises(ConfigError) as exc:
+        config.expand_config_entries(entries, where="configs")
+    name = KernelConfig(**BASE).name
+    assert str(exc.value) == f"configs[1]: {name} is already listed by configs[0]"
+
+
+def test_entry_must_be_a_mapping():
+    with pytest.raises(ConfigError, match=r"configs\[0\] must be a mapping"):
+        config.expand_config_entries(["fwd_bf16"])
+
+
+def test_smem_and_threads():
+    cfg = KernelConfig(**BASE)
+    assert cfg.threads == 128
+    assert cfg.smem_bytes == (128 + 2 * 64) * 128 * 2
+    assert cfg.fits_arch(80) and cfg.fits_arch(86)
+    big = KernelConfig(**{**BASE, "d_head": 256})  # 128 KiB: too much for sm_86's 99 KiB
+    assert big.fits_arch(80) and not big.fits_arch(86)
+
+
+def test_nvcc_defines_cover_every_field():
+    defines = KernelConfig(**BASE).nvcc_defines()
+    assert len(defines) == len(dataclasses.fields(KernelConfig))
+    assert defines["CF_DTYPE_BF16"] == 1 and defines["CF_D_HEAD"] == 128
+    assert all(isinstance(v, int) and not isinstance(v, bool) for v in defines.values())

@@ -1,0 +1,359 @@
+"""Correctness on a GPU, against the attention math in PyTorch.
+
+The pass rule is FlashAttention's: with ref32 the math in float32 (TF32 off) and lowp the same
+math in the input dtype, ``max|ours - ref32| <= 2 * max|lowp - ref32| + 1e-5``, for out and
+(on the rows that see a key) for the log-sum-exp. Rows that see no key (causal with
+seqlen_q > seqlen_k) must give out = 0 and lse = -inf exactly.
+
+Every config built for this GPU runs the core shapes (explicit ``forward``, out pre-filled
+with NaN); the feature matrix (layouts, GQA, scales, graphs, compile, long sequences) runs
+through ``flash_attn_func`` and the config it selects. Inputs are randn with fixed seeds.
+"""
+
+import math
+import shutil
+
+import pytest
+import torch
+
+import cudaflash
+from conftest import gpu_skip_reason
+from cudaflash import api, flash_attn_func, forward, manifest
+
+pytestmark = pytest.mark.requires_gpu
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _kernels_for_this_gpu():
+    """Collected at import: one entry per config usable on cuda:0 (none without a GPU)."""
+    if gpu_skip_reason() is not None:
+        return []
+    try:
+        return cudaflash.list_kernels(0)
+    except RuntimeError:  # no kernels: test_kernels_are_built reports it
+        return []
+
+
+KERNELS = _kernels_for_this_gpu()
+COMBOS = sorted({(e.config.dtype, e.config.d_head) for e in KERNELS})
+
+
+def _combo_id(combo):
+    return f"{combo[0]}_d{combo[1]}"
+
+
+def _pick_combo(*preferred):
+    for combo in preferred:
+        if combo in COMBOS:
+            return combo
+    pytest.skip(f"none of {preferred} is built for this GPU (built: {COMBOS})")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fp32_reference_without_tf32():
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(old)
+
+
+# ---- inputs, reference and the checker --------------------------------------------------------
+
+
+def make_qkv(b, sq, sk, h, hk, d, dtype, seed=0):
+    """randn q (b, sq, h, d) and k, v (b, sk, hk, d) on cuda:0."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(shape, generator=g, device="cuda", dtype=dtype)
+                 for shape in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d)))
+
+
+def attention_ref(q, k, v, causal, scale, upcast, first_row=0, seqlen_q=None):
+    """(out, lse) of softmax(scale * q k^T, bottom-right causal mask) v, in BSHD.
+
+    upcast: the math in float32, else in q's dtype. q holds query rows [first_row,
+    first_row + q.shape[1]) of a sequence of seqlen_q rows (default: all of it), so the causal
+    mask of a slice of rows is the one of the full problem.
+    """
+    seqlen_q = q.shape[1] if seqlen_q is None else seqlen_q
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    groups = q.shape[2] // k.shape[2]  # GQA: query head h reads K/V head h // groups
+    k = k.repeat_interleave(groups, dim=2)
+    v = v.repeat_interleave(groups, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # (b, h, sq, sk)
+    if causal:
+        seqlen_k = k.shape[1]
+        rows = torch.arange(first_row, first_row + q.shape[1], device=q.device)[:, None]
+        cols = torch.arange(seqlen_k, device=q.device)[None, :]
+        scores = scores.masked_fill(cols > rows + seqlen_k - seqlen_q, -math.inf)
+    lse = torch.logsumexp(scores.float(), dim=-1)  # (b, h, sq); -inf where no key is seen
+    p = torch.softmax(scores, dim=-1)
+    p = torch.where(torch.isneginf(lse)[..., None], 0.0, p).to(v.dtype)  # not NaN: zero
+    return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
+
+
+def _assert_within(what, ours, ref, lowp):
+    if ref.numel() == 0:
+        return
+    err = (ours - ref).abs().max().item()
+    bound = 2 * (lowp - ref).abs().max().item() + 1e-5
+    assert err <= bound, (f"{what}: max|ours - fp32 ref| = {err:.4g} > 2 * max|low-precision "
+                          f"torch - fp32 ref| + 1e-5 = {bound:.4g}")
+
+
+def check_attention(out, lse, q, k, v, causal, scale=None, first_row=0, seqlen_q=None):
+    """Assert FlashAttention's accuracy rule for out and (if given) lse."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    ref, ref_lse = attention_ref(q, k, v, causal, scale, True, first_row, seqlen_q)
+    lowp, lowp_lse = attention_ref(q, k, v, causal, scale, False, first_row, seqlen_q)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    bad = (~torch.isfinite(out)).sum().item()
+    assert bad == 0, f"out has {bad} NaN/inf elements (unwritten or overflowed)"
+    _assert_within("out", out.float(), ref, lowp.float())
+    no_key = torch.isneginf(ref_lse)  # (b, h, sq)
+    assert (out.transpose(1, 2)[no_key] == 0).all(), "rows that see no key must be 0"
+    if lse is not None:
+        assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
+        assert torch.equal(torch.isneginf(lse), no_key), \
+            "lse must be -inf exactly on the rows that see no key"
+        assert not (torch.isnan(lse) | torch.isposinf(lse)).any(), "lse has NaN or +inf"
+        _assert_within("lse", lse[~no_key], ref_lse[~no_key], lowp_lse[~no_key])
+
+
+# ---- every config: the core shapes --------------------------------------------------------------
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, causal)
+CORE_SHAPES = [
+    (2, 113, 113, 3, 3, False),  # tails in both sequences, odd head count
+    (1, 17, 1000, 4, 2, True),  # seqlen_q < seqlen_k, GQA
+    (1, 1000, 17, 2, 1, True),  # seqlen_q > seqlen_k: rows that see no key; MQA
+    (2, 1, 2049, 2, 2, True),  # one query row (decoding)
+    (1, 1000, 2049, 2, 2, False),
+    (1, 2049, 2049, 2, 2, True),  # many blocks on the causal diagonal
+]
+
+
+def test_kernels_are_built():
+    assert manifest.load_manifest().kernels
+    assert KERNELS, f"no kernel in {manifest.load_manifest().path} runs on this GPU"
+
+
+@pytest.mark.parametrize("shape", CORE_SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}_hk{}_causal{}"
+                         .format(*s))
+@pytest.mark.parametrize("entry", KERNELS, ids=lambda e: e.name)
+def test_config(entry, shape):
+    b, sq, sk, h, hk, causal = shape
+    cfg = entry.config
+    q, k, v = make_qkv(b, sq, sk, h, hk, cfg.d_head, DTYPES[cfg.dtype], seed=sq + sk)
+    out = torch.full_like(q, math.nan)  # every element must be written
+    out2, lse = forward(cfg, q, k, v, out=out, causal=causal)
+    assert out2 is out
+    check_attention(out, lse, q, k, v, causal)
+
+
+# ---- features, through flash_attn_func -----------------------------------------------------------
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k)
+FEATURE_SHAPES = [
+    (1, 113, 2049, 2, 2),
+    (1, 2049, 113, 2, 2),
+    (2, 257, 257, 8, 2),  # GQA
+    (1, 300, 500, 3, 1),  # MQA, odd head count
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("shape", FEATURE_SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}_hk{}"
+                         .format(*s))
+@pytest.mark.parametrize("combo", COMBOS, ids=_combo_id)
+def test_flash_attn_func(combo, shape, causal):
+    dtype, d = DTYPES[combo[0]], combo[1]
+    q, k, v = make_qkv(*shape, d, dtype, seed=7)
+    out, lse, probs = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert probs is None
+    check_attention(out, lse, q, k, v, causal)
+
+
+def _layout(name, b, sq, sk, h, hk, d, dtype):
+    g = torch.Generator(device="cuda").manual_seed(3)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=g, device="cuda", dtype=dtype)
+
+    if name == "bhsd_transposed":  # (b, h, s, d) memory seen as (b, s, h, d)
+        return (randn(b, h, sq, d).transpose(1, 2), randn(b, hk, sk, d).transpose(1, 2),
+                randn(b, hk, sk, d).transpose(1, 2))
+    if name == "packed_qkv":  # slices of one (b, s, 3, h, d) tensor
+        return randn(b, sq, 3, h, d).unbind(2)
+    if name == "non_unit_last_stride":  # copied by the API, like flash-attn's maybe_contiguous
+        return (randn(b, sq, d, h).transpose(2, 3), randn(b, sk, d, hk).transpose(2, 3),
+                randn(b, sk, d, hk).transpose(2, 3))
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("layout", ["bhsd_transposed", "packed_qkv", "non_unit_last_stride"])
+@pytest.mark.parametrize("combo", COMBOS, ids=_combo_id)
+def test_layouts(combo, layout):
+    dtype, d = DTYPES[combo[0]], combo[1]
+    hk = 3 if layout == "packed_qkv" else 1
+    q, k, v = _layout(layout, 2, 200, 200, 3, hk, d, dtype)
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    check_attention(out, lse, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("scale", [0.02, 0.3])
+@pytest.mark.parametrize("combo", COMBOS, ids=_combo_id)
+def test_softmax_scale(combo, scale):
+    q, k, v = make_qkv(1, 150, 333, 2, 2, combo[1], DTYPES[combo[0]], seed=11)
+    out, lse, _ = flash_attn_func(q, k, v, softmax_scale=scale, return_attn_probs=True)
+    check_attention(out, lse, q, k, v, causal=False, scale=scale)
+
+
+def test_deterministic():
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    q, k, v = make_qkv(2, 500, 700, 4, 2, d, DTYPES[dtype])
+    a = flash_attn_func(q, k, v, causal=True, deterministic=True)
+    b = flash_attn_func(q, k, v, causal=True, deterministic=True)
+    assert torch.equal(a, b)
+
+
+def test_side_stream():
+    dtype, d = _pick_combo(("fp16", 64), *COMBOS)
+    q, k, v = make_qkv(1, 1000, 1000, 2, 2, d, DTYPES[dtype])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = flash_attn_func(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    check_attention(out, None, q, k, v, causal=True)
+
+
+def test_cuda_graph_capture_and_replay():
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    shape = (2, 300, 300, 4, 2, d, DTYPES[dtype])
+    static = make_qkv(*shape, seed=0)
+    # Warm up on a side stream: the module load and kernel choice must happen before capture.
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flash_attn_func(*static, causal=True)
+    torch.cuda.current_stream().wait_stream(stream)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = flash_attn_func(*static, causal=True)
+    for seed in (1, 2):
+        fresh = make_qkv(*shape, seed=seed)
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        check_attention(static_out, None, *fresh, causal=True)
+
+
+def test_torch_compile_fullgraph():
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    q, k, v = make_qkv(2, 257, 300, 4, 2, d, DTYPES[dtype])
+
+    def attention(q, k, v):
+        out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        return out, lse
+
+    out, lse = torch.compile(attention, fullgraph=True)(q, k, v)
+    check_attention(out, lse, q, k, v, causal=True)
+    eager_out, eager_lse = attention(q, k, v)
+    assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_long_sequence(causal):
+    """131072 tokens: checked on the first and last 256 query rows (the reference for all rows
+    would need 64 GiB of scores)."""
+    dtype, d = _pick_combo(("bf16", 128))
+    s = 131072
+    q, k, v = make_qkv(1, s, s, 1, 1, d, DTYPES[dtype])
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    for first in (0, s - 256):
+        rows = slice(first, first + 256)
+        check_attention(out[:, rows], lse[:, :, rows], q[:, rows], k, v, causal,
+                        first_row=first, seqlen_q=s)
+
+
+# ---- the checker itself ---------------------------------------------------------------------
+
+
+def test_checker_rejects_wrong_answers():
+    dtype, d = _pick_combo(("fp16", 64), ("fp16", 128))
+    q, k, v = make_qkv(1, 200, 200, 2, 2, d, DTYPES[dtype])
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    check_attention(out, lse, q, k, v, causal=True)
+
+    off = out.clone()
+    off[0, 100, 1, 7] += 0.05
+    nan = out.clone()
+    nan[0, 5, 0, 0] = math.nan
+    wrong = {
+        "the non-causal result": (flash_attn_func(q, k, v, causal=False), lse),
+        "one element off by 0.05": (off, lse),
+        "one NaN": (nan, lse),
+        "lse off by 0.02": (out, lse + 0.02),
+    }
+    for what, (bad_out, bad_lse) in wrong.items():
+        try:
+            check_attention(bad_out, bad_lse, q, k, v, causal=True)
+        except AssertionError:
+            continue
+        pytest.fail(f"the checker accepted a wrong answer: {what}")
+
+
+# ---- edge cases -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("b, sq, sk", [(0, 16, 16), (2, 0, 16), (2, 16, 0), (2, 0, 0)])
+def test_empty_inputs(b, sq, sk, causal):
+    dtype, d = COMBOS[0]
+    q, k, v = make_qkv(b, sq, sk, 2, 1, d, DTYPES[dtype])
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (b, 2, sq)
+    if b and sq and not sk:  # no key for any row
+        assert torch.equal(out, torch.zeros_like(q))
+        assert torch.isneginf(lse).all()
+    config = next(e.config for e in KERNELS if (e.config.dtype, e.config.d_head) == (dtype, d))
+    out = torch.full_like(q, math.nan)
+    forward(config, q, k, v, out=out, causal=causal)
+    if b and sq and not sk:
+        assert torch.equal(out, torch.zeros_like(q))
+
+
+def test_misaligned_view_is_refused():
+    dtype, d = COMBOS[0]
+    q, k, v = make_qkv(1, 64, 64, 2, 2, d, DTYPES[dtype])
+    shifted = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)[1:].view(q.shape)
+    with pytest.raises(ValueError, match="q is not 16-byte aligned"):
+        flash_attn_func(shifted, k, v)
+
+
+def test_corrupt_or_missing_kernel_file(tmp_path, monkeypatch):
+    entry = KERNELS[0]
+    src = manifest.load_manifest().path.parent
+    dst = tmp_path / "kernels"
+    shutil.copytree(src, dst)
+    path = dst / entry.path.relative_to(src)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    q, k, v = make_qkv(1, 64, 64, 2, 2, entry.config.d_head, DTYPES[entry.config.dtype])
+
+    monkeypatch.setenv("CUDAFLASH_KERNEL_DIR", str(dst))
+    api.clear_caches()  # loaded functions are cached per (device, context, kernel)
+    try:
+        with pytest.raises(RuntimeError, match=f"kernel file {path} is corrupt"):
+            forward(entry.config, q, k, v)
+        path.unlink()
+        with pytest.raises(RuntimeError, match=f"kernel file {path} of {entry.name} is missing"):
+            forward(entry.config, q, k, v)
+    finally:
+        monkeypatch.undo()
+        api.clear_caches()

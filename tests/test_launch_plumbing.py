@@ -1,0 +1,248 @@
+"""The host side of a launch, without a GPU: kernel selection and its cache, module loading
+(sha256 checks), the packed Params, the launch geometry and empty inputs.
+
+A fake ``cuda.bindings.driver`` records the calls, and CPU tensors stand in for CUDA ones:
+``api._run`` (what runs after the argument checks and the device switch) is called directly.
+The same paths on a real GPU are covered by test_gpu_correctness.py.
+"""
+
+import ctypes
+import logging
+import math
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+from cuda.bindings import driver as real_driver
+
+from conftest import D64, D64_WIDE, D128, D256_BIG
+from cudaflash import _driver, api, manifest
+from cudaflash._params import PARAMS_BYTES, Params
+
+OK = real_driver.CUresult.CUDA_SUCCESS
+CTX = 0x5000
+
+
+class FakeDriver:
+    """The subset of cuda.bindings.driver that cudaflash calls, recording what it is given."""
+
+    CUfunction_attribute = real_driver.CUfunction_attribute
+    CUstreamCaptureStatus = real_driver.CUstreamCaptureStatus
+
+    def __init__(self):
+        self.loaded = []  # images given to cuModuleLoadData
+        self.attributes = []
+        self.launches = []
+        self.synchronized = []
+        self.capturing = False
+        self.launch_result = OK
+
+    def cuCtxGetCurrent(self):
+        return OK, CTX
+
+    def cuModuleLoadData(self, image):
+        self.loaded.append(bytes(image))
+        return OK, f"module{len(self.loaded)}"
+
+    def cuModuleGetFunction(self, module, name):
+        return OK, (module, name)
+
+    def cuFuncSetAttribute(self, fn, attribute, value):
+        self.attributes.append((fn, attribute, value))
+        return (OK,)
+
+    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, extra):
+        # kernel_params is the address of a void*[1] pointing at the packed Params.
+        params_address = ctypes.c_void_p.from_address(kernel_params).value
+        params = Params.from_buffer_copy(ctypes.string_at(params_address, PARAMS_BYTES))
+        self.launches.append(SimpleNamespace(fn=fn, grid=(gx, gy, gz), block=(bx, by, bz),
+                                             smem=smem, stream=stream, params=params,
+                                             extra=extra))
+        return (self.launch_result,)
+
+    def cuStreamIsCapturing(self, stream):
+        status = self.CUstreamCaptureStatus
+        return OK, (status.CU_STREAM_CAPTURE_STATUS_ACTIVE if self.capturing
+                    else status.CU_STREAM_CAPTURE_STATUS_NONE)
+
+    def cuStreamSynchronize(self, stream):
+        self.synchronized.append(stream)
+        return (OK,)
+
+
+@pytest.fixture
+def fake(fake_kernel_dir, monkeypatch):
+    drv = FakeDriver()
+    monkeypatch.setattr(_driver, "_cu", lambda: drv)
+    monkeypatch.setattr(_driver, "device",
+                        lambda index: _driver.Device(index, "Fake A100", 80, 166912))
+    monkeypatch.setattr(_driver, "_error_text",
+                        lambda err: f"{err.name}: (error text of the real driver)")
+    monkeypatch.setattr(api, "_current_stream", lambda index: 0x77)
+    return drv
+
+
+def qkv(b=2, sq=100, sk=300, h=4, hk=2, d=64, dtype=torch.float16):
+    return (torch.randn(b, sq, h, d).to(dtype), torch.randn(b, sk, hk, d).to(dtype),
+            torch.randn(b, sk, hk, d).to(dtype))
+
+
+def run(q, k, v, causal=False, scale=0.125, config=None, out=None):
+    return api._run(config, 0, q, k, v, out, scale, causal)
+
+
+def test_launch_packs_params_and_geometry(fake):
+    q, k, v = qkv()
+    v = v.transpose(1, 2).contiguous().transpose(1, 2)  # BHSD memory seen as BSHD
+    out, lse = run(q, k, v, causal=True, scale=0.3)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    assert lse.shape == (2, 4, 100) and lse.dtype == torch.float32 and lse.is_contiguous()
+
+    (launch,) = fake.launches
+    # seqlen_q 100 <= 256 with fp16 d64: rule 0 picks the 128x128, 8-warp config.
+    assert launch.grid == (1, 4, 2) and launch.block == (256, 1, 1)
+    assert launch.smem == D64_WIDE.smem_bytes and launch.stream == 0x77 and launch.extra == 0
+    p = launch.params
+    assert (p.q, p.k, p.v, p.o, p.lse) == (q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                           out.data_ptr(), lse.data_ptr())
+    assert (p.q_batch_stride, p.q_seq_stride, p.q_head_stride) == q.stride()[:3]
+    assert (p.k_batch_stride, p.k_seq_stride, p.k_head_stride) == k.stride()[:3]
+    assert (p.v_batch_stride, p.v_seq_stride, p.v_head_stride) == (300 * 128, 64, 300 * 64)
+    assert (p.o_batch_stride, p.o_seq_stride, p.o_head_stride) == out.stride()[:3]
+    assert (p.batch, p.n_heads, p.n_heads_k, p.seqlen_q, p.seqlen_k, p.is_causal) == \
+        (2, 4, 2, 100, 300, 1)
+    assert p.softmax_scale == pytest.approx(0.3)
+    assert p.scale_log2 == pytest.approx(0.3 * math.log2(math.e))
+
+
+def test_module_loaded_once_with_its_smem_attribute(fake, fake_kernel_dir):
+    q, k, v = qkv(sq=1000)
+    run(q, k, v)
+    run(q, k, v)
+    run(*qkv(sq=2000))  # same rule bucket (seqlen_q > 256)
+    entry = manifest.load_manifest().usable(80, 166912)[D64["fp16"].name]
+    assert (entry.kind, entry.arch) == ("cubin", 80)
+    assert fake.loaded == [entry.path.read_bytes()]
+    ((fn, attribute, value),) = fake.attributes
+    assert fn == ("module1", b"cudaflash_fwd")
+    assert attribute.name == "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES"
+    assert value == entry.smem_bytes
+    assert [x.grid for x in fake.launches] == [(8, 4, 2), (8, 4, 2), (16, 4, 2)]
+
+
+def test_seqlen_buckets_follow_the_rules(fake):
+    """Rule 0 holds for seqlen_q <= 256: 256 and 257 must land in different cache entries."""
+    for sq in (1, 256, 257, 1000, 256):
+        run(*qkv(sq=sq))
+    threads = [x.block[0] for x in fake.launches]
+    assert threads == [256, 256, 128, 128, 256]
+    assert len(fake.loaded) == 2
+
+
+def test_ptx_is_nul_terminated(fake, fake_kernel_dir, monkeypatch):
+    monkeypatch.setattr(_driver, "device", lambda i: _driver.Device(i, "Fake H100", 90, 232448))
+    run(*qkv(dtype=torch.bfloat16))  # bf16 d64 has only sm_80 SASS: the sm_90 device JITs PTX
+    ptx = (fake_kernel_dir / f"ptx/compute_90/{D64['bf16'].name}.ptx").read_bytes()
+    assert fake.loaded == [ptx + b"\0"]
+
+
+def test_explicit_config(fake):
+    q, k, v = qkv(d=256, h=2, hk=2)
+    out = torch.full_like(q, math.nan)
+    out2, _ = run(q, k, v, config=D256_BIG, out=out)
+    assert out2 is out
+    assert fake.launches[0].params.o == out.data_ptr()
+    assert fake.launches[0].grid == (1, 2, 2) and fake.launches[0].smem == 131072
+    message = (f"config {D128.name} is not built for cuda:0 (Fake A100, sm_80, 166912 bytes "
+               f"of shared memory); configs built for it: ['{D64['fp16'].name}', ")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run(*qkv(d=128), config=D128)
+
+
+def test_head_dim_not_built_for_this_gpu(fake):
+    with pytest.raises(ValueError, match=r"no bf16 kernel with head dim 128 runs on cuda:0 .*; "
+                                         r"bf16 head dims built for it: \[64\]"):
+        run(*qkv(d=128, dtype=torch.bfloat16))
+
+
+def test_old_gpu(fake, monkeypatch):
+    monkeypatch.setattr(_driver, "device", lambda i: _driver.Device(i, "Tesla T4", 75, 65536))
+    with pytest.raises(RuntimeError, match=r"cuda:0 \(Tesla T4\) is sm_75; cudaflash needs "
+                                           r"sm_80 \(Ampere\) or newer"):
+        run(*qkv())
+
+
+@pytest.mark.parametrize("b, sq, sk", [(0, 5, 5), (2, 0, 5), (0, 0, 0)])
+def test_empty_inputs_launch_nothing(fake, b, sq, sk):
+    out, lse = run(*qkv(b=b, sq=sq, sk=sk))
+    assert out.shape == (b, sq, 4, 64) and lse.shape == (b, 4, sq)
+    assert fake.launches == []
+
+
+def test_no_keys_gives_zeros_and_minus_inf(fake):
+    q, k, v = qkv(sq=7, sk=0)
+    out, lse = run(q, k, v, causal=True, out=torch.full_like(q, math.nan))
+    assert torch.equal(out, torch.zeros_like(q))
+    assert torch.equal(lse, torch.full((2, 4, 7), -math.inf))
+    assert fake.launches == []
+
+
+def test_corrupt_and_missing_kernel_files(fake, fake_kernel_dir):
+    path = fake_kernel_dir / f"sm_80/{D64['fp16'].name}.cubin"
+    path.write_bytes(path.read_bytes() + b"!")
+    with pytest.raises(RuntimeError, match=f"kernel file {path} is corrupt or from another "
+                                           "build: its sha256 is [0-9a-f]{64}, the manifest "
+                                           "says [0-9a-f]{64}"):
+        run(*qkv(sq=1000))
+    path.unlink()
+    with pytest.raises(RuntimeError, match=f"kernel file {path} of {D64['fp16'].name} is "
+                                           "missing"):
+        run(*qkv(sq=1000))
+    assert fake.launches == []
+
+
+def test_launch_error_names_the_kernel(fake):
+    fake.launch_result = real_driver.CUresult.CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(_driver.CudaError, match=f"cuLaunchKernel\\({D64_WIDE.name}\\) failed: "
+                                                "CUDA_ERROR_INVALID_VALUE"):
+        run(*qkv())
+
+
+def test_user_rules_come_first(fake, tmp_path, monkeypatch):
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(f"selection:\n  - {{causal: true, config: {D64['fp16'].name}}}\n")
+    monkeypatch.setenv("CUDAFLASH_CONFIG", str(rules))
+    api.clear_caches()
+    run(*qkv(), causal=True)  # the user rule
+    run(*qkv(), causal=False)  # falls through to the shipped rule 0
+    assert [x.block[0] for x in fake.launches] == [128, 256]
+
+
+def test_debug_logs_and_synchronizes(fake, monkeypatch, caplog):
+    monkeypatch.setenv("CUDAFLASH_DEBUG", "1")
+    api.clear_caches()
+    with caplog.at_level(logging.DEBUG, logger="cudaflash"):
+        run(*qkv(), causal=True)
+        fake.capturing = True
+        run(*qkv(), causal=True)  # synchronizing a capturing stream is illegal
+    assert fake.synchronized == [0x77]
+    text = caplog.text
+    assert (f"cuda:0 fp16 d_head=64 causal=True seqlen_q=100 seqlen_k=300 -> {D64_WIDE.name} "
+            f"(rule 0 of manifest.json)") in text
+    assert f"loaded {D64_WIDE.name} (cubin sm_80)" in text
+
+
+def test_no_debug_no_sync(fake):
+    run(*qkv())
+    assert fake.synchronized == []
+
+
+def test_check_unpacks_cuda_python_results(monkeypatch):
+    assert _driver.check((OK,), "cuFoo") == ()
+    assert _driver.check((OK, 5), "cuFoo") == 5
+    assert _driver.check((OK, 5, 6), "cuFoo") == (5, 6)
+    monkeypatch.setattr(_driver, "_error_text", lambda err: f"{err.name}: invalid argument")
+    with pytest.raises(_driver.CudaError, match=r"^cuFoo\(x\) failed: CUDA_ERROR_INVALID_VALUE: "
+                                                "invalid argument$"):
+        _driver.check((real_driver.CUresult.CUDA_ERROR_INVALID_VALUE, None), "cuFoo(x)")

@@ -1,0 +1,60 @@
+"""The Params struct: one layout in cuda_src/params.cuh, cudaflash/_params.py (ctypes), the
+launcher's struct format and the manifest."""
+
+import ctypes
+import json
+import re
+import struct
+from pathlib import Path
+
+import pytest
+
+from cudaflash import manifest
+from cudaflash._params import PARAMS_BYTES, PARAMS_STRUCT_FORMAT, Params
+
+PARAMS_CUH = Path(__file__).resolve().parents[1] / "cuda_src" / "params.cuh"
+_CUDA_TYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p,
+               "float*": ctypes.c_void_p, "int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32,
+               "float": ctypes.c_float}
+
+
+def test_sizes_agree():
+    assert ctypes.sizeof(Params) == PARAMS_BYTES == 168
+    assert struct.calcsize(PARAMS_STRUCT_FORMAT) == PARAMS_BYTES
+
+
+def test_struct_format_fills_every_field_in_order():
+    """Distinct values packed with the launcher's format read back field by field."""
+    values = []
+    for i, (name, ctype) in enumerate(Params._fields_):
+        values.append(float(i) + 0.5 if ctype is ctypes.c_float else 1000 + i)
+    p = Params()
+    struct.pack_into(PARAMS_STRUCT_FORMAT, p, 0, *values)
+    assert [getattr(p, name) for name, _ in Params._fields_] == values
+
+
+def test_fields_match_params_cuh():
+    """Field names and types, in order, parsed from the CUDA struct."""
+    text = PARAMS_CUH.read_text()
+    body = re.search(r"struct Params \{(.*?)\n\};", text, re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    fields = []
+    for decl in body.split(";"):
+        decl = " ".join(decl.split())
+        if not decl:
+            continue
+        m = re.fullmatch(r"((?:const )?\w+\*?) (.+)", decl)
+        ctype = _CUDA_TYPES[m.group(1)]
+        fields += [(name.strip(), ctype) for name in m.group(2).split(",")]
+    assert fields == Params._fields_
+    assert f"constexpr int kParamsBytes = {PARAMS_BYTES};" in text
+
+
+def test_manifest_records_the_same_size():
+    try:
+        m = manifest.load_manifest()
+    except RuntimeError as e:
+        pytest.skip(f"no kernels built: {e}")
+    # load_manifest rejects a manifest whose params_bytes differs; check the value it read too.
+    data = json.loads(m.path.read_text())
+    assert data["params_bytes"] == PARAMS_BYTES

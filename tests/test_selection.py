@@ -1,0 +1,210 @@
+"""Selection rules (cudaflash/selection.py): parsing, errors, what select() picks. CPU only."""
+
+from pathlib import Path
+
+import pytest
+
+import build_cubins
+
+selection = build_cubins.selection
+ConfigError = build_cubins.ConfigError
+
+ROOT = Path(build_cubins.__file__).resolve().parent
+SPEC = build_cubins.load_spec(ROOT / "configs.yaml")
+KernelConfig = build_cubins.config.KernelConfig
+
+
+def template(**fields) -> str:
+    """Canonical name of a config (defaults: the seed's A100 d128 kernel), dtype as "{dtype}"."""
+    base = dict(dtype="fp16", d_head=128, B_r=128, B_c=64, n_warps=4, async_copy=True,
+                eager_load_blocks=True, swizzled=True, Q_mma_load_K_fragments=2,
+                K_mma_load_K_fragments=2, V_mma_load_K_fragments=0,
+                mma_double_buffer_loads=True, optimized_softmax=True)
+    name = KernelConfig(**{**base, **fields}).validate().name
+    return name.replace("fwd_fp16_", "fwd_{dtype}_", 1)
+
+
+# A fixed kernel list for the select() tests, so that they do not change with configs.yaml.
+D64 = template(d_head=64, Q_mma_load_K_fragments=0, K_mma_load_K_fragments=0,
+               mma_double_buffer_loads=False)
+D64_B = template(d_head=64, B_r=64, Q_mma_load_K_fragments=0, K_mma_load_K_fragments=0,
+                 mma_double_buffer_loads=False)
+D128 = template()
+D128_BC32 = template(B_c=32)
+ALL = {t.format(dtype=dt): None for t in (D64, D64_B, D128, D128_BC32) for dt in ("fp16", "bf16")}
+RULES = [
+    {"d_head": 64, "config": D64},
+    {"d_head": 128, "arch": [86, 89], "config": D128_BC32},
+    {"d_head": 128, "config": D128},
+]
+
+
+def call(rules, available=ALL, *, arch=90, dtype="bf16", d_head=128, causal=False,
+         seqlen_q=1024, seqlen_k=1024):
+    return selection.select(rules, available, arch=arch, dtype=dtype, d_head=d_head,
+                            causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+
+
+def rules(*raw):
+    return selection.parse_rules(list(raw), where="test.yaml")
+
+
+# ---- select() ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch,dtype,d_head,expected,rule", [
+    (80, "fp16", 64, D64, 0),
+    (90, "bf16", 64, D64, 0),
+    (86, "bf16", 128, D128_BC32, 1),
+    (89, "fp16", 128, D128_BC32, 1),
+    (80, "bf16", 128, D128, 2),
+    (90, "fp16", 128, D128, 2),
+])
+def test_first_matching_rule_wins(arch, dtype, d_head, expected, rule):
+    assert call(rules(*RULES), arch=arch, dtype=dtype, d_head=d_head) == (
+        expected.format(dtype=dtype), f"rule {rule} of test.yaml")
+
+
+def test_unavailable_config_falls_through_to_next_rule():
+    available = {n: None for n in ALL if n != D128_BC32.format(dtype="bf16")}
+    assert call(rules(*RULES), available, arch=86) == (D128.format(dtype="bf16"),
+                                                       "rule 2 of test.yaml")
+
+
+def test_fallback_takes_first_available_with_dtype_and_d_head():
+    available = [D64.format(dtype="fp16"), D128_BC32.format(dtype="bf16"),
+                 D128.format(dtype="bf16")]
+    assert call((), available) == (D128_BC32.format(dtype="bf16"),
+                                   "fallback: no selection rule matched")
+    assert call((), set(available), d_head=64, dtype="fp16")[0] == D64.format(dtype="fp16")
+
+
+def test_no_kernel_lists_what_is_available():
+    available = [D64.format(dtype="fp16"), D128.format(dtype="bf16")]
+    with pytest.raises(LookupError) as exc:
+        call(rules(*RULES), available, dtype="fp16", d_head=256, arch=86)
+    msg = str(exc.value)
+    assert "dtype=fp16 d_head=256 on sm_86" in msg
+    assert "bf16 d_head=128, fp16 d_head=64" in msg
+    with pytest.raises(LookupError, match="available .*: none"):
+        call(rules(*RULES), {})
+
+
+def test_conditions():
+    rs = rules({"causal": True, "max_seqlen_k": 512, "config": D64_B},
+               {"arch": [80], "max_seqlen_q": 128, "config": D64_B},
+               {"dtype": "fp16", "config": D64_B},
+               {"config": D64})
+    d64 = dict(d_head=64, dtype="bf16")
+    assert call(rs, causal=True, seqlen_k=512, **d64)[1] == "rule 0 of test.yaml"
+    assert call(rs, causal=True, seqlen_k=513, **d64)[1] == "rule 3 of test.yaml"
+    assert call(rs, causal=False, seqlen_k=100, **d64)[1] == "rule 3 of test.yaml"
+    assert call(rs, arch=80, seqlen_q=128, **d64)[1] == "rule 1 of test.yaml"
+    assert call(rs, arch=86, seqlen_q=128, **d64)[1] == "rule 3 of test.yaml"
+    assert call(rs, arch=80, seqlen_q=129, **d64)[1] == "rule 3 of test.yaml"
+    assert call(rs, d_head=64, dtype="fp16") == (D64_B.format(dtype="fp16"),
+                                                 "rule 2 of test.yaml")
+
+
+def test_rule_never_serves_another_head_dim():
+    # No d_head condition: the rule's config is d64, so a d128 call must skip it.
+    rs = rules({"config": D64})
+    assert call(rs, d_head=128) == (D128.format(dtype="bf16"),
+                                    "fallback: no selection rule matched")
+
+
+def test_literal_name_serves_only_its_dtype():
+    rs = rules({"config": D64.format(dtype="fp16")})
+    assert call(rs, d_head=64, dtype="fp16")[1] == "rule 0 of test.yaml"
+    assert call(rs, d_head=64, dtype="bf16")[1] == "fallback: no selection rule matched"
+
+
+def test_to_dict_round_trip():
+    parsed = rules(*RULES)
+    assert [r.to_dict() for r in parsed] == RULES
+    assert selection.parse_rules([r.to_dict() for r in SPEC.rules], "configs.yaml") == SPEC.rules
+
+
+# ---- configs.yaml's own rules ------------------------------------------------------------
+
+
+def test_configs_yaml_rules_serve_every_built_kernel_family():
+    """On each arch, every (dtype, d_head) that configs.yaml builds gets a kernel of that
+    dtype and d_head that fits the arch, and every rule is chosen somewhere."""
+    chosen = set()
+    for arch in (80, 86, 89, 90):
+        fits = {c.name: c for c in SPEC.configs if c.fits_arch(arch)}
+        for dtype, d_head in {(c.dtype, c.d_head) for c in fits.values()}:
+            for causal in (False, True):
+                name, reason = call(SPEC.rules, fits, arch=arch, dtype=dtype, d_head=d_head,
+                                    causal=causal)
+                assert (fits[name].dtype, fits[name].d_head) == (dtype, d_head)
+                chosen.add(reason)
+    unused = {f"rule {r.index} of configs.yaml" for r in SPEC.rules} - chosen
+    assert not unused, f"never chosen (shadowed by an earlier rule?): {sorted(unused)}"
+
+
+# ---- parse errors ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rule,text", [
+    ({"d_head": 64, "config": D64, "head_dim": 64}, "unknown key(s) ['head_dim']"),
+    ({"d_head": 64}, "missing key 'config'"),
+    ({"arch": 90, "config": D64}, "arch=90 is invalid"),
+    ({"arch": [], "config": D64}, "arch=[] is invalid"),
+    ({"arch": [75], "config": D64}, "arch=[75] is invalid"),
+    ({"arch": [True], "config": D64}, "arch=[True] is invalid"),
+    ({"dtype": "fp32", "config": D64}, "dtype='fp32' is invalid; allowed: one of ['fp16', 'bf16']"),
+    ({"d_head": "64", "config": D64}, "d_head='64' is invalid"),
+    ({"causal": "yes", "config": D64}, "causal='yes' is invalid; allowed: true or false"),
+    ({"max_seqlen_q": 0, "config": D64}, "max_seqlen_q=0 is invalid"),
+    ({"max_seqlen_k": 1.5, "config": D64}, "max_seqlen_k=1.5 is invalid"),
+    ({"config": 64}, "config=64 is invalid"),
+    ({"config": "fwd_{dtype}_d64"}, "not a canonical kernel config name"),
+    ({"config": D64.replace("w4", "w2")}, "n_warps=2"),
+    ({"d_head": 128, "config": D64}, "has d_head=64 but the rule has d_head=128"),
+    ({"dtype": "bf16", "config": D64.format(dtype="fp16")}, "is a fp16 kernel but the rule"),
+])
+def test_bad_rule_names_index_key_and_value(rule, text):
+    with pytest.raises(ConfigError) as exc:
+        selection.parse_rules([{"config": D128}, rule], where="my.yaml")
+    msg = str(exc.value)
+    assert msg.startswith("my.yaml: rule 1"), msg
+    assert text in msg, msg
+
+
+def test_rules_must_be_a_list_of_mappings():
+    with pytest.raises(ConfigError, match="my.yaml: selection must be a list"):
+        selection.parse_rules({"config": D64}, where="my.yaml")
+    with pytest.raises(ConfigError, match="my.yaml: rule 0 must be a mapping"):
+        selection.parse_rules([D64], where="my.yaml")
+
+
+# ---- user rule files (CUDAFLASH_CONFIG) ---------------------------------------------------
+
+
+def test_load_user_rules(tmp_path):
+    path = tmp_path / "rules.yaml"
+    path.write_text(f"selection:\n  - {{d_head: 64, causal: true, config: \"{D64_B}\"}}\n")
+    rs = selection.load_user_rules(path)
+    assert len(rs) == 1 and rs[0].causal is True
+    assert call(rs, d_head=64, causal=True) == (D64_B.format(dtype="bf16"),
+                                                f"rule 0 of {path}")
+
+
+@pytest.mark.parametrize("text,error", [
+    (None, "cannot read the selection file"),
+    ("selection: [", "not valid yaml"),
+    ("- {config: x}\n", "expected a mapping with a top-level 'selection:'"),
+    ("rules: []\n", "expected a mapping with a top-level 'selection:' list of rules, got dict "
+                    "with keys ['rules']"),
+    ("selection: []\nconfigs: []\n", "unknown top-level key(s) ['configs']"),
+    ("selection:\n  - {d_head: 64, config: fwd_x}\n", "rule 0: config='fwd_x'"),
+])
+def test_user_rules_errors_name_the_file(tmp_path, text, error):
+    path = tmp_path / "rules.yaml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        selection.load_user_rules(path)
+    assert str(exc.value).startswith(str(path)) and error in str(exc.value), str(exc.value)
