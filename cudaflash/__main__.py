@@ -1,11 +1,12 @@
-"""Command line: ``python -m cudaflash list`` (the manifest's kernels, no GPU needed) and
-``python -m cudaflash info`` (versions, GPUs and the config each would run)."""
+"""Command line: ``python -m cudaflash list`` (the manifest's kernels, no GPU needed),
+``info`` (versions, GPUs and the config each would run), ``bench`` (cudaflash against PyTorch
+SDPA's backends) and ``tune`` (the fastest config per problem class on this GPU)."""
 
 import argparse
 import platform
 import sys
 
-from . import __version__, _driver, api, selection
+from . import __version__, _driver, api, bench, tune
 from .manifest import load_manifest
 
 
@@ -42,7 +43,6 @@ def cmd_info(args) -> int:
         print("GPU: none (torch.cuda.is_available() is False)")
         return 0
     print(f"CUDA driver {_driver.driver_version()}")
-    rules = api._rules().rules
     for index in range(torch.cuda.device_count()):
         dk = api._device_kernels(index)
         print(f"\n{dk.describe()}: {len(dk.usable)} configs usable; selection for "
@@ -51,9 +51,8 @@ def cmd_info(args) -> int:
         for dtype, d_head in sorted({(e.config.dtype, e.config.d_head)
                                      for e in dk.usable.values()}):
             for causal in (False, True):
-                name, reason = selection.select(
-                    rules, dk.usable, arch=dk.device.arch, dtype=dtype, d_head=d_head,
-                    causal=causal, seqlen_q=args.seqlen, seqlen_k=args.seqlen)
+                name, reason = api.selected_config(index, dtype, d_head, causal, args.seqlen,
+                                                   args.seqlen)
                 rows.append((dtype, d_head, causal, name, dk.usable[name].kind, reason))
         print(_table(("dtype", "d_head", "causal", "config", "kind", "chosen by"), rows))
     return 0
@@ -67,6 +66,8 @@ def main(argv=None) -> int:
     info.add_argument("--seqlen", type=int, default=4096,
                       help="sequence length to show the selection for (default 4096)")
     info.set_defaults(run=cmd_info)
+    bench.add_parser(sub)
+    tune.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -10,6 +10,10 @@
     fault is reported by the call that caused it.
 ``CUDAFLASH_KERNEL_DIR``
     Directory with ``manifest.json`` and the cubins; default: the package's ``kernels/``.
+``XDG_CACHE_HOME``
+    Where ``python -m cudaflash tune`` writes its tables (``$XDG_CACHE_HOME/cudaflash/
+    tuned-sm<arch>.yaml``, else ``~/.cache/cudaflash/...``) and where the runtime looks for
+    them: a tuned table's rules come after CUDAFLASH_CONFIG's and before the shipped ones.
 
 The runtime reads them when it first needs them on a device (first call per device and
 context) and caches what it builds from them. After changing one in a running process, call
@@ -36,6 +40,14 @@ def config_path() -> Path | None:
 def kernel_dir() -> Path:
     value = os.environ.get("CUDAFLASH_KERNEL_DIR", "")
     return Path(value) if value else _PACKAGE_KERNEL_DIR
+
+
+def tuned_table_path(arch: int) -> Path:
+    """The tuned selection table for GPUs of compute capability ``arch`` (it may not exist).
+    A relative or empty XDG_CACHE_HOME is ignored, as the XDG spec says."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    cache = Path(base) if os.path.isabs(base) else Path.home() / ".cache"
+    return cache / "cudaflash" / f"tuned-sm{arch}.yaml"
 
 
 def debug() -> bool:

@@ -366,15 +366,30 @@ _config_kernels: dict[tuple, _Kernel] = {}
 
 
 @functools.cache
-def _rules() -> _Rules:
-    """The shipped rules, behind the user's (CUDAFLASH_CONFIG) if any."""
+def _rules(arch: int) -> _Rules:
+    """Selection rules for GPUs of compute capability ``arch``, first match wins: the user's
+    (CUDAFLASH_CONFIG), then this arch's tuned table (``python -m cudaflash tune``), then the
+    shipped ones from the manifest."""
     rules = _manifest.load_manifest().selection
+    tuned = _env.tuned_table_path(arch)
+    if tuned.is_file():
+        rules = selection.load_user_rules(tuned) + rules
     path = _env.config_path()
     if path is not None:
         rules = selection.load_user_rules(path) + rules
     return _Rules(rules,
                   tuple(sorted({r.max_seqlen_q for r in rules if r.max_seqlen_q is not None})),
                   tuple(sorted({r.max_seqlen_k for r in rules if r.max_seqlen_k is not None})))
+
+
+def selected_config(device_index: int, dtype: str, d_head: int, causal: bool, seqlen_q: int,
+                    seqlen_k: int) -> tuple[str, str]:
+    """The config ``flash_attn_func`` runs on cuda:``device_index`` for such a call, and the
+    rule that chose it. Raises LookupError when no built config fits."""
+    dk = _device_kernels(device_index)
+    return selection.select(_rules(dk.device.arch).rules, dk.usable, arch=dk.device.arch,
+                            dtype=dtype, d_head=d_head, causal=causal, seqlen_q=seqlen_q,
+                            seqlen_k=seqlen_k)
 
 
 def _device_kernels(index: int) -> _DeviceKernels:
@@ -391,12 +406,12 @@ def _device_kernels(index: int) -> _DeviceKernels:
 
 def _auto_kernel(ctx: int, index: int, dtype: torch.dtype, d_head: int, causal: bool,
                  seqlen_q: int, seqlen_k: int) -> _Kernel:
-    r = _rules()
+    dk = _devices.get(index) or _device_kernels(index)
+    r = _rules(dk.device.arch)
     key = (ctx, dtype, d_head, causal, bisect.bisect_left(r.q_bounds, seqlen_q),
            bisect.bisect_left(r.k_bounds, seqlen_k))
     kernel = _auto_kernels.get(key)
     if kernel is None:
-        dk = _device_kernels(index)
         name = _DTYPES[dtype]
         if d_head not in dk.head_dims(name):
             raise ValueError(f"no {name} kernel with head dim {d_head} runs on {dk.describe()}; "

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import __version__, api, selection
+from . import __version__, api
 from .config import D_HEADS, DTYPES, KernelConfig
 from .tune import comma_list  # tune.py is stdlib-only at import: no cycle, no cost
 
@@ -192,21 +192,11 @@ def time_backend(backend: str, q, k, v, causal: bool, *, config: Optional[Kernel
 
 def selected_config(device_index: int, dtype: str, d_head: int, causal: bool, seqlen_q: int,
                     seqlen_k: int) -> Optional[str]:
-    """The config ``flash_attn_func`` runs for such a call, or None if there is none.
-
-    api has no public helper for this, so it repeats what ``python -m cudaflash info`` does:
-    the runtime's rules (``api._rules``, CUDAFLASH_CONFIG included) over the kernels usable on
-    this GPU.
-    """
-    usable = {e.name: e for e in api.list_kernels(device_index)}
-    major, minor = torch.cuda.get_device_capability(device_index)
+    """The config ``flash_attn_func`` runs for such a call, or None if there is none."""
     try:
-        name, _ = selection.select(api._rules().rules, usable, arch=10 * major + minor,
-                                   dtype=dtype, d_head=d_head, causal=causal,
-                                   seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        return api.selected_config(device_index, dtype, d_head, causal, seqlen_q, seqlen_k)[0]
     except LookupError:
         return None
-    return name
 
 
 @dataclass

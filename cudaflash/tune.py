@@ -4,12 +4,12 @@ For each (dtype, head dim, causal, seqlen bucket) it times every config built fo
 (the manifest's kernels usable here with that dtype and head dim) through
 ``cudaflash.forward`` at one representative size of the bucket (FlashAttention convention:
 batch = 16384 / S, nheads = 2048 / d), with the timing method of ``bench``. The winner of
-each bucket becomes a selection rule; the rules go to ``tuned_table_path(arch)`` (or
-``--out``) as yaml with a top-level ``selection:`` list, the format of configs.yaml's.
+each bucket becomes a selection rule; the rules go to ``_env.tuned_table_path(arch)`` (or
+``--out``) as yaml with a top-level ``selection:`` list, the format of configs.yaml's. The
+runtime picks that file up by itself: its rules come after CUDAFLASH_CONFIG's and before the
+shipped ones (``CUDAFLASH_DEBUG=1`` names the rule that chose each config).
 
-This module imports only the standard library and cudaflash's stdlib-only modules at import
-time (torch and the timing code are imported inside ``run``), so the runtime can import
-``tuned_table_path`` without cost.
+torch and the timing code are imported inside ``run`` so that the argument parser stays cheap.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple, Optional
 
+from ._env import tuned_table_path
 from .config import D_HEADS, DTYPES
 
 
@@ -50,15 +51,6 @@ class Winner(NamedTuple):
     causal: bool
     max_seqlen_k: Optional[int]
     config: str  # canonical name
-
-
-def tuned_table_path(arch: int) -> Path:
-    """Where ``tune`` writes the table for GPUs of compute capability ``arch`` by default:
-    ``$XDG_CACHE_HOME/cudaflash/tuned-sm<arch>.yaml``, or under ``~/.cache`` when
-    XDG_CACHE_HOME is unset, empty or relative (the XDG spec says to ignore a relative one)."""
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    cache = Path(base) if os.path.isabs(base) else Path.home() / ".cache"
-    return cache / "cudaflash" / f"tuned-sm{arch}.yaml"
 
 
 def selection_rules(arch: int, winners) -> list[dict]:
@@ -250,6 +242,7 @@ def run(args) -> int:
         "the first rule that matches a call wins: shorter max_seqlen_k first",
     ]
     write_table(path, render_table(selection_rules(arch, winners), header))
-    print(f"\nwrote {len(winners)} rules to {path} (CUDAFLASH_CONFIG={path} puts them before "
-          "the shipped rules)")
+    print(f"\nwrote {len(winners)} rules to {path}"
+          + ("" if args.out is not None else
+             " (flash_attn_func now uses them on this GPU; delete the file to go back)"))
     return 0

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cudaflash import bench, selection, tune
+from cudaflash import _env, bench, selection, tune
 
 D64 = "fwd_{dtype}_d64_br128_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1"
 D64_W8 = "fwd_{dtype}_d64_br128_bc128_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1"
@@ -181,26 +181,13 @@ def test_empty_tuned_table_is_valid():
 
 def test_tuned_table_path_honours_xdg_cache_home(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert tune.tuned_table_path(90) == tmp_path / "cudaflash" / "tuned-sm90.yaml"
+    assert _env.tuned_table_path(90) == tmp_path / "cudaflash" / "tuned-sm90.yaml"
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     for unset in ("", "relative/cache"):  # empty or relative: the XDG spec says use ~/.cache
         monkeypatch.setenv("XDG_CACHE_HOME", unset)
-        assert tune.tuned_table_path(86) == tmp_path / "home/.cache/cudaflash/tuned-sm86.yaml"
+        assert _env.tuned_table_path(86) == tmp_path / "home/.cache/cudaflash/tuned-sm86.yaml"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert tune.tuned_table_path(80) == tmp_path / "home/.cache/cudaflash/tuned-sm80.yaml"
-
-
-def test_tune_module_imports_no_torch_at_load():
-    # The runtime imports tuned_table_path; tune.py must keep torch (and bench) inside run().
-    tree = ast.parse(Path(tune.__file__).read_text())
-    names = set()
-    for node in tree.body:
-        if isinstance(node, ast.Import):
-            names.update(a.name.split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            names.add(node.module.split(".")[0] if node.level == 0 else f".{node.module}")
-    assert names <= {"__future__", "argparse", "datetime", "json", "math", "os", "sys",
-                     "pathlib", "typing", ".config"}
+    assert _env.tuned_table_path(80) == tmp_path / "home/.cache/cudaflash/tuned-sm80.yaml"
 
 
 # ---- GPU -----------------------------------------------------------------------------------
