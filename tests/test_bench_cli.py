@@ -3,7 +3,6 @@ parsing, the FLOP formula, the tuned-table writer and its path on the CPU; the m
 themselves on a GPU."""
 
 import argparse
-import ast
 import json
 import sys
 from pathlib import Path
