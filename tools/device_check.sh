@@ -15,7 +15,7 @@ steps=${*:-test bench}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
     | tee "$OUT/gpu.txt"
 python3 build_cubins.py -j16 > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
-grep -E "WARNING|kernels" "$OUT/build.log" | tail -20
+grep -E "^WARNING|^wrote" "$OUT/build.log" | tail -20
 
 rc=0
 for step in $steps; do
