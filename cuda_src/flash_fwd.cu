@@ -132,7 +132,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     float lse[kM][2];
     softmax.finalize(O, lse);
 
-    if (lane % 4 == 0) {
+    if (p.lse != nullptr && lane % 4 == 0) {
         float* lse_row = p.lse + (int64_t(batch) * p.n_heads + head) * p.seqlen_q;
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi)

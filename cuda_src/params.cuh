@@ -8,7 +8,8 @@ namespace cudaflash {
 
 struct Params {
     // Pointers. q: (batch, seqlen_q, n_heads, d_head); k, v: (batch, seqlen_k, n_heads_k, d_head);
-    // o: like q; lse: (batch, n_heads, seqlen_q) float32, contiguous.
+    // o: like q; lse: (batch, n_heads, seqlen_q) float32, contiguous, or null when the caller
+    // does not want it (flash_attn_func without return_attn_probs: one allocation less).
     const void* q;
     const void* k;
     const void* v;

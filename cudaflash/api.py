@@ -63,7 +63,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     if torch.compiler.is_compiling():
         out, lse = _fwd_op(q, k, v, softmax_scale, causal)
     else:
-        out, lse = _forward(None, q, k, v, None, softmax_scale, causal)
+        # No lse unless asked for: the kernel skips it and the call saves an allocation.
+        out, lse = _forward(None, q, k, v, None, softmax_scale, causal, return_attn_probs)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -258,7 +259,8 @@ def _softmax_scale(softmax_scale, d_head: int) -> float:
 # ---- the call --------------------------------------------------------------------------------
 
 
-def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal):
+def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal,
+             want_lse=True):
     q, k, v = _check_qkv(q, k, v)
     d_head = q.shape[3]
     if config is not None and (config.dtype, config.d_head) != (_DTYPES[q.dtype], d_head):
@@ -278,11 +280,11 @@ def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal
     if index != torch.cuda.current_device():
         # The driver calls work in the current context: make q's device current.
         with torch.cuda.device(index):
-            return _run(config, index, q, k, v, out, scale, bool(causal))
-    return _run(config, index, q, k, v, out, scale, bool(causal))
+            return _run(config, index, q, k, v, out, scale, bool(causal), want_lse)
+    return _run(config, index, q, k, v, out, scale, bool(causal), want_lse)
 
 
-def _run(config, index: int, q, k, v, out, scale: float, causal: bool):
+def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: bool):
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
     ctx = _driver.current_context(index)
@@ -293,16 +295,18 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool):
 
     if out is None:
         out = torch.empty_like(q)  # q's layout, as flash-attn does
-    lse = q.new_empty((batch, n_heads, seqlen_q), dtype=torch.float32)
+    lse = q.new_empty((batch, n_heads, seqlen_q), dtype=torch.float32) if want_lse else None
     if batch == 0 or seqlen_q == 0:
         return out, lse
     if seqlen_k == 0:  # every row sees no key
         out.zero_()
-        lse.fill_(-math.inf)
+        if lse is not None:
+            lse.fill_(-math.inf)
         return out, lse
 
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
-    params = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+    params = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+              0 if lse is None else lse.data_ptr(),  # null: the kernel writes no lse
               qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
               os_[0], os_[1], os_[2],
               batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal),

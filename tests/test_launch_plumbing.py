@@ -29,6 +29,7 @@ class FakeDriver:
 
     CUfunction_attribute = real_driver.CUfunction_attribute
     CUstreamCaptureStatus = real_driver.CUstreamCaptureStatus
+    CUstream = real_driver.CUstream
 
     def __init__(self):
         self.loaded = []  # images given to cuModuleLoadData
@@ -88,8 +89,8 @@ def qkv(b=2, sq=100, sk=300, h=4, hk=2, d=64, dtype=torch.float16):
             torch.randn(b, sk, hk, d).to(dtype))
 
 
-def run(q, k, v, causal=False, scale=0.125, config=None, out=None):
-    return api._run(config, 0, q, k, v, out, scale, causal)
+def run(q, k, v, causal=False, scale=0.125, config=None, out=None, want_lse=True):
+    return api._run(config, 0, q, k, v, out, scale, causal, want_lse)
 
 
 def test_launch_packs_params_and_geometry(fake):
@@ -102,7 +103,8 @@ def test_launch_packs_params_and_geometry(fake):
     (launch,) = fake.launches
     # seqlen_q 100 <= 256 with fp16 d64: rule 0 picks the 128x128, 8-warp config.
     assert launch.grid == (1, 4, 2) and launch.block == (256, 1, 1)
-    assert launch.smem == D64_WIDE.smem_bytes and launch.stream == 0x77 and launch.extra == 0
+    assert launch.smem == D64_WIDE.smem_bytes and launch.extra == 0
+    assert isinstance(launch.stream, real_driver.CUstream) and int(launch.stream) == 0x77
     p = launch.params
     assert (p.q, p.k, p.v, p.o, p.lse) == (q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                            out.data_ptr(), lse.data_ptr())
@@ -114,6 +116,15 @@ def test_launch_packs_params_and_geometry(fake):
         (2, 4, 2, 100, 300, 1)
     assert p.softmax_scale == pytest.approx(0.3)
     assert p.scale_log2 == pytest.approx(0.3 * math.log2(math.e))
+
+
+def test_no_lse_unless_wanted(fake):
+    """flash_attn_func without return_attn_probs allocates no lse: the kernel gets null."""
+    q, k, v = qkv()
+    out, lse = run(q, k, v, want_lse=False)
+    assert lse is None
+    (launch,) = fake.launches
+    assert launch.params.lse is None and launch.params.o == out.data_ptr()
 
 
 def test_module_loaded_once_with_its_smem_attribute(fake, fake_kernel_dir):
