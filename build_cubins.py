@@ -40,7 +40,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -99,6 +99,13 @@ class Spec:
     ptx_arch: int
     configs: tuple  # KernelConfig, in file order
     rules: tuple  # selection.Rule
+    # Configs whose entry names its own `archs` (a subset of the file's), e.g. to keep a config
+    # off an arch where ptxas spills its registers; every other config gets all archs.
+    config_archs: dict = field(default_factory=dict)
+
+    def cubin_archs(self, cfg) -> tuple:
+        """The archs ``cfg`` is compiled for: its entry's (or all) archs whose smem it fits."""
+        return tuple(a for a in self.config_archs.get(cfg, self.archs) if cfg.fits_arch(a))
 
 
 @dataclass(frozen=True)
@@ -167,17 +174,34 @@ def load_spec(path: Path) -> Spec:
         raise ConfigError(f"{where}: defaults={defaults!r} must be a mapping of config fields")
     if not isinstance(data["configs"], list) or not data["configs"]:
         raise ConfigError(f"{where}: configs must be a non-empty list of config entries")
-    configs = config.expand_config_entries(data["configs"], defaults, where=f"{where} configs")
-    rules = selection.parse_rules(data.get("selection") or [], where=where)
-    _check_rules_built(rules, configs, where)
-    return Spec(archs=tuple(sorted(archs)), ptx_arch=ptx_arch, configs=tuple(configs),
-                rules=rules)
+    configs, config_archs = [], {}
+    for i, entry in enumerate(data["configs"]):
+        label = f"{where} configs[{i}]"
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{label} must be a mapping of config fields, got {entry!r}")
+        fields = {k: v for k, v in entry.items() if k != "archs"}
+        expanded = config.expand_config_entries([fields], defaults, where=label)
+        if "archs" in entry:
+            only = entry["archs"]
+            if not isinstance(only, list) or not only or any(a not in archs for a in only):
+                raise ConfigError(f"{label}: archs={only!r} must be a non-empty list of archs "
+                                  f"from the file's archs {sorted(archs)}")
+            config_archs.update((cfg, tuple(sorted(only))) for cfg in expanded)
+        configs += expanded
+    duplicates = sorted({c.name for c in configs if configs.count(c) > 1})
+    if duplicates:
+        raise ConfigError(f"{where}: configs listed more than once: {duplicates}")
+    spec = Spec(archs=tuple(sorted(archs)), ptx_arch=ptx_arch, configs=tuple(configs),
+                rules=selection.parse_rules(data.get("selection") or [], where=where),
+                config_archs=config_archs)
+    _check_rules_built(spec, where)
+    return spec
 
 
-def _check_rules_built(rules, configs, where: str) -> None:
-    """Every name a rule can produce must be a listed config that fits the rule's archs."""
-    by_name = {cfg.name: cfg for cfg in configs}
-    for rule in rules:
+def _check_rules_built(spec: Spec, where: str) -> None:
+    """Every name a rule can produce must be a listed config built for the rule's archs."""
+    by_name = {cfg.name: cfg for cfg in spec.configs}
+    for rule in spec.rules:
         for dtype in rule.dtypes():
             name = rule.config_name(dtype)
             cfg = by_name.get(name)
@@ -191,6 +215,10 @@ def _check_rules_built(rules, configs, where: str) -> None:
                         f"{where}: rule {rule.index}: config {name!r} needs {cfg.smem_bytes} "
                         f"bytes of shared memory, more than sm_{arch}'s "
                         f"{config.ARCH_SMEM_LIMIT[arch]}, so it can never run there")
+                if arch in spec.archs and arch not in spec.cubin_archs(cfg):
+                    raise ConfigError(
+                        f"{where}: rule {rule.index}: config {name!r} is not built for "
+                        f"sm_{arch} (its entry's archs: {list(spec.cubin_archs(cfg))})")
 
 
 def plan_jobs(spec: Spec, only: Optional[str] = None,
@@ -204,8 +232,8 @@ def plan_jobs(spec: Spec, only: Optional[str] = None,
     for cfg in spec.configs:
         if only and only not in cfg.name:
             continue
-        for arch in spec.archs:
-            if arch in wanted and cfg.fits_arch(arch):
+        for arch in spec.cubin_archs(cfg):
+            if arch in wanted:
                 jobs.append(Job(cfg, "cubin", arch, job_file(cfg, "cubin", arch)))
         if spec.ptx_arch in wanted:
             jobs.append(Job(cfg, "ptx", spec.ptx_arch, job_file(cfg, "ptx", spec.ptx_arch)))

@@ -72,7 +72,8 @@ def test_nvcc_argv_ptx():
 def test_plan_covers_every_config_and_fitting_arch():
     jobs = build_cubins.plan_jobs(SPEC)
     got = {(j.cfg, j.kind, j.arch) for j in jobs}
-    want = {(c, "cubin", a) for c in SPEC.configs for a in SPEC.archs if c.fits_arch(a)}
+    want = {(c, "cubin", a) for c in SPEC.configs for a in SPEC.archs if c.fits_arch(a)
+            and a in SPEC.config_archs.get(c, SPEC.archs)}
     want |= {(c, "ptx", SPEC.ptx_arch) for c in SPEC.configs}
     assert got == want and len(jobs) == len(want)
     assert {j.file for j in jobs} == build_cubins.expected_files(SPEC)
@@ -212,6 +213,27 @@ def test_bad_configs_yaml(tmp_path, change, error):
     assert str(exc.value).startswith("broken.yaml") and error in str(exc.value), str(exc.value)
 
 
+def test_entry_archs_limit_the_cubins_and_the_rules(tmp_path):
+    """An entry's own `archs` keeps its configs off the other archs (PTX is still built), and
+    a rule naming such a config for an arch it is not built for is a build error."""
+    fields = {k: v for k, v in CFG.to_dict().items() if k != "dtype"}
+    entry = {**fields, "dtype": ["fp16", "bf16"], "archs": [90]}
+    data = {"archs": [80, 86, 90], "ptx_arch": 90, "configs": [entry]}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    spec = build_cubins.load_spec(path)
+    jobs = {(j.cfg.dtype, j.kind, j.arch) for j in build_cubins.plan_jobs(spec)}
+    assert jobs == {(dt, kind, 90) for dt in ("fp16", "bf16") for kind in ("cubin", "ptx")}
+
+    rule = {"arch": [80], "config": CFG.name.replace(f"fwd_{CFG.dtype}_", "fwd_{dtype}_")}
+    path.write_text(yaml.safe_dump({**data, "selection": [rule]}))
+    with pytest.raises(build_cubins.ConfigError, match="rule 0: .* is not built for sm_80"):
+        build_cubins.load_spec(path)
+    path.write_text(yaml.safe_dump({**data, "configs": [{**entry, "archs": [75]}]}))
+    with pytest.raises(build_cubins.ConfigError, match=r"configs\[0\]: archs=\[75\]"):
+        build_cubins.load_spec(path)
+
+
 def test_rule_whose_config_cannot_fit_its_arch(tmp_path):
     # (128 + 2 * 64) * 256 * 2 bytes = 128 KiB of smem: built for sm_80/sm_90, never sm_86.
     name = "fwd_{dtype}_d256_br128_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1"
@@ -282,6 +304,12 @@ def test_built_manifest_has_every_config_for_every_arch_it_fits(built_manifest):
         f"manifest.json is out of date with configs.yaml (rebuild with `python build_cubins.py`):"
         f" {len(missing)} missing, e.g. {missing[:2]}; {len(extra)} extra, e.g. {extra[:2]}")
     assert built_manifest["selection"] == [r.to_dict() for r in SPEC.rules]
+
+
+def test_no_shipped_cubin_spills(built_manifest):
+    spilling = [(k["name"], k["arch"], k["spill_bytes"]) for k in built_manifest["kernels"]
+                if k["kind"] == "cubin" and k["spill_bytes"]]
+    assert not spilling, f"cubins that spill registers (bytes): {spilling}"
 
 
 def test_built_manifest_params_bytes(built_manifest):
