@@ -15,9 +15,20 @@ struct TileCopy {
     using elem_t = typename C::elem_t;
     static constexpr int kPasses = kRows / C::kRowsPerCopyPass;
 
-    // Global -> shared. `gmem` points at the tile's first row; `row_stride` in elements.
+    // Global -> shared. `gmem` points at the tile's first row; `row_stride` in elements. Only a
+    // sequence's last block has rows to mask: full tiles take the branch-free path.
     __device__ __forceinline__ static void load(elem_t* smem, const elem_t* gmem,
                                                 int64_t row_stride, int valid_rows) {
+        if (valid_rows >= kRows) {
+            load_rows<false>(smem, gmem, row_stride, kRows);
+        } else {
+            load_rows<true>(smem, gmem, row_stride, valid_rows);
+        }
+    }
+
+    template <bool kMaskRows>
+    __device__ __forceinline__ static void load_rows(elem_t* smem, const elem_t* gmem,
+                                                     int64_t row_stride, int valid_rows) {
         const int chunk = threadIdx.x % 8;
         const int row0 = threadIdx.x / 8;
 #pragma unroll
@@ -25,7 +36,7 @@ struct TileCopy {
 #pragma unroll
             for (int pass = 0; pass < kPasses; ++pass) {
                 const int row = row0 + pass * C::kRowsPerCopyPass;
-                const bool valid = row < valid_rows;
+                const bool valid = !kMaskRows || row < valid_rows;
                 // A masked row still needs an address; row 0 always exists.
                 const elem_t* src =
                     gmem + (valid ? row * row_stride : 0) + slab * C::kSlab + chunk * 8;

@@ -18,6 +18,28 @@ struct OnlineSoftmax {
     // in most iterations. The result is exact: O, the row sum and the lse all use the same max.
     static constexpr float kRescaleThreshold = 8.f;
 
+    struct Max {
+        __device__ __forceinline__ static float op(float a, float b) { return fmaxf(a, b); }
+    };
+    struct Sum {
+        __device__ __forceinline__ static float op(float a, float b) { return a + b; }
+    };
+
+    // Reduces this thread's 2 * kSTiles values of row pair half r of one m16 tile as a tree:
+    // depth log2(2 * kSTiles) instead of a chain of 2 * kSTiles dependent instructions, which
+    // matters with only two warps per scheduler to hide latencies.
+    template <class Op>
+    __device__ __forceinline__ static float row_reduce(const float (&tile)[C::kSTiles][4], int r) {
+        float v[C::kSTiles];
+#pragma unroll
+        for (int nj = 0; nj < C::kSTiles; ++nj) v[nj] = Op::op(tile[nj][2 * r], tile[nj][2 * r + 1]);
+#pragma unroll
+        for (int width = C::kSTiles / 2; width > 0; width /= 2)
+#pragma unroll
+            for (int i = 0; i < width; ++i) v[i] = Op::op(v[i], v[i + width]);
+        return v[0];
+    }
+
     float ref_max[kM][2];  // log2 units (score * scale_log2); -inf until a key is visible
     float row_sum[kM][2];  // this thread's partial sum; the quad reduction waits for the end
 
@@ -64,10 +86,7 @@ struct OnlineSoftmax {
         for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                float m = -INFINITY;
-#pragma unroll
-                for (int nj = 0; nj < C::kSTiles; ++nj)
-                    m = fmaxf(m, fmaxf(S[mi][nj][2 * r], S[mi][nj][2 * r + 1]));
+                float m = row_reduce<Max>(S[mi], r);
                 m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
                 m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
                 tile_max[mi][r] = m * scale_log2;
@@ -107,14 +126,12 @@ struct OnlineSoftmax {
                 // A row with every key masked so far keeps ref_max = -inf; subtracting 0 instead
                 // keeps its exponentials at exp2(-inf) = 0 rather than NaN.
                 const float m = ref_max[mi][r] == -INFINITY ? 0.f : ref_max[mi][r];
-                float sum = 0.f;
 #pragma unroll
                 for (int nj = 0; nj < C::kSTiles; ++nj)
 #pragma unroll
-                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                    for (int e = 2 * r; e < 2 * r + 2; ++e)
                         S[mi][nj][e] = ex2(fmaf(S[mi][nj][e], scale_log2, -m));
-                        sum += S[mi][nj][e];
-                    }
+                const float sum = row_reduce<Sum>(S[mi], r);
                 row_sum[mi][r] = kFirst ? sum : row_sum[mi][r] + sum;
             }
     }
