@@ -6,6 +6,12 @@ manifest has for this GPU, module load) -> allocate out/lse -> one launch on tor
 stream (so torch streams and CUDA-graph capture work). Eager calls stay off the torch
 dispatcher (a custom op costs 10-30 us per call); under torch.compile the call goes through
 the ``cudaflash::fwd`` custom op so the graph sees an opaque op with a fake implementation.
+
+Repeated calls are the common case (every layer of every step has the same shapes), so
+flash_attn_func remembers a ``_Plan`` per argument signature (shapes, strides, dtypes,
+devices, scale, causal): what the checks concluded, the kernel, the grid and the Params fields
+that do not change. A repeat call then only checks what the signature does not fix (data
+alignment, autograd, the current device), allocates out and launches.
 """
 
 import bisect
@@ -64,7 +70,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         out, lse = _fwd_op(q, k, v, softmax_scale, causal)
     else:
         # No lse unless asked for: the kernel skips it and the call saves an allocation.
-        out, lse = _forward(None, q, k, v, None, softmax_scale, causal, return_attn_probs)
+        want_lse = bool(return_attn_probs)
+        out, lse = (_planned_forward(q, k, v, softmax_scale, causal, want_lse)
+                    or _forward(None, q, k, v, None, softmax_scale, causal, want_lse))
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -105,6 +113,7 @@ def clear_caches() -> None:
     _devices.clear()
     _auto_kernels.clear()
     _config_kernels.clear()
+    _plans.clear()
 
 
 # ---- argument checks (host only: no GPU state is touched) --------------------------------
@@ -259,9 +268,62 @@ def _softmax_scale(softmax_scale, d_head: int) -> float:
 # ---- the call --------------------------------------------------------------------------------
 
 
+def _all_tensors(q, k, v) -> bool:
+    return isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(
+        v, torch.Tensor)
+
+
+def _plan_key(q, k, v, softmax_scale, causal, want_lse):
+    """The argument signature a _Plan is valid for."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+            v.dtype, q.device, k.device, v.device, softmax_scale, causal, want_lse)
+
+
+def _planned_forward(q, k, v, softmax_scale, causal, want_lse):
+    """(out, lse) through the plan of a signature seen before, or None: then the checked path
+    runs (and records a plan for next time)."""
+    if not _all_tensors(q, k, v):
+        return None
+    try:
+        plan = _plans.get(_plan_key(q, k, v, softmax_scale, causal, want_lse))
+    except TypeError:  # an unhashable softmax_scale: the checked path explains what is wrong
+        return None
+    if plan is None:
+        return None
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    if ((ptrs[0] | ptrs[1] | ptrs[2]) & 15 or plan.device_index != torch.cuda.current_device()
+            or (torch.is_grad_enabled()
+                and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        return None  # the checked path raises, or switches device
+    return _launch_plan(plan, q, *ptrs)
+
+
+def _launch_plan(plan: "_Plan", q, q_ptr: int, k_ptr: int, v_ptr: int):
+    out = torch.empty_like(q)  # q's layout, as flash-attn does
+    lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if plan.want_lse else None
+    o_stride = out.stride()
+    params = (q_ptr, k_ptr, v_ptr, out.data_ptr(),
+              0 if lse is None else lse.data_ptr(),  # null: the kernel writes no lse
+              *plan.qkv_strides, o_stride[0], o_stride[1], o_stride[2], *plan.sizes_and_scales)
+    kernel = plan.kernel
+    _driver.launch(kernel.fn, kernel.label, plan.grid, kernel.threads, kernel.smem,
+                   _current_stream(plan.device_index), kernel.synchronize, params)
+    return out, lse
+
+
 def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal,
              want_lse=True):
+    strides_in = (q.stride(), k.stride(), v.stride()) if _all_tensors(q, k, v) else None
     q, k, v = _check_qkv(q, k, v)
+    # A plan is recorded for flash_attn_func's calls that needed no copy of q, k or v (the next
+    # call with the signature would need the copy too) and the signature is hashable.
+    plan_key = None
+    if config is None and out is None and strides_in == (q.stride(), k.stride(), v.stride()):
+        try:
+            plan_key = _plan_key(q, k, v, softmax_scale, causal, want_lse)
+            hash(plan_key)
+        except TypeError:
+            plan_key = None
     d_head = q.shape[3]
     if config is not None and (config.dtype, config.d_head) != (_DTYPES[q.dtype], d_head):
         raise ValueError(f"config {config.name} is for {config.dtype} with d_head="
@@ -280,11 +342,12 @@ def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal
     if index != torch.cuda.current_device():
         # The driver calls work in the current context: make q's device current.
         with torch.cuda.device(index):
-            return _run(config, index, q, k, v, out, scale, bool(causal), want_lse)
-    return _run(config, index, q, k, v, out, scale, bool(causal), want_lse)
+            return _run(config, index, q, k, v, out, scale, bool(causal), want_lse, plan_key)
+    return _run(config, index, q, k, v, out, scale, bool(causal), want_lse, plan_key)
 
 
-def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: bool):
+def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: bool,
+         plan_key=None):
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
     ctx = _driver.current_context(index)
@@ -315,6 +378,11 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
     stream = _current_stream(index)
     _driver.launch(kernel.fn, kernel.label, grid, kernel.threads, kernel.smem, stream,
                    kernel.synchronize, params)
+    if plan_key is not None:
+        if len(_plans) >= _MAX_PLANS:  # many distinct shapes (varying lengths): start over
+            _plans.clear()
+        _plans[plan_key] = _Plan(index, kernel, grid, (batch, n_heads, seqlen_q), want_lse,
+                                 params[5:14], params[17:])
     return out, lse
 
 
@@ -364,6 +432,21 @@ class _Rules:
     k_bounds: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What the checked path concluded for one flash_attn_func argument signature."""
+
+    device_index: int
+    kernel: _Kernel
+    grid: tuple[int, int, int]
+    lse_shape: tuple[int, int, int]
+    want_lse: bool
+    qkv_strides: tuple  # Params: q, k, v batch/seq/head strides
+    sizes_and_scales: tuple  # Params: batch ... scale_log2
+
+
+_MAX_PLANS = 4096
+_plans: dict[tuple, _Plan] = {}
 _devices: dict[int, _DeviceKernels] = {}
 _auto_kernels: dict[tuple, _Kernel] = {}
 _config_kernels: dict[tuple, _Kernel] = {}

@@ -57,7 +57,8 @@ L2_FLUSH_BYTES = 256 * 2**20
 # Host overhead probe: a problem so small that the GPU finishes each call before the host has
 # issued the next, so the loop time is the time the host spends per call.
 HOST_BATCH, HOST_HEADS, HOST_SEQLEN, HOST_D_HEAD, HOST_DTYPE = 1, 1, 128, 64, "bf16"
-HOST_CALLS = 2000
+HOST_CALLS = 400  # per round: few enough that the GPU queue never fills and throttles the host
+HOST_ROUNDS = 7  # backends take turns, round by round: host-speed drift hits them all alike
 HOST_WARMUP = 100
 
 
@@ -234,26 +235,37 @@ def measure_case(case: Case, backends, *, device, config: Optional[KernelConfig]
 
 
 def measure_host(backends, *, device, progress: "Progress") -> dict:
-    """Microseconds per call at the tiny size (or why n/a), per backend: ``HOST_CALLS`` calls
-    with no sync inside the loop, one sync at the end, after warm-up."""
+    """Microseconds per call at the tiny size (or why n/a), per backend: the median over
+    ``HOST_ROUNDS`` rounds of ``HOST_CALLS`` calls with no sync inside the loop (one sync at
+    the end), after warm-up. The backends take turns in every round, because this machine's
+    host speed drifts over seconds and a backend timed last would carry all of the drift."""
     q, k, v = make_qkv(HOST_BATCH, HOST_SEQLEN, HOST_HEADS, HOST_D_HEAD, HOST_DTYPE, device)
-    out = {}
-    for backend in backends:
-        progress.step(f"host time {backend}")
-        fn, context = backend_call(backend, q, k, v, causal=False)
+    calls = {backend: backend_call(backend, q, k, v, causal=False) for backend in backends}
 
-        def loop():
-            for _ in range(HOST_WARMUP):
-                fn()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(HOST_CALLS):
-                fn()
-            torch.cuda.synchronize()
-            return (time.perf_counter() - start) / HOST_CALLS * 1e6
+    def one_round(fn, warmup: int):
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(HOST_CALLS):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / HOST_CALLS * 1e6
 
-        out[backend] = _attempt(loop, context)
-    return out
+    samples: dict = {backend: [] for backend in backends}
+    for round_index in range(HOST_ROUNDS):
+        for backend, (fn, context) in calls.items():
+            if isinstance(samples[backend], str):
+                continue
+            progress.step(f"host time {backend} (round {round_index + 1})")
+            got = _attempt(lambda: one_round(fn, HOST_WARMUP if round_index == 0 else 10),
+                           context)
+            if isinstance(got, str):
+                samples[backend] = got  # n/a, with the reason
+            else:
+                samples[backend].append(got)
+    return {backend: got if isinstance(got, str) else statistics.median(got)
+            for backend, got in samples.items()}
 
 
 # ---- output ----------------------------------------------------------------------------------
@@ -358,8 +370,8 @@ def print_results(results: list[CaseResult], backends) -> None:
 
 def print_host(host: dict) -> None:
     print(f"\nhost time per call (B={HOST_BATCH} H={HOST_HEADS} S={HOST_SEQLEN} d={HOST_D_HEAD} "
-          f"{HOST_DTYPE}, {HOST_CALLS} calls, no sync inside the loop; cudaflash = "
-          "flash_attn_func):")
+          f"{HOST_DTYPE}; median of {HOST_ROUNDS} rounds of {HOST_CALLS} calls, backends "
+          "taking turns, no sync inside a round; cudaflash = flash_attn_func):")
     for backend, us in host.items():
         print(f"  {backend}: " + (f"n/a ({us})" if isinstance(us, str) else f"{us:.1f} us"))
 
@@ -519,7 +531,8 @@ def run(args) -> int:
     env = environment(device.index)
     method = {"text": method_text(args.iters, args.warmup), "iters": args.iters,
               "warmup": args.warmup, "l2_flush_bytes": L2_FLUSH_BYTES,
-              "host_calls": HOST_CALLS, "host_warmup": HOST_WARMUP}
+              "host_calls": HOST_CALLS, "host_rounds": HOST_ROUNDS,
+              "host_warmup": HOST_WARMUP}
     print(f"{env['gpu']} ({env['sm_count']} SMs, compute capability "
           f"{env['compute_capability']}), driver "
           f"{env['driver']}, torch {env['torch']} (CUDA {env['torch_cuda']}, cuDNN "
@@ -530,7 +543,7 @@ def run(args) -> int:
 
     cases = build_cases(dtypes, head_dims, CAUSAL_CHOICES[args.causal], args.seqlens)
     progress = Progress(len(cases) * len(args.backends)
-                        + (0 if args.no_host else len(args.backends)), "bench")
+                        + (0 if args.no_host else HOST_ROUNDS * len(args.backends)), "bench")
     flush = flush_buffer(device)
     with torch.inference_mode():
         results = [measure_case(case, args.backends, device=device, config=args.config,

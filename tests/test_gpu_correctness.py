@@ -335,6 +335,27 @@ def test_misaligned_view_is_refused():
         flash_attn_func(shifted, k, v)
 
 
+def test_repeat_calls_recheck_what_the_signature_does_not_fix():
+    """A repeat signature takes the recorded plan: new data must still be computed right, and
+    a misaligned pointer or a tensor that requires grad must still be refused."""
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    q, k, v = make_qkv(2, 300, 200, 4, 2, d, DTYPES[dtype], seed=1)
+    flash_attn_func(q, k, v, causal=True)  # records the plan
+    assert any(key[0] == q.shape for key in api._plans)
+    q2, k2, v2 = make_qkv(2, 300, 200, 4, 2, d, DTYPES[dtype], seed=2)
+    out, lse, _ = flash_attn_func(q2, k2, v2, causal=True, return_attn_probs=True)
+    check_attention(out, lse, q2, k2, v2, causal=True)
+    out = flash_attn_func(q2, k2, v2, causal=True)  # the plan without lse
+    check_attention(out, None, q2, k2, v2, causal=True)
+
+    shifted = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)[1:].view(q.shape)
+    assert shifted.stride() == q.stride()  # the same signature, a misaligned pointer
+    with pytest.raises(ValueError, match="q is not 16-byte aligned"):
+        flash_attn_func(shifted, k, v, causal=True)
+    with pytest.raises(NotImplementedError, match="requires grad"):
+        flash_attn_func(q.clone().requires_grad_(), k, v, causal=True)
+
+
 def test_corrupt_or_missing_kernel_file(tmp_path, monkeypatch):
     entry = KERNELS[0]
     src = manifest.load_manifest().path.parent
