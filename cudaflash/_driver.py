@@ -208,8 +208,10 @@ def launch(fn, label: str, grid: tuple[int, int, int], threads: int, smem: int, 
     cu = _cu()
     buf = _arg_buffer
     _pack_into(buf.params, 0, *params)
-    check(cu.cuLaunchKernel(fn, grid[0], grid[1], grid[2], threads, 1, 1, smem,
-                            _stream_object(stream), buf.address, 0), label)
+    result = cu.cuLaunchKernel(fn, grid[0], grid[1], grid[2], threads, 1, 1, smem,
+                               _stream_object(stream), buf.address, 0)
+    if result[0]:  # check() inline: this is the per-call path
+        check(result, label)
     if synchronize:
         status = check(cu.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
         if status == cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:

@@ -275,8 +275,10 @@ def _all_tensors(q, k, v) -> bool:
 
 def _plan_key(q, k, v, softmax_scale, causal, want_lse):
     """The argument signature a _Plan is valid for."""
+    # get_device() (-1 on the CPU) is cheaper than building a torch.device per tensor.
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
-            v.dtype, q.device, k.device, v.device, softmax_scale, causal, want_lse)
+            v.dtype, q.get_device(), k.get_device(), v.get_device(), softmax_scale, causal,
+            want_lse)
 
 
 def _planned_forward(q, k, v, softmax_scale, causal, want_lse):
