@@ -48,9 +48,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16, on a CUDA GPU (sm_80+).
         k, v: (batch, seqlen_k, nheads_k, headdim), q's dtype and device; nheads must be a
             multiple of nheads_k (GQA/MQA: query head h reads K/V head h // (nheads // nheads_k)).
-            Any strides whose last one is 1 (a non-unit last stride is copied away, like
-            flash-attn's maybe_contiguous); data pointers 16-byte aligned; other strides
-            multiples of 8 elements.
+            Any strides whose last one is 1 (a (batch, nheads, seqlen, headdim) tensor viewed
+            with .transpose(1, 2) runs in place); data pointers 16-byte aligned; other strides
+            multiples of 8 elements. Unlike flash-attn, a non-unit last stride is an error,
+            not a silent copy: .contiguous() makes the copy visible where it is paid for.
         softmax_scale: scale of q @ k^T before the softmax; default headdim ** -0.5.
         causal: mask aligned to the bottom-right corner (query i sees keys
             j <= i + seqlen_k - seqlen_q); query rows that see no key give out = 0.
@@ -135,7 +136,7 @@ def _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes) -> None:
 
 
 def _check_qkv(q, k, v):
-    """Checked (q, k, v); a tensor with a non-unit last stride is replaced by a copy."""
+    """Raise for anything about q, k, v that the kernels cannot take."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -176,18 +177,12 @@ def _check_qkv(q, k, v):
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v are on {q.device}, {k.device}, {v.device}; they must be on "
                          "the same device")
-    return _kernel_input("q", q), _kernel_input("k", k), _kernel_input("v", v)
-
-
-def _kernel_input(name: str, t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a contiguous copy if its last stride is not 1 (flash-attn's maybe_contiguous:
-    every other layout is used in place), checked for alignment."""
-    s = t.stride()
-    if s[3] != 1:
-        t = t.contiguous()
+    for name, t in (("q", q), ("k", k), ("v", v)):
         s = t.stride()
-    _check_aligned(name, t, s)
-    return t
+        if s[3] != 1:
+            raise ValueError(f"{name} has strides {s}; its last (head dim) stride must be 1. "
+                             f"{name}.contiguous() gives such a copy")
+        _check_aligned(name, t, s)
 
 
 def _check_aligned(name: str, t: torch.Tensor, s: tuple) -> None:
@@ -315,12 +310,10 @@ def _launch_plan(plan: "_Plan", q, q_ptr: int, k_ptr: int, v_ptr: int):
 
 def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal,
              want_lse=True):
-    strides_in = (q.stride(), k.stride(), v.stride()) if _all_tensors(q, k, v) else None
-    q, k, v = _check_qkv(q, k, v)
-    # A plan is recorded for flash_attn_func's calls that needed no copy of q, k or v (the next
-    # call with the signature would need the copy too) and the signature is hashable.
+    _check_qkv(q, k, v)
+    # flash_attn_func records a plan for the signature, if it is hashable.
     plan_key = None
-    if config is None and out is None and strides_in == (q.stride(), k.stride(), v.stride()):
+    if config is None and out is None:
         try:
             plan_key = _plan_key(q, k, v, softmax_scale, causal, want_lse)
             hash(plan_key)

@@ -120,12 +120,14 @@ def test_stride_of_a_size_one_dim_is_ignored():
         flash_attn_func(q, k, v)
 
 
-def test_non_unit_last_stride_is_copied_like_flash_attn():
-    q, k, v = qkv()
-    q = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # stride(-1) == 4
-    assert q.stride(-1) != 1
-    with pytest.raises(ValueError, match=CPU_ERROR):
-        flash_attn_func(q, k, v)
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_non_unit_last_stride_is_refused(name):
+    tensors = dict(zip("qkv", qkv()))
+    t = tensors[name]
+    tensors[name] = t.transpose(-1, -2).contiguous().transpose(-1, -2)  # stride(-1) == 4
+    with pytest.raises(ValueError, match=rf"{name} has strides \(.*\); its last \(head dim\) "
+                                         rf"stride must be 1. {name}.contiguous\(\)"):
+        flash_attn_func(**tensors)
 
 
 @pytest.mark.parametrize("kwargs, message", [
