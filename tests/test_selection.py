@@ -129,17 +129,24 @@ def test_to_dict_round_trip():
 
 
 def test_configs_yaml_rules_serve_every_built_kernel_family():
-    """On each arch, every (dtype, d_head) that configs.yaml builds gets a kernel of that
-    dtype and d_head that fits the arch, and every rule is chosen somewhere."""
+    """On each arch (and a newer one that JITs the PTX), every (dtype, d_head) that
+    configs.yaml builds gets a kernel of that dtype and d_head built for the arch, and every
+    rule is chosen somewhere."""
     chosen = set()
-    for arch in (80, 86, 89, 90):
-        fits = {c.name: c for c in SPEC.configs if c.fits_arch(arch)}
+    for arch in (80, 86, 89, 90, 100):
+        if arch == 100:  # a newer GPU: every config's compute_90 PTX (smem permitting)
+            fits = {c.name: c for c in SPEC.configs}
+        else:
+            built_for = 86 if arch == 89 else arch  # sm_89 runs the sm_86 cubins
+            fits = {c.name: c for c in SPEC.configs if built_for in SPEC.cubin_archs(c)}
         for dtype, d_head in {(c.dtype, c.d_head) for c in fits.values()}:
             for causal in (False, True):
-                name, reason = call(SPEC.rules, fits, arch=arch, dtype=dtype, d_head=d_head,
-                                    causal=causal)
-                assert (fits[name].dtype, fits[name].d_head) == (dtype, d_head)
-                chosen.add(reason)
+                for seqlen in (512, 2048, 8192):  # one length per bucket of the rules
+                    name, reason = call(SPEC.rules, fits, arch=arch, dtype=dtype,
+                                        d_head=d_head, causal=causal, seqlen_q=seqlen,
+                                        seqlen_k=seqlen)
+                    assert (fits[name].dtype, fits[name].d_head) == (dtype, d_head)
+                    chosen.add(reason)
     unused = {f"rule {r.index} of configs.yaml" for r in SPEC.rules} - chosen
     assert not unused, f"never chosen (shadowed by an earlier rule?): {sorted(unused)}"
 
