@@ -44,8 +44,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-import yaml
-
 ROOT = Path(__file__).resolve().parent
 
 # Flags of every nvcc job, cubin and PTX alike (they are part of each job's stamp).
@@ -142,13 +140,7 @@ def nvcc_argv(cfg, arch: int, kind: str, *, nvcc: str, src_dir: Path, out: Path)
 
 def load_spec(path: Path) -> Spec:
     where = path.name
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the config file: {e}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid yaml: {e}") from None
+    data = config.read_yaml(path, "config file")
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping with keys {list(YAML_KEYS)}")
     unknown = sorted(set(data) - set(YAML_KEYS), key=str)

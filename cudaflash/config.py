@@ -49,6 +49,20 @@ class ConfigError(ValueError):
     """A kernel config that cannot be built; the message names the config and the field."""
 
 
+def read_yaml(path, what: str):
+    """The parsed yaml file at ``path``; an unreadable or malformed file is a ConfigError
+    naming the path and ``what`` it should hold."""
+    import yaml  # imported here: the rest of this module is stdlib-only
+
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the {what}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid yaml: {e}") from None
+
+
 @dataclass(frozen=True, order=True)
 class KernelConfig:
     dtype: str

@@ -22,7 +22,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Tuple
 
-from .config import DTYPES, ConfigError, KernelConfig
+from .config import DTYPES, ConfigError, KernelConfig, read_yaml
 
 CONDITION_KEYS = ("arch", "dtype", "d_head", "causal", "max_seqlen_q", "max_seqlen_k")
 RULE_KEYS = CONDITION_KEYS + ("config",)
@@ -180,15 +180,7 @@ def select(rules, available: Mapping[str, Any], *, arch: int, dtype: str, d_head
 
 def load_user_rules(path) -> tuple[Rule, ...]:
     """Read a user's rule file: yaml with a top-level ``selection:`` list."""
-    import yaml  # a runtime dependency, but not needed by the stdlib-only build path
-
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the selection file: {e}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid yaml: {e}") from None
+    data = read_yaml(path, "selection file")
     if not isinstance(data, Mapping) or "selection" not in data:
         raise ConfigError(f"{path}: expected a mapping with a top-level 'selection:' list of "
                           f"rules, got {type(data).__name__}"
