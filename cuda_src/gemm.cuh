@@ -11,6 +11,25 @@
 
 namespace cudaflash {
 
+// The k-slice group pipeline shared by both GEMMs: compute(g, buf) for every group g, with
+// load(g, buf) moving group g's fragments into register buffer buf. With two buffers, group
+// g + 1 is requested before group g is computed, so its ldmatrix latency hides behind the mma.
+template <int kGroups, int kBufs, class Load, class Compute>
+__device__ __forceinline__ void pipelined_groups(Load&& load, Compute&& compute) {
+    static_assert(kBufs == 1 || kBufs == 2, "one or two register buffers");
+    if constexpr (kBufs == 2) load(0, 0);
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+        const int buf = kBufs == 2 ? g % 2 : 0;
+        if constexpr (kBufs == 1) {
+            load(g, 0);
+        } else if (g + 1 < kGroups) {
+            load(g + 1, (g + 1) % 2);
+        }
+        compute(g, buf);
+    }
+}
+
 template <class C>
 struct WarpGemm {
     static constexpr int kM = C::kMTiles;
@@ -85,15 +104,7 @@ struct WarpGemm {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) S[mi][nj][e] = 0.f;
 
-        if constexpr (kBufs == 2) load_group(0, 0);
-#pragma unroll
-        for (int g = 0; g < kGroups; ++g) {
-            const int buf = kBufs == 2 ? g % 2 : 0;
-            if constexpr (kBufs == 1) {
-                load_group(g, 0);
-            } else if (g + 1 < kGroups) {
-                load_group(g + 1, (g + 1) % 2);
-            }
+        auto compute_group = [&](int g, int buf) {
 #pragma unroll
             for (int s = 0; s < kG; ++s) {
 #pragma unroll
@@ -105,7 +116,8 @@ struct WarpGemm {
                                                kf[buf][s][nj / 2][(nj % 2) * 2 + 1]);
                 }
             }
-        }
+        };
+        pipelined_groups<kGroups, kBufs>(load_group, compute_group);
     }
 
     // The A fragment of Q for (m16 tile mi, slice ks): from the sliced buffer (slot s of the
@@ -149,15 +161,7 @@ struct WarpGemm {
                 for (int nd2 = 0; nd2 < C::kOTiles / 2; ++nd2) load_v(vf[buf][s][nd2], g * kG + s, nd2);
         };
 
-        if constexpr (kBufs == 2) load_group(0, 0);
-#pragma unroll
-        for (int g = 0; g < kGroups; ++g) {
-            const int buf = kBufs == 2 ? g % 2 : 0;
-            if constexpr (kBufs == 1) {
-                load_group(g, 0);
-            } else if (g + 1 < kGroups) {
-                load_group(g + 1, (g + 1) % 2);
-            }
+        auto compute_group = [&](int g, int buf) {
 #pragma unroll
             for (int s = 0; s < kG; ++s)
 #pragma unroll
@@ -167,7 +171,8 @@ struct WarpGemm {
                         mma_m16n8k16<C::kBf16>(O[mi][nd], pf[mi][g * kG + s],
                                                vf[buf][s][nd / 2][(nd % 2) * 2],
                                                vf[buf][s][nd / 2][(nd % 2) * 2 + 1]);
-        }
+        };
+        pipelined_groups<kGroups, kBufs>(load_group, compute_group);
     }
 };
 
