@@ -68,8 +68,15 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 
     QCopy::load(sQ, q, p.q_seq_stride, q_rows);
     copy_commit<C>();
+    // With a specialised first iteration (optimized_softmax), the first block's V is loaded
+    // here too: the first QK^T is too short to hide a V load from global memory, while every
+    // later V load overlaps the previous block's softmax and PV.
+    constexpr bool kPrefetchFirstV = C::kEagerLoad && C::kOptimizedSoftmax;
     if constexpr (C::kEagerLoad) {
-        if (n_blocks > 0) load_kv(sK, k, p.k_seq_stride, n_blocks - 1);
+        if (n_blocks > 0) {
+            load_kv(sK, k, p.k_seq_stride, n_blocks - 1);
+            if constexpr (kPrefetchFirstV) load_kv(sV, v, p.v_seq_stride, n_blocks - 1);
+        }
         copy_commit<C>();
     }
 
@@ -97,7 +104,9 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
             // K_block has landed; every warp is done with the previous V.
             copy_wait_all<C>();
             __syncthreads();
-            load_kv(sV, v, p.v_seq_stride, block);  // overlaps QK^T
+            if constexpr (!(kPrefetchFirstV && kFirst)) {
+                load_kv(sV, v, p.v_seq_stride, block);  // overlaps QK^T
+            }
             copy_commit<C>();
             gemm.qk(S, q_whole);
             // V_block has landed; every warp is done reading K.

@@ -20,7 +20,8 @@ Field semantics follow the seed kernel (see docs/design.md):
   CTA, before the KV loop); n > 0 loads n/2 16-column k-slices per step, interleaved with the mma.
 - ``mma_double_buffer_loads``: prefetch the next k-slice group before the mma of the current one.
 - ``optimized_softmax``: a specialised first KV iteration that initialises the row max and sum
-  from the first score tile and skips the rescale.
+  from the first score tile and skips the rescale; with eager loads, the first block's V is
+  then also loaded before the loop, with Q and the first K.
 """
 
 from __future__ import annotations
