@@ -295,8 +295,10 @@ def _planned_forward(q, k, v, softmax_scale, causal, want_lse):
     return _launch_plan(plan, q, *ptrs)
 
 
-def _launch_plan(plan: "_Plan", q, q_ptr: int, k_ptr: int, v_ptr: int):
-    out = torch.empty_like(q)  # q's layout, as flash-attn does
+def _launch_plan(plan: "_Plan", q, q_ptr: int, k_ptr: int, v_ptr: int, out=None):
+    """Allocate out (unless given) and lse (if wanted) and launch: the only launch path."""
+    if out is None:
+        out = torch.empty_like(q)  # q's layout, as flash-attn does
     lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if plan.want_lse else None
     o_stride = out.stride()
     params = (q_ptr, k_ptr, v_ptr, out.data_ptr(),
@@ -351,33 +353,29 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
     else:
         kernel = _config_kernels.get((ctx, config)) or _config_kernel(ctx, index, config)
 
-    if out is None:
-        out = torch.empty_like(q)  # q's layout, as flash-attn does
-    lse = q.new_empty((batch, n_heads, seqlen_q), dtype=torch.float32) if want_lse else None
-    if batch == 0 or seqlen_q == 0:
-        return out, lse
-    if seqlen_k == 0:  # every row sees no key
-        out.zero_()
-        if lse is not None:
-            lse.fill_(-math.inf)
+    if batch == 0 or seqlen_q == 0 or seqlen_k == 0:
+        if out is None:
+            out = torch.empty_like(q)  # q's layout, as flash-attn does
+        lse = q.new_empty((batch, n_heads, seqlen_q), dtype=torch.float32) if want_lse else None
+        if seqlen_k == 0:  # every row sees no key
+            out.zero_()
+            if lse is not None:
+                lse.fill_(-math.inf)
         return out, lse
 
-    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
-    params = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-              0 if lse is None else lse.data_ptr(),  # null: the kernel writes no lse
-              qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-              os_[0], os_[1], os_[2],
-              batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal),
-              scale, scale * _LOG2E)  # exp(s * scale) = exp2(s * scale * log2(e))
-    grid = ((seqlen_q + kernel.block_rows - 1) // kernel.block_rows, n_heads, batch)
-    stream = _current_stream(index)
-    _driver.launch(kernel.fn, kernel.label, grid, kernel.threads, kernel.smem, stream,
-                   kernel.synchronize, params)
+    qs, ks, vs = q.stride(), k.stride(), v.stride()
+    plan = _Plan(device_index=index, kernel=kernel,
+                 grid=((seqlen_q + kernel.block_rows - 1) // kernel.block_rows, n_heads, batch),
+                 lse_shape=(batch, n_heads, seqlen_q), want_lse=want_lse,
+                 qkv_strides=(qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2]),
+                 # exp(s * scale) = exp2(s * scale * log2(e))
+                 sizes_and_scales=(batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal),
+                                   scale, scale * _LOG2E))
+    out, lse = _launch_plan(plan, q, q.data_ptr(), k.data_ptr(), v.data_ptr(), out)
     if plan_key is not None:
         if len(_plans) >= _MAX_PLANS:  # many distinct shapes (varying lengths): start over
             _plans.clear()
-        _plans[plan_key] = _Plan(index, kernel, grid, (batch, n_heads, seqlen_q), want_lse,
-                                 params[5:14], params[17:])
+        _plans[plan_key] = plan
     return out, lse
 
 
