@@ -175,7 +175,8 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 
 }  // namespace cudaflash
 
-extern "C" __global__ void __launch_bounds__(cudaflash::KernelConfig::kThreads)
+extern "C" __global__ void __launch_bounds__(cudaflash::KernelConfig::kThreads,
+                                              cudaflash::KernelConfig::kMinCtasPerSm)
     cudaflash_fwd(const __grid_constant__ cudaflash::Params p) {
     cudaflash::flash_fwd<cudaflash::KernelConfig>(p);
 }

@@ -7,6 +7,7 @@
 //        -DCF_DTYPE_BF16=1 -DCF_D_HEAD=128 -DCF_B_R=128 -DCF_B_C=64 -DCF_N_WARPS=4 \
 //        -DCF_ASYNC_COPY=1 -DCF_EAGER_LOAD_BLOCKS=1 -DCF_SWIZZLED=1 -DCF_Q_FRAGS=2 \
 //        -DCF_K_FRAGS=2 -DCF_V_FRAGS=0 -DCF_DOUBLE_BUFFER=1 -DCF_OPTIMIZED_SOFTMAX=1 \
+//        -DCF_MIN_CTAS_PER_SM=1 \
 //        cuda_src/flash_fwd.cu -o fwd.cubin
 #pragma once
 #include <cuda_bf16.h>
@@ -16,7 +17,8 @@
 #if !defined(CF_DTYPE_BF16) || !defined(CF_D_HEAD) || !defined(CF_B_R) || !defined(CF_B_C) ||   \
     !defined(CF_N_WARPS) || !defined(CF_ASYNC_COPY) || !defined(CF_EAGER_LOAD_BLOCKS) ||          \
     !defined(CF_SWIZZLED) || !defined(CF_Q_FRAGS) || !defined(CF_K_FRAGS) ||                      \
-    !defined(CF_V_FRAGS) || !defined(CF_DOUBLE_BUFFER) || !defined(CF_OPTIMIZED_SOFTMAX)
+    !defined(CF_V_FRAGS) || !defined(CF_DOUBLE_BUFFER) || !defined(CF_OPTIMIZED_SOFTMAX) ||  \
+    !defined(CF_MIN_CTAS_PER_SM)
 #error "define every CF_* macro: see cudaflash.config.KernelConfig.nvcc_defines()"
 #endif
 
@@ -45,6 +47,8 @@ struct KernelConfig {
     static constexpr int kVFrags = CF_V_FRAGS;
     static constexpr bool kDoubleBuffer = CF_DOUBLE_BUFFER;
     static constexpr bool kOptimizedSoftmax = CF_OPTIMIZED_SOFTMAX;
+    // __launch_bounds__ occupancy: registers per thread <= 65536 / (kMinCtasPerSm * threads).
+    static constexpr int kMinCtasPerSm = CF_MIN_CTAS_PER_SM;
 
     using elem_t = std::conditional_t<kBf16, __nv_bfloat16, __half>;
 
@@ -86,6 +90,7 @@ struct KernelConfig {
     static_assert(!kDoubleBuffer || kQFrags || kKFrags || kVFrags,
                   "mma_double_buffer_loads needs an operand loaded in slices");
     static_assert(!kEagerLoad || kAsyncCopy, "eager_load_blocks needs async_copy");
+    static_assert(kMinCtasPerSm >= 1 && kMinCtasPerSm <= 4, "min_ctas_per_sm must be 1..4");
 };
 
 }  // namespace cudaflash

@@ -22,6 +22,9 @@ Field semantics follow the seed kernel (see docs/design.md):
 - ``optimized_softmax``: a specialised first KV iteration that initialises the row max and sum
   from the first score tile and skips the rescale; with eager loads, the first block's V is
   then also loaded before the loop, with Q and the first K.
+- ``min_ctas_per_sm``: the occupancy the kernel is compiled for (``__launch_bounds__``): ptxas
+  keeps registers within 65536 / (min_ctas_per_sm * threads), at most 255. More resident warps
+  hide more latency; fewer registers may mean spills (the build reports them).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any, Iterable, Mapping
 DTYPES = ("fp16", "bf16")
 D_HEADS = (64, 128, 256)
 N_WARPS = (4, 8)
+MIN_CTAS_PER_SM = (1, 2, 3, 4)
 ROWS_PER_WARP = (16, 32)
 B_C_VALUES = (32, 64, 128)
 
@@ -79,6 +83,7 @@ class KernelConfig:
     V_mma_load_K_fragments: int
     mma_double_buffer_loads: bool
     optimized_softmax: bool
+    min_ctas_per_sm: int
 
     # ---- derived quantities ---------------------------------------------------------------
 
@@ -92,6 +97,7 @@ class KernelConfig:
             f"_q{self.Q_mma_load_K_fragments}k{self.K_mma_load_K_fragments}"
             f"v{self.V_mma_load_K_fragments}"
             f"_dbuf{int(self.mma_double_buffer_loads)}_osm{int(self.optimized_softmax)}"
+            f"_ctas{self.min_ctas_per_sm}"
         )
 
     @property
@@ -122,6 +128,7 @@ class KernelConfig:
             "CF_V_FRAGS": self.V_mma_load_K_fragments,
             "CF_DOUBLE_BUFFER": int(self.mma_double_buffer_loads),
             "CF_OPTIMIZED_SOFTMAX": int(self.optimized_softmax),
+            "CF_MIN_CTAS_PER_SM": self.min_ctas_per_sm,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -179,6 +186,9 @@ class KernelConfig:
                 or self.V_mma_load_K_fragments):
             bad("mma_double_buffer_loads",
                 "needs at least one operand loaded in slices (a *_mma_load_K_fragments > 0)")
+        if self.min_ctas_per_sm not in MIN_CTAS_PER_SM:
+            bad("min_ctas_per_sm", f"must be one of {list(MIN_CTAS_PER_SM)} (4 CTAs of 256 "
+                                   "threads leave 64 registers per thread)")
         if self.eager_load_blocks and not self.async_copy:
             bad("eager_load_blocks", "needs async_copy=True (synchronous copies cannot overlap)")
         if not any(self.fits_arch(a) for a in ARCH_SMEM_LIMIT):
@@ -228,7 +238,7 @@ class KernelConfig:
         if not m:
             raise ConfigError(f"{name!r} is not a canonical kernel config name "
                               "(expected e.g. fwd_bf16_d128_br128_bc64_w4_async1_eager1_swz1"
-                              "_q2k2v0_dbuf1_osm1)")
+                              "_q2k2v0_dbuf1_osm1_ctas1)")
         g = m.groupdict()
         data = {k: (int(v) if k != "dtype" else v) for k, v in g.items()}
         for k in ("async_copy", "eager_load_blocks", "swizzled", "mma_double_buffer_loads",
@@ -242,7 +252,8 @@ _NAME_RE = re.compile(
     r"_async(?P<async_copy>[01])_eager(?P<eager_load_blocks>[01])_swz(?P<swizzled>[01])"
     r"_q(?P<Q_mma_load_K_fragments>\d+)k(?P<K_mma_load_K_fragments>\d+)"
     r"v(?P<V_mma_load_K_fragments>\d+)"
-    r"_dbuf(?P<mma_double_buffer_loads>[01])_osm(?P<optimized_softmax>[01])")
+    r"_dbuf(?P<mma_double_buffer_loads>[01])_osm(?P<optimized_softmax>[01])"
+    r"_ctas(?P<min_ctas_per_sm>\d+)")
 
 
 def expand_config_entries(entries: Iterable[Mapping[str, Any]],

@@ -29,7 +29,7 @@ MANIFEST = ROOT / "cudaflash" / "kernels" / "manifest.json"
 CFG = KernelConfig(dtype="bf16", d_head=128, B_r=128, B_c=64, n_warps=4, async_copy=True,
                    eager_load_blocks=True, swizzled=True, Q_mma_load_K_fragments=2,
                    K_mma_load_K_fragments=2, V_mma_load_K_fragments=0,
-                   mma_double_buffer_loads=True, optimized_softmax=True)
+                   mma_double_buffer_loads=True, optimized_softmax=True, min_ctas_per_sm=1)
 
 
 def load_params_module():
@@ -236,7 +236,7 @@ def test_entry_archs_limit_the_cubins_and_the_rules(tmp_path):
 
 def test_rule_whose_config_cannot_fit_its_arch(tmp_path):
     # (128 + 2 * 64) * 256 * 2 bytes = 128 KiB of smem: built for sm_80/sm_90, never sm_86.
-    name = "fwd_{dtype}_d256_br128_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1"
+    name = "fwd_{dtype}_d256_br128_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1"
     path = tmp_path / "c.yaml"
     path.write_text(FAKE_YAML.split("selection:")[0].replace("d_head: 64", "d_head: 256")
                     .replace("B_r: 64", "B_r: 128")
@@ -336,13 +336,13 @@ archs: [80, 90]
 ptx_arch: 90
 defaults: {async_copy: true, eager_load_blocks: true, swizzled: true,
            Q_mma_load_K_fragments: 0, K_mma_load_K_fragments: 0, V_mma_load_K_fragments: 0,
-           mma_double_buffer_loads: false, optimized_softmax: true}
+           mma_double_buffer_loads: false, optimized_softmax: true, min_ctas_per_sm: 1}
 configs:
   - {dtype: [fp16, bf16], d_head: 64, B_r: 64, B_c: 64, n_warps: 4}
 selection:
-  - {d_head: 64, config: "fwd_{dtype}_d64_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1"}
+  - {d_head: 64, config: "fwd_{dtype}_d64_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1"}
 """
-FAKE_NAMES = [f"fwd_{dt}_d64_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1"
+FAKE_NAMES = [f"fwd_{dt}_d64_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1"
               for dt in ("fp16", "bf16")]
 
 

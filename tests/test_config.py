@@ -21,7 +21,7 @@ SPEC = build_cubins.load_spec(ROOT / "configs.yaml")
 BASE = dict(dtype="bf16", d_head=128, B_r=128, B_c=64, n_warps=4, async_copy=True,
             eager_load_blocks=True, swizzled=True, Q_mma_load_K_fragments=2,
             K_mma_load_K_fragments=2, V_mma_load_K_fragments=0, mma_double_buffer_loads=True,
-            optimized_softmax=True)
+            optimized_softmax=True, min_ctas_per_sm=1)
 
 
 def test_base_config_is_valid():
@@ -62,6 +62,8 @@ BAD = [
     ({"Q_mma_load_K_fragments": 4}, "Q_mma_load_K_fragments"),  # Q slices must match K's
     ({"Q_mma_load_K_fragments": 0, "K_mma_load_K_fragments": 0}, "mma_double_buffer_loads"),
     ({"async_copy": False}, "eager_load_blocks"),
+    ({"min_ctas_per_sm": 0}, "min_ctas_per_sm"),
+    ({"min_ctas_per_sm": 5}, "min_ctas_per_sm"),
 ]
 
 
