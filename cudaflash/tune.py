@@ -2,9 +2,9 @@
 
 For each (dtype, head dim, causal, seqlen bucket) it times every config built for this GPU
 (the manifest's kernels usable here with that dtype and head dim) through
-``cudaflash.forward`` at one representative size of the bucket (FlashAttention convention:
-batch = 16384 / S, nheads = 2048 / d), with the timing method of ``bench``. The winner of
-each bucket becomes a selection rule; the rules go to ``_env.tuned_table_path(arch)`` (or
+``cudaflash.forward`` at both ends of the bucket (FlashAttention convention: batch =
+16384 / S, nheads = 2048 / d), with the timing method of ``bench``. The config with the best
+mean time relative to the fastest at each size wins the bucket and becomes a selection rule; the rules go to ``_env.tuned_table_path(arch)`` (or
 ``--out``) as yaml with a top-level ``selection:`` list, the format of configs.yaml's. The
 runtime picks that file up by itself: its rules come after CUDAFLASH_CONFIG's and before the
 shipped ones (``CUDAFLASH_DEBUG=1`` names the rule that chose each config).
@@ -29,16 +29,17 @@ from .config import D_HEADS, DTYPES
 
 class Bucket(NamedTuple):
     max_seqlen_k: Optional[int]  # the rule's bound; None for the last bucket (no bound)
-    seqlen: int  # the representative size timed for the bucket (seqlen_q = seqlen_k)
+    seqlens: tuple  # the sizes timed for the bucket (seqlen_q = seqlen_k)
     label: str
 
 
-# Buckets by max seqlen. Each representative is the geometric middle of the FlashAttention
-# sweep's lengths (512..16384) inside the bucket.
+# Buckets by max seqlen, each timed at both ends of the FlashAttention sweep's lengths
+# (512..16384) inside it: one size alone picked configs that tie there and lose at the
+# bucket's other end (d64 at S=2048 vs 4096, docs/perf-log.md).
 BUCKETS = (
-    Bucket(1024, 512, "S<=1024"),
-    Bucket(4096, 2048, "1024<S<=4096"),
-    Bucket(None, 8192, "S>4096"),
+    Bucket(1024, (512, 1024), "S<=1024"),
+    Bucket(4096, (2048, 4096), "1024<S<=4096"),
+    Bucket(None, (8192, 16384), "S>4096"),
 )
 QUICK_ITERS, QUICK_WARMUP = 5, 1
 
@@ -159,7 +160,7 @@ def run(args) -> int:
     iters, warmup = ((QUICK_ITERS, QUICK_WARMUP) if args.quick
                      else (bench.DEFAULT_ITERS, bench.DEFAULT_WARMUP))
 
-    tasks = []  # (case, bucket, candidate configs)
+    tasks = []  # (cases of the bucket, bucket, candidate configs)
     for dtype in args.dtypes:
         for d_head in head_dims:
             candidates = [e.config for e in usable.values()
@@ -170,52 +171,63 @@ def run(args) -> int:
                 continue
             for causal in (False, True):
                 for bucket in BUCKETS:
-                    tasks.append((bench.fa_case(dtype, d_head, causal, bucket.seqlen), bucket,
-                                  candidates))
+                    cases = [bench.fa_case(dtype, d_head, causal, seqlen)
+                             for seqlen in bucket.seqlens]
+                    tasks.append((cases, bucket, candidates))
     if not tasks:
         print("cudaflash tune: nothing to time", file=sys.stderr)
         return 1
     print(f"{gpu} (sm_{arch}): {len(tasks)} buckets, {len(usable)} configs usable; timing: "
           f"{bench.method_text(iters, warmup)}")
 
-    progress = bench.Progress(sum(len(c) for _, _, c in tasks), "tune")
+    progress = bench.Progress(sum(len(cs) * len(c) for cs, _, c in tasks), "tune")
     flush = bench.flush_buffer(device)
     rows, winners, changes = [], [], []
     with torch.inference_mode():
-        for case, bucket, candidates in tasks:
+        for cases, bucket, candidates in tasks:
+            case = cases[0]
             where = f"{case.dtype} d={case.d_head} causal={case.causal} {bucket.label}"
-            q, k, v = bench.make_qkv(case.batch, case.seqlen, case.nheads, case.d_head,
-                                     case.dtype, device)
-            results = {}  # config name -> Timing, or why it failed
-            for cfg in candidates:  # all on the same tensors
-                progress.step(f"{where} {cfg.name}")
-                results[cfg.name] = bench.time_backend("cudaflash", q, k, v, case.causal,
-                                                       config=cfg, iters=iters, warmup=warmup,
-                                                       flush=flush)
+            # Score: the mean over the bucket's sizes of (this time / the best time at that
+            # size); a config that fails at any size is out.
+            score = {cfg.name: 0.0 for cfg in candidates}
+            for case in cases:
+                q, k, v = bench.make_qkv(case.batch, case.seqlen, case.nheads, case.d_head,
+                                         case.dtype, device)
+                results = {}  # config name -> Timing, or why it failed
+                for cfg in candidates:  # all on the same tensors
+                    progress.step(f"{where} S={case.seqlen} {cfg.name}")
+                    results[cfg.name] = bench.time_backend(
+                        "cudaflash", q, k, v, case.causal, config=cfg, iters=iters,
+                        warmup=warmup, flush=flush)
+                timed = {n: t for n, t in results.items() if not isinstance(t, str)}
+                fastest = min(t.median_ms for t in timed.values()) if timed else None
+                for name, t in results.items():
+                    if isinstance(t, str):
+                        score.pop(name, None)
+                        rows.append((where, name, case.seqlen, "n/a", "n/a", "n/a",
+                                     f"failed: {t}"))
+                        continue
+                    if name in score:
+                        score[name] += t.median_ms / fastest / len(cases)
+                    rows.append((where, name, case.seqlen, f"{t.median_ms:.3f}",
+                                 f"{case.flops / t.median_ms / 1e9:.1f}",
+                                 f"{fastest / t.median_ms:.2f}", ""))
             shipped, _ = selection.select(shipped_rules, usable, arch=arch, dtype=case.dtype,
                                           d_head=case.d_head, causal=case.causal,
-                                          seqlen_q=case.seqlen, seqlen_k=case.seqlen)
-            timed = {n: t for n, t in results.items() if not isinstance(t, str)}
-            best = min(timed, key=lambda n: timed[n].median_ms) if timed else None
-            for name, t in results.items():
-                tags = [tag for tag, on in (("best", name == best), ("shipped", name == shipped))
-                        if on]
-                if isinstance(t, str):
-                    rows.append((where, name, case.seqlen, "n/a", "n/a", "n/a", f"failed: {t}"))
-                    continue
-                rows.append((where, name, case.seqlen, f"{t.median_ms:.3f}",
-                             f"{case.flops / t.median_ms / 1e9:.1f}",
-                             f"{timed[best].median_ms / t.median_ms:.2f}", ", ".join(tags)))
-            if best is None:
-                changes.append(f"{where}: no candidate ran; no rule written")
+                                          seqlen_q=cases[-1].seqlen, seqlen_k=cases[-1].seqlen)
+            if not score:
+                changes.append(f"{where}: no candidate ran at every size; no rule written")
                 continue
+            best = min(score, key=score.get)
+            rows.append((where, f"winner: {best}", "-", "-", "-", f"{1 / score[best]:.2f}",
+                         "best" + (", shipped" if best == shipped else "")))
             winners.append(Winner(case.dtype, case.d_head, case.causal, bucket.max_seqlen_k,
                                   best))
             if best == shipped:
                 changes.append(f"{where}: {shipped} (unchanged)")
-            elif shipped in timed:
-                speedup = timed[shipped].median_ms / timed[best].median_ms
-                changes.append(f"{where}: {shipped} -> {best} ({speedup:.2f}x)")
+            elif shipped in score:
+                changes.append(f"{where}: {shipped} -> {best} "
+                               f"({score[shipped] / score[best]:.2f}x)")
             else:
                 changes.append(f"{where}: {shipped} -> {best} (shipped config failed)")
     progress.close()
@@ -223,8 +235,8 @@ def run(args) -> int:
     print("\ncandidates per bucket (time: median ms; vs best: best time / this time):")
     print(bench.format_table(("bucket", "config", "S", "ms", "TFLOP/s", "vs best", "note"),
                              rows, left=(0, 1, 6)))
-    print("\nchanges vs the shipped selection (speedup = shipped time / tuned time at the "
-          "timed S):")
+    print("\nchanges vs the shipped selection (speedup: the shipped config's mean time "
+          "relative to the best over the bucket's sizes, divided by the winner's):")
     for line in changes:
         print(f"  {line}")
     if not winners:

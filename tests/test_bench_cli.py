@@ -134,7 +134,7 @@ def test_buckets_are_ordered_with_the_unbounded_one_last():
     bounds = [b.max_seqlen_k for b in tune.BUCKETS]
     assert bounds == [1024, 4096, None]
     for b in tune.BUCKETS:
-        assert b.max_seqlen_k is None or b.seqlen <= b.max_seqlen_k
+        assert all(b.max_seqlen_k is None or s <= b.max_seqlen_k for s in b.seqlens)
 
 
 def test_tuned_table_round_trips_in_first_match_order(tmp_path):
