@@ -103,7 +103,7 @@ class Spec:
 
     def cubin_archs(self, cfg) -> tuple:
         """The archs ``cfg`` is compiled for: its entry's (or all) archs whose smem it fits."""
-        return tuple(a for a in self.config_archs.get(cfg, self.archs) if cfg.fits_arch(a))
+        return tuple(a for a in self.config_archs.get(cfg, self.archs) if cfg.builds_for(a))
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,9 @@ def job_file(cfg, kind: str, arch: int) -> str:
 def nvcc_argv(cfg, arch: int, kind: str, *, nvcc: str, src_dir: Path, out: Path) -> list:
     """The nvcc command that compiles one config for one arch (pure: no I/O)."""
     if kind == "cubin":
-        target = ["-cubin", "-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+        # wgmma needs the arch-specific target sm_90a (its SASS runs on sm_90 GPUs only).
+        sm = f"{arch}a" if cfg.wgmma else str(arch)
+        target = ["-cubin", "-gencode", f"arch=compute_{sm},code=sm_{sm}"]
     elif kind == "ptx":
         target = ["-ptx", f"-arch=compute_{arch}"]
     else:
@@ -207,6 +209,10 @@ def _check_rules_built(spec: Spec, where: str) -> None:
                         f"{where}: rule {rule.index}: config {name!r} needs {cfg.smem_bytes} "
                         f"bytes of shared memory, more than sm_{arch}'s "
                         f"{config.ARCH_SMEM_LIMIT[arch]}, so it can never run there")
+                if cfg.wgmma and arch != config.WGMMA_ARCH:
+                    raise ConfigError(
+                        f"{where}: rule {rule.index}: config {name!r} uses wgmma, which only "
+                        f"sm_{config.WGMMA_ARCH} has; give the rule arch: [{config.WGMMA_ARCH}]")
                 if arch in spec.archs and arch not in spec.cubin_archs(cfg):
                     raise ConfigError(
                         f"{where}: rule {rule.index}: config {name!r} is not built for "
@@ -227,7 +233,7 @@ def plan_jobs(spec: Spec, only: Optional[str] = None,
         for arch in spec.cubin_archs(cfg):
             if arch in wanted:
                 jobs.append(Job(cfg, "cubin", arch, job_file(cfg, "cubin", arch)))
-        if spec.ptx_arch in wanted:
+        if spec.ptx_arch in wanted and not cfg.wgmma:  # sm_90a PTX could not JIT elsewhere
             jobs.append(Job(cfg, "ptx", spec.ptx_arch, job_file(cfg, "ptx", spec.ptx_arch)))
     return jobs
 

@@ -73,7 +73,8 @@ struct TileCopy {
 };
 
 // Completion of the copies issued so far (a no-op for synchronous copies, which complete in
-// program order; the caller's __syncthreads makes them visible).
+// program order; the caller's __syncthreads makes them visible). With wgmma the tensor cores
+// read shared memory through the async proxy, so the wait ends with a proxy fence.
 template <class C>
 __device__ __forceinline__ void copy_commit() {
     if constexpr (C::kAsyncCopy) cp_async_commit();
@@ -81,6 +82,7 @@ __device__ __forceinline__ void copy_commit() {
 template <class C>
 __device__ __forceinline__ void copy_wait_all() {
     if constexpr (C::kAsyncCopy) cp_async_wait_all();
+    if constexpr (C::kWgmma) fence_proxy_async_shared();
 }
 
 }  // namespace cudaflash

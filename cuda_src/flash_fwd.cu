@@ -14,6 +14,7 @@
 #include "kernel_config.cuh"
 #include "params.cuh"
 #include "softmax.cuh"
+#include "warpgroup_gemm.cuh"
 
 #include <type_traits>
 
@@ -24,7 +25,9 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     using elem_t = typename C::elem_t;
     constexpr int kM = C::kMTiles;
 
-    extern __shared__ __align__(128) unsigned char smem[];
+    // wgmma applies the 128-byte swizzle to absolute shared addresses, so its tiles must start
+    // on the swizzle period, 1024 bytes (every tile below is a multiple of 1024 bytes long).
+    extern __shared__ __align__(C::kWgmma ? 1024 : 128) unsigned char smem[];
     elem_t* sQ = reinterpret_cast<elem_t*>(smem);  // (B_r, d_head); holds O at the end
     elem_t* sK = sQ + C::kBr * C::kDHead;          // (B_c, d_head)
     elem_t* sV = sK + C::kBc * C::kDHead;          // (B_c, d_head)
@@ -80,9 +83,10 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
         copy_commit<C>();
     }
 
-    const WarpGemm<C> gemm(sQ, sK, sV, warp, lane);
-    uint32_t q_whole[kM][C::kDSlices][4];  // used only when Q_FRAGS = 0
-    if constexpr (C::kQFrags == 0) {
+    using Gemm = std::conditional_t<C::kWgmma, WarpgroupGemm<C>, WarpGemm<C>>;
+    const Gemm gemm(sQ, sK, sV, warp, lane);
+    uint32_t q_whole[kM][C::kDSlices][4];  // used only when Q_FRAGS = 0 (mma.sync)
+    if constexpr (C::kQFrags == 0 && !C::kWgmma) {
         copy_wait_all<C>();
         __syncthreads();
         gemm.load_q_whole(q_whole);

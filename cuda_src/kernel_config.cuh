@@ -7,8 +7,9 @@
 //        -DCF_DTYPE_BF16=1 -DCF_D_HEAD=128 -DCF_B_R=128 -DCF_B_C=64 -DCF_N_WARPS=4 \
 //        -DCF_ASYNC_COPY=1 -DCF_EAGER_LOAD_BLOCKS=1 -DCF_SWIZZLED=1 -DCF_Q_FRAGS=2 \
 //        -DCF_K_FRAGS=2 -DCF_V_FRAGS=0 -DCF_DOUBLE_BUFFER=1 -DCF_OPTIMIZED_SOFTMAX=1 \
-//        -DCF_MIN_CTAS_PER_SM=1 \
+//        -DCF_MIN_CTAS_PER_SM=1 -DCF_WGMMA=0 \
 //        cuda_src/flash_fwd.cu -o fwd.cubin
+// (wgmma configs: -gencode arch=compute_90a,code=sm_90a; Hopper only)
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -18,7 +19,7 @@
     !defined(CF_N_WARPS) || !defined(CF_ASYNC_COPY) || !defined(CF_EAGER_LOAD_BLOCKS) ||          \
     !defined(CF_SWIZZLED) || !defined(CF_Q_FRAGS) || !defined(CF_K_FRAGS) ||                      \
     !defined(CF_V_FRAGS) || !defined(CF_DOUBLE_BUFFER) || !defined(CF_OPTIMIZED_SOFTMAX) ||  \
-    !defined(CF_MIN_CTAS_PER_SM)
+    !defined(CF_MIN_CTAS_PER_SM) || !defined(CF_WGMMA)
 #error "define every CF_* macro: see cudaflash.config.KernelConfig.nvcc_defines()"
 #endif
 
@@ -49,6 +50,8 @@ struct KernelConfig {
     static constexpr bool kOptimizedSoftmax = CF_OPTIMIZED_SOFTMAX;
     // __launch_bounds__ occupancy: registers per thread <= 65536 / (kMinCtasPerSm * threads).
     static constexpr int kMinCtasPerSm = CF_MIN_CTAS_PER_SM;
+    // GEMMs on Hopper's warpgroup MMA (wgmma, sm_90a) instead of warp-level mma.sync.
+    static constexpr bool kWgmma = CF_WGMMA;
 
     using elem_t = std::conditional_t<kBf16, __nv_bfloat16, __half>;
 
@@ -91,6 +94,14 @@ struct KernelConfig {
                   "mma_double_buffer_loads needs an operand loaded in slices");
     static_assert(!kEagerLoad || kAsyncCopy, "eager_load_blocks needs async_copy");
     static_assert(kMinCtasPerSm >= 1 && kMinCtasPerSm <= 4, "min_ctas_per_sm must be 1..4");
+    static_assert(!kWgmma || (kRowsPerWarp == 16 && kDHead <= 128 && kBc >= 64 && kSwizzled &&
+                              kAsyncCopy && kQFrags == 0 && kKFrags == 0 && kVFrags == 0 &&
+                              !kDoubleBuffer),
+                  "wgmma: 16 rows per warp, d_head <= 128, B_c >= 64, swizzled cp.async tiles, "
+                  "no *_mma_load_K_fragments or mma_double_buffer_loads (no ldmatrix path)");
+#if CF_WGMMA && defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "wgmma configs compile for sm_90a only: -gencode arch=compute_90a,code=sm_90a"
+#endif
 };
 
 }  // namespace cudaflash

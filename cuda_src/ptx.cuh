@@ -49,6 +49,13 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[
     }
 }
 
+// Writes to shared memory through the generic proxy (cp.async, st.shared) become visible to
+// wgmma's operand reads, which go through the async proxy, only after this fence and then a
+// barrier (sm_90).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 // 2^x on the SFU (one MUFU.EX2); ex2(-inf) = +0, which the masked softmax relies on.
 __device__ __forceinline__ float ex2(float x) {
     float y;

@@ -25,6 +25,10 @@ Field semantics follow the seed kernel (see docs/design.md):
 - ``min_ctas_per_sm``: the occupancy the kernel is compiled for (``__launch_bounds__``): ptxas
   keeps registers within 65536 / (min_ctas_per_sm * threads), at most 255. More resident warps
   hide more latency; fewer registers may mean spills (the build reports them).
+- ``wgmma``: the GEMMs run on Hopper's warpgroup MMA (``wgmma.mma_async``, sm_90a cubins only)
+  instead of warp-level ``mma.sync``: each warpgroup of 4 warps owns 64 query rows and the
+  tensor cores read Q, K and V straight from the swizzled shared tiles, so the fragment-loading
+  fields (``*_mma_load_K_fragments``, ``mma_double_buffer_loads``) do not apply and must be 0.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ B_C_VALUES = (32, 64, 128)
 ARCH_SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 ELEMENT_BYTES = 2  # fp16 and bf16
+WGMMA_ARCH = 90  # wgmma exists on sm_90a only (Hopper); Blackwell has tcgen05 instead
 
 
 class ConfigError(ValueError):
@@ -84,6 +89,7 @@ class KernelConfig:
     mma_double_buffer_loads: bool
     optimized_softmax: bool
     min_ctas_per_sm: int
+    wgmma: bool
 
     # ---- derived quantities ---------------------------------------------------------------
 
@@ -97,7 +103,7 @@ class KernelConfig:
             f"_q{self.Q_mma_load_K_fragments}k{self.K_mma_load_K_fragments}"
             f"v{self.V_mma_load_K_fragments}"
             f"_dbuf{int(self.mma_double_buffer_loads)}_osm{int(self.optimized_softmax)}"
-            f"_ctas{self.min_ctas_per_sm}"
+            f"_ctas{self.min_ctas_per_sm}_wgmma{int(self.wgmma)}"
         )
 
     @property
@@ -111,6 +117,11 @@ class KernelConfig:
 
     def fits_arch(self, arch: int) -> bool:
         return self.smem_bytes <= ARCH_SMEM_LIMIT[arch]
+
+    def builds_for(self, arch: int) -> bool:
+        """Whether a cubin of this config exists for ``arch``: its shared memory fits, and
+        wgmma kernels are Hopper-only (sm_90a SASS, no PTX that newer GPUs could JIT)."""
+        return self.fits_arch(arch) and (not self.wgmma or arch == WGMMA_ARCH)
 
     def nvcc_defines(self) -> dict[str, int]:
         """The -D macros that instantiate this config in cuda_src/flash_fwd.cu."""
@@ -129,6 +140,7 @@ class KernelConfig:
             "CF_DOUBLE_BUFFER": int(self.mma_double_buffer_loads),
             "CF_OPTIMIZED_SOFTMAX": int(self.optimized_softmax),
             "CF_MIN_CTAS_PER_SM": self.min_ctas_per_sm,
+            "CF_WGMMA": int(self.wgmma),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -191,6 +203,22 @@ class KernelConfig:
                                    "threads leave 64 registers per thread)")
         if self.eager_load_blocks and not self.async_copy:
             bad("eager_load_blocks", "needs async_copy=True (synchronous copies cannot overlap)")
+        if self.wgmma:
+            if self.B_r != 16 * self.n_warps:
+                bad("B_r", f"must be 16 * n_warps = {16 * self.n_warps} with wgmma (each "
+                           "warpgroup of 4 warps owns 64 query rows)")
+            if self.d_head > 128:
+                bad("d_head", "must be <= 128 with wgmma (the O accumulator of 64 x d_head)")
+            if self.B_c < 64:
+                bad("B_c", "must be >= 64 with wgmma")
+            if not (self.async_copy and self.swizzled):
+                bad("swizzled", "wgmma reads 128-byte-swizzled tiles written by cp.async: "
+                                "needs swizzled=True and async_copy=True")
+            for field in ("Q_mma_load_K_fragments", "K_mma_load_K_fragments",
+                          "V_mma_load_K_fragments", "mma_double_buffer_loads"):
+                if getattr(self, field):
+                    bad(field, "must be 0 with wgmma (the tensor cores read shared memory; "
+                               "there are no fragments to load)")
         if not any(self.fits_arch(a) for a in ARCH_SMEM_LIMIT):
             bad("B_r", f"shared memory {self.smem_bytes} bytes exceeds every arch's limit")
         return errs
@@ -238,11 +266,11 @@ class KernelConfig:
         if not m:
             raise ConfigError(f"{name!r} is not a canonical kernel config name "
                               "(expected e.g. fwd_bf16_d128_br128_bc64_w4_async1_eager1_swz1"
-                              "_q2k2v0_dbuf1_osm1_ctas1)")
+                              "_q2k2v0_dbuf1_osm1_ctas1_wgmma0)")
         g = m.groupdict()
         data = {k: (int(v) if k != "dtype" else v) for k, v in g.items()}
         for k in ("async_copy", "eager_load_blocks", "swizzled", "mma_double_buffer_loads",
-                  "optimized_softmax"):
+                  "optimized_softmax", "wgmma"):
             data[k] = bool(data[k])
         return cls.from_dict(data, where=f"config name {name!r}")
 
@@ -253,7 +281,7 @@ _NAME_RE = re.compile(
     r"_q(?P<Q_mma_load_K_fragments>\d+)k(?P<K_mma_load_K_fragments>\d+)"
     r"v(?P<V_mma_load_K_fragments>\d+)"
     r"_dbuf(?P<mma_double_buffer_loads>[01])_osm(?P<optimized_softmax>[01])"
-    r"_ctas(?P<min_ctas_per_sm>\d+)")
+    r"_ctas(?P<min_ctas_per_sm>\d+)_wgmma(?P<wgmma>[01])")
 
 
 def expand_config_entries(entries: Iterable[Mapping[str, Any]],

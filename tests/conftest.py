@@ -59,7 +59,7 @@ _BASE = dict(dtype="fp16", d_head=64, B_r=128, B_c=64, n_warps=4, async_copy=Tru
              eager_load_blocks=True, swizzled=True, Q_mma_load_K_fragments=0,
              K_mma_load_K_fragments=0, V_mma_load_K_fragments=0,
              mma_double_buffer_loads=False, optimized_softmax=True,
-             min_ctas_per_sm=1)
+             min_ctas_per_sm=1, wgmma=False)
 
 
 def fake_config(**fields) -> KernelConfig:

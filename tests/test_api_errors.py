@@ -176,7 +176,7 @@ def test_requires_grad_is_refused_until_there_is_a_backward():
 
 # ---- forward(config, ...) --------------------------------------------------------------------
 
-D64_NAME = "fwd_fp16_d64_br128_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1"
+D64_NAME = "fwd_fp16_d64_br128_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma0"
 
 
 def test_forward_config_forms():

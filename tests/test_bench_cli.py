@@ -12,9 +12,9 @@ import yaml
 
 from cudaflash import _env, bench, selection, tune
 
-D64 = "fwd_{dtype}_d64_br128_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1"
-D64_W8 = "fwd_{dtype}_d64_br128_bc128_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1"
-D128_W8 = "fwd_{dtype}_d128_br128_bc64_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1"
+D64 = "fwd_{dtype}_d64_br128_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma0"
+D64_W8 = "fwd_{dtype}_d64_br128_bc128_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma0"
+D128_W8 = "fwd_{dtype}_d128_br128_bc64_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma0"
 
 
 def parse(*argv):

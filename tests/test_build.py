@@ -5,6 +5,7 @@ and skip when nvcc is missing; the checks of the real build read cudaflash/kerne
 manifest.json (made by `pip install .` or `python build_cubins.py`) and skip without it.
 """
 
+import dataclasses
 import ctypes
 import hashlib
 import importlib.util
@@ -29,7 +30,7 @@ MANIFEST = ROOT / "cudaflash" / "kernels" / "manifest.json"
 CFG = KernelConfig(dtype="bf16", d_head=128, B_r=128, B_c=64, n_warps=4, async_copy=True,
                    eager_load_blocks=True, swizzled=True, Q_mma_load_K_fragments=2,
                    K_mma_load_K_fragments=2, V_mma_load_K_fragments=0,
-                   mma_double_buffer_loads=True, optimized_softmax=True, min_ctas_per_sm=1)
+                   mma_double_buffer_loads=True, optimized_softmax=True, min_ctas_per_sm=1, wgmma=False)
 
 
 def load_params_module():
@@ -69,12 +70,24 @@ def test_nvcc_argv_ptx():
         build_cubins.nvcc_argv(CFG, 90, "sass", nvcc="nvcc", src_dir=Path("s"), out=Path("o"))
 
 
+def test_nvcc_argv_wgmma_targets_sm90a():
+    cfg = dataclasses.replace(CFG, n_warps=8, Q_mma_load_K_fragments=0, K_mma_load_K_fragments=0,
+                              V_mma_load_K_fragments=0, mma_double_buffer_loads=False,
+                              wgmma=True).validate()
+    argv = build_cubins.nvcc_argv(cfg, 90, "cubin", nvcc="nvcc", src_dir=Path("s"),
+                                  out=Path("o"))
+    assert argv[argv.index("-gencode") + 1] == "arch=compute_90a,code=sm_90a"
+    assert "-DCF_WGMMA=1" in argv
+    assert [a for a in (80, 86, 89, 90) if cfg.builds_for(a)] == [90]
+
+
 def test_plan_covers_every_config_and_fitting_arch():
     jobs = build_cubins.plan_jobs(SPEC)
     got = {(j.cfg, j.kind, j.arch) for j in jobs}
     want = {(c, "cubin", a) for c in SPEC.configs for a in SPEC.archs if c.fits_arch(a)
-            and a in SPEC.config_archs.get(c, SPEC.archs)}
-    want |= {(c, "ptx", SPEC.ptx_arch) for c in SPEC.configs}
+            and a in SPEC.config_archs.get(c, SPEC.archs) and (not c.wgmma or a == 90)}
+    # wgmma kernels are sm_90a SASS only: no PTX, which no other GPU could JIT.
+    want |= {(c, "ptx", SPEC.ptx_arch) for c in SPEC.configs if not c.wgmma}
     assert got == want and len(jobs) == len(want)
     assert {j.file for j in jobs} == build_cubins.expected_files(SPEC)
 
@@ -236,7 +249,7 @@ def test_entry_archs_limit_the_cubins_and_the_rules(tmp_path):
 
 def test_rule_whose_config_cannot_fit_its_arch(tmp_path):
     # (128 + 2 * 64) * 256 * 2 bytes = 128 KiB of smem: built for sm_80/sm_90, never sm_86.
-    name = "fwd_{dtype}_d256_br128_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1"
+    name = "fwd_{dtype}_d256_br128_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma0"
     path = tmp_path / "c.yaml"
     path.write_text(FAKE_YAML.split("selection:")[0].replace("d_head: 64", "d_head: 256")
                     .replace("B_r: 64", "B_r: 128")
@@ -269,7 +282,7 @@ def check_manifest(m: dict, out_dir: Path) -> None:
         assert (k["entry"], k["threads"], k["smem_bytes"]) == ("cudaflash_fwd", cfg.threads,
                                                                cfg.smem_bytes)
         if k["kind"] == "cubin":
-            assert k["arch"] in m["archs"] and cfg.fits_arch(k["arch"])
+            assert k["arch"] in m["archs"] and cfg.builds_for(k["arch"])
             assert k["file"] == f"sm_{k['arch']}/{cfg.name}.cubin"
             assert isinstance(k["registers"], int) and 0 < k["registers"] <= 255
             assert isinstance(k["spill_bytes"], int) and k["spill_bytes"] >= 0
@@ -336,13 +349,13 @@ archs: [80, 90]
 ptx_arch: 90
 defaults: {async_copy: true, eager_load_blocks: true, swizzled: true,
            Q_mma_load_K_fragments: 0, K_mma_load_K_fragments: 0, V_mma_load_K_fragments: 0,
-           mma_double_buffer_loads: false, optimized_softmax: true, min_ctas_per_sm: 1}
+           mma_double_buffer_loads: false, optimized_softmax: true, min_ctas_per_sm: 1, wgmma: false}
 configs:
   - {dtype: [fp16, bf16], d_head: 64, B_r: 64, B_c: 64, n_warps: 4}
 selection:
-  - {d_head: 64, config: "fwd_{dtype}_d64_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1"}
+  - {d_head: 64, config: "fwd_{dtype}_d64_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma0"}
 """
-FAKE_NAMES = [f"fwd_{dt}_d64_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1"
+FAKE_NAMES = [f"fwd_{dt}_d64_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma0"
               for dt in ("fp16", "bf16")]
 
 

@@ -21,7 +21,7 @@ SPEC = build_cubins.load_spec(ROOT / "configs.yaml")
 BASE = dict(dtype="bf16", d_head=128, B_r=128, B_c=64, n_warps=4, async_copy=True,
             eager_load_blocks=True, swizzled=True, Q_mma_load_K_fragments=2,
             K_mma_load_K_fragments=2, V_mma_load_K_fragments=0, mma_double_buffer_loads=True,
-            optimized_softmax=True, min_ctas_per_sm=1)
+            optimized_softmax=True, min_ctas_per_sm=1, wgmma=False)
 
 
 def test_base_config_is_valid():
@@ -47,6 +47,19 @@ def test_every_config_fits_a_built_arch(cfg):
 
 
 # One case per validity rule: the change that breaks it and the field the error must name.
+# A valid wgmma config as a change of BASE (fields BASE sets for the mma.sync path reset).
+WGMMA = {"wgmma": True, "B_r": 64, "n_warps": 4, "Q_mma_load_K_fragments": 0,
+         "K_mma_load_K_fragments": 0, "V_mma_load_K_fragments": 0,
+         "mma_double_buffer_loads": False}
+
+
+def test_wgmma_config_is_valid_and_hopper_only():
+    cfg = KernelConfig(**{**BASE, **WGMMA}).validate()
+    assert cfg.name.endswith("_wgmma1") and KernelConfig.from_name(cfg.name) == cfg
+    assert cfg.nvcc_defines()["CF_WGMMA"] == 1
+    assert [a for a in (80, 86, 89, 90) if cfg.builds_for(a)] == [90]
+
+
 BAD = [
     ({"dtype": "fp32"}, "dtype"),
     ({"d_head": 96}, "d_head"),
@@ -64,6 +77,13 @@ BAD = [
     ({"async_copy": False}, "eager_load_blocks"),
     ({"min_ctas_per_sm": 0}, "min_ctas_per_sm"),
     ({"min_ctas_per_sm": 5}, "min_ctas_per_sm"),
+    # wgmma: 16 rows per warp, no fragment loading, d_head <= 128, B_c >= 64, swizzled tiles
+    ({"wgmma": True}, "K_mma_load_K_fragments"),
+    ({"wgmma": True}, "B_r"),
+    ({**WGMMA, "B_r": 128, "n_warps": 4}, "B_r"),
+    ({**WGMMA, "d_head": 256}, "d_head"),
+    ({**WGMMA, "B_c": 32}, "B_c"),
+    ({**WGMMA, "swizzled": False}, "swizzled"),
 ]
 
 

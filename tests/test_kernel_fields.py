@@ -24,14 +24,18 @@ BASE = KernelConfig(dtype="bf16", d_head=128, B_r=128, B_c=64, n_warps=4, async_
                     eager_load_blocks=False, swizzled=True, Q_mma_load_K_fragments=0,
                     K_mma_load_K_fragments=2, V_mma_load_K_fragments=2,
                     mma_double_buffer_loads=True, optimized_softmax=True,
-                    min_ctas_per_sm=1)
+                    min_ctas_per_sm=1, wgmma=False)
 CHANGED = {  # field -> another value that keeps the config valid
     "dtype": "fp16", "d_head": 64, "B_r": 64, "B_c": 32, "n_warps": 8, "async_copy": False,
     "eager_load_blocks": True, "swizzled": False, "Q_mma_load_K_fragments": 2,
     "K_mma_load_K_fragments": 4, "V_mma_load_K_fragments": 0, "mma_double_buffer_loads": False,
     "optimized_softmax": False,
     "min_ctas_per_sm": 3,  # 170 registers instead of 255
+    "wgmma": True,  # against WGMMA_BASE below: BASE's fragment fields do not apply to wgmma
 }
+# wgmma needs 16 rows per warp and no fragment loading, so its variant changes from this base.
+WGMMA_BASE = dataclasses.replace(BASE, n_warps=8, K_mma_load_K_fragments=0,
+                                 V_mma_load_K_fragments=0, mma_double_buffer_loads=False)
 
 
 def test_every_field_has_a_variant():
@@ -42,9 +46,9 @@ def test_every_field_has_a_variant():
 def test_each_field_changes_the_machine_code(tmp_path):
     # "again" compiles the base a second time: nvcc is deterministic, so equal code gives equal
     # bytes, and a field whose change leaves the bytes equal changed nothing.
-    variants = {"base": BASE, "again": BASE}
+    variants = {"base": BASE, "again": BASE, "wgmma_base": WGMMA_BASE}
     for field, value in CHANGED.items():
-        cfg = dataclasses.replace(BASE, **{field: value})
+        cfg = dataclasses.replace(WGMMA_BASE if field == "wgmma" else BASE, **{field: value})
         assert not cfg.errors(), (field, cfg.errors())
         variants[field] = cfg
 
@@ -59,5 +63,6 @@ def test_each_field_changes_the_machine_code(tmp_path):
     with ThreadPoolExecutor(max_workers=4) as pool:
         code = dict(pool.map(compile_one, variants.items()))
     assert code["again"] == code["base"], "nvcc output is not deterministic: compare differently"
-    same = [field for field in CHANGED if code[field] == code["base"]]
+    same = [field for field in CHANGED
+            if code[field] == code["wgmma_base" if field == "wgmma" else "base"]]
     assert not same, f"changing these fields does not change the kernel: {same}"

@@ -19,7 +19,7 @@ def template(**fields) -> str:
     base = dict(dtype="fp16", d_head=128, B_r=128, B_c=64, n_warps=4, async_copy=True,
                 eager_load_blocks=True, swizzled=True, Q_mma_load_K_fragments=2,
                 K_mma_load_K_fragments=2, V_mma_load_K_fragments=0,
-                mma_double_buffer_loads=True, optimized_softmax=True, min_ctas_per_sm=1)
+                mma_double_buffer_loads=True, optimized_softmax=True, min_ctas_per_sm=1, wgmma=False)
     name = KernelConfig(**{**base, **fields}).validate().name
     return name.replace("fwd_fp16_", "fwd_{dtype}_", 1)
 
