@@ -17,7 +17,8 @@ import threading
 from dataclasses import dataclass
 
 from ._env import log
-from ._params import PARAMS_STRUCT_FORMAT, Params
+from ._params import (PARAMS_BYTES, PARAMS_FIXED_FORMAT, PARAMS_POINTERS_BYTES,
+                      PARAMS_POINTERS_FORMAT, Params)
 from .manifest import KernelEntry
 
 
@@ -165,54 +166,92 @@ def _load(entry: KernelEntry):
 # ---- launch ----------------------------------------------------------------------------------
 
 
+# cuLaunchKernel's ``extra`` option keys (cuda.h's CU_LAUNCH_PARAM_*_AS_INT values): the
+# Params struct goes to the driver as one packed buffer, the use ``extra`` is meant for.
+_LAUNCH_PARAM_END, _LAUNCH_PARAM_BUFFER_POINTER, _LAUNCH_PARAM_BUFFER_SIZE = 0, 1, 2
+
+
 class _ArgBuffer(threading.local):
-    """Per thread: one Params struct and the one-element ``void*`` array pointing at it.
+    """Per thread: one Params struct and the ``extra`` array that hands it to cuLaunchKernel
+    as a packed buffer. (A one-element ``kernelParams`` array pointing at the struct costs the
+    same: on the H100 host the two differed by -0.3 and +0.2 us in two runs, i.e. noise.)
 
     cuLaunchKernel copies the parameters before it returns (also into a graph node under
-    stream capture), so every launch of a thread reuses the same two buffers.
+    stream capture), so every launch of a thread reuses the same buffers; per thread,
+    because another thread could refill a shared buffer between our pack and our launch.
     """
 
     def __init__(self) -> None:
         self.params = Params()  # aligned like the CUDA struct
-        self.args = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
-        self.address = ctypes.addressof(self.args)
+        self.bytes = memoryview(self.params).cast("B")  # byte view, for struct.pack_into
+        self.size = ctypes.c_size_t(PARAMS_BYTES)
+        self.extra = (ctypes.c_void_p * 5)(
+            _LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(self.params),
+            _LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(self.size), _LAUNCH_PARAM_END)
+        self.extra_address = ctypes.addressof(self.extra)
 
 
 _arg_buffer = _ArgBuffer()
-_pack_into = struct.Struct(PARAMS_STRUCT_FORMAT).pack_into
+# One pack per call: the five pointers, then the fixed fields, already packed, as one string
+# (a single pack_into is cheaper than packing the pointers and copying the rest).
+_pack_params = struct.Struct(
+    f"{PARAMS_POINTERS_FORMAT}{PARAMS_BYTES - PARAMS_POINTERS_BYTES}s").pack_into
+_pack_fixed = struct.Struct(PARAMS_FIXED_FORMAT).pack
 
 # CUstream objects by raw handle: cuLaunchKernel converts an int stream argument to a
 # CUstream on every call (about 1.3 us on the H100 host); a process uses few streams.
 _stream_objects: dict[int, object] = {}
 
 
-def _stream_object(stream: int):
-    obj = _stream_objects.get(stream)
-    if obj is None:
-        if len(_stream_objects) > 1024:  # handles of destroyed streams are never looked up
-            _stream_objects.clear()
-        obj = _stream_objects[stream] = _cu().CUstream(stream)
+def _new_stream_object(stream: int):
+    if len(_stream_objects) > 1024:  # handles of destroyed streams are never looked up
+        _stream_objects.clear()
+    obj = _stream_objects[stream] = _cu().CUstream(stream)
     return obj
 
 
-def launch(fn, label: str, grid: tuple[int, int, int], threads: int, smem: int, stream: int,
-           synchronize: bool, params: tuple) -> None:
-    """Launch ``fn`` with one by-value Params argument built from ``params`` (field order of
-    ``cudaflash._params.Params``) on ``stream`` (a raw CUstream handle, 0 for the legacy
-    default stream). ``label`` names the kernel in errors.
+class Launcher:
+    """One kernel launch with everything but the data pointers and the stream fixed: the
+    function, grid, block, dynamic smem and the Params fields after the pointers (strides,
+    sizes, scales), packed once here. ``label`` names the kernel in errors.
 
-    With ``synchronize`` (CUDAFLASH_DEBUG) the stream is synchronized and checked, so a fault
-    is reported here, except while the stream is being captured into a graph, where
-    synchronizing is illegal.
+    flash_attn_func keeps one per call signature, so a repeat call packs five pointers instead
+    of all 25 fields. ``launch`` is the per-call path: each attribute read and call in it is
+    paid on every attention call (a method, not ``__call__``, which costs ~0.1 us more).
+
+    With ``synchronize`` (CUDAFLASH_DEBUG) the stream is synchronized and checked after the
+    launch, so a fault is reported here, except while the stream is being captured into a
+    graph, where synchronizing is illegal.
     """
-    cu = _cu()
-    buf = _arg_buffer
-    _pack_into(buf.params, 0, *params)
-    result = cu.cuLaunchKernel(fn, grid[0], grid[1], grid[2], threads, 1, 1, smem,
-                               _stream_object(stream), buf.address, 0)
-    if result[0]:  # check() inline: this is the per-call path
-        check(result, label)
-    if synchronize:
-        status = check(cu.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
-        if status == cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
-            check(cu.cuStreamSynchronize(stream), f"cuStreamSynchronize after {label}")
+
+    __slots__ = ("fn", "label", "grid", "threads", "smem", "synchronize", "_fixed",
+                 "_cuLaunchKernel")
+
+    def __init__(self, fn, label: str, grid: tuple[int, int, int], threads: int, smem: int,
+                 synchronize: bool, fixed_params: tuple) -> None:
+        self.fn, self.label, self.grid = fn, label, grid
+        self.threads, self.smem, self.synchronize = threads, smem, synchronize
+        self._fixed = _pack_fixed(*fixed_params)  # Params fields after the pointers, in order
+        self._cuLaunchKernel = _cu().cuLaunchKernel  # one attribute lookup less per call
+
+    def launch(self, stream: int, q: int, k: int, v: int, o: int, lse: int) -> None:
+        """Launch on ``stream`` (a raw CUstream handle, 0 for the legacy default stream) with
+        these data pointers (``lse`` 0: the kernel writes no lse)."""
+        buf = _arg_buffer
+        _pack_params(buf.bytes, 0, q, k, v, o, lse, self._fixed)
+        stream_obj = _stream_objects.get(stream)
+        if stream_obj is None:
+            stream_obj = _new_stream_object(stream)
+        gx, gy, gz = self.grid
+        # The cheapest argument types for cuda.bindings: a CUfunction and a CUstream object
+        # (an int is converted through a new object on each call), no kernelParams, the extra
+        # array as an int address (taken as-is), plain ints for the geometry.
+        result = self._cuLaunchKernel(self.fn, gx, gy, gz, self.threads, 1, 1, self.smem,
+                                      stream_obj, None, buf.extra_address)
+        if result[0]:  # check() inline: this is the per-call path
+            check(result, self.label)
+        if self.synchronize:
+            cu = _cu()
+            status = check(cu.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
+            if status == cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+                check(cu.cuStreamSynchronize(stream), f"cuStreamSynchronize after {self.label}")

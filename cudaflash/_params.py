@@ -44,7 +44,11 @@ class Params(ctypes.Structure):
     ]
 
 
-# struct.pack format of the same layout (native alignment matches: every field is naturally
+# struct.pack formats of the same layout (native alignment matches: every field is naturally
 # aligned and the total is a multiple of 8), used by the launcher to fill a reusable buffer
-# without building a ctypes object per call.
-PARAMS_STRUCT_FORMAT = "=5Q12q6i2f"
+# without building a ctypes object per call. Split in two: the pointers change on every call,
+# the rest (strides, sizes, scales) is fixed for a call signature and packed once per plan.
+PARAMS_POINTERS_FORMAT = "=5Q"  # q, k, v, o, lse
+PARAMS_FIXED_FORMAT = "=12q6i2f"  # strides, sizes, scales
+PARAMS_POINTERS_BYTES = 40
+PARAMS_STRUCT_FORMAT = PARAMS_POINTERS_FORMAT + PARAMS_FIXED_FORMAT[1:]

@@ -35,6 +35,18 @@ _GRID_YZ_MAX = 65535  # CUDA limit on grid.y (heads) and grid.z (batch)
 _INT32_MAX = 2**31 - 1  # Params sizes are int32
 _DIMS = ("batch", "seqlen", "head")
 
+# Used on the per-call path, so bound once here instead of looked up per call.
+# Raw handle of torch's current stream on a device: a side stream, or the capture stream
+# inside ``torch.cuda.graph``. Same value as ``torch.cuda.current_stream(index).cuda_stream``
+# without building a Stream object per call (Inductor's generated code uses the same
+# function). None in CPU-only torch builds, where nothing reaches a launch.
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# torch.cuda.current_device() without its Python wrapper (0.2 instead of 0.5 us): the C
+# function does the same lazy CUDA initialisation (and bad-fork check) itself.
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+_is_compiling = torch.compiler.is_compiling  # torch.compile recognises the function itself
+_Tensor = torch.Tensor
+
 
 # ---- public functions ------------------------------------------------------------------------
 
@@ -66,8 +78,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         float32 (batch, nheads, seqlen_q), the natural log of the sum of exp(scaled scores)
         per query row (-inf for rows that see no key).
     """
-    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
-    if torch.compiler.is_compiling():
+    # The defaults pass this quick test; anything else gets the full check, which raises or
+    # accepts an equivalent value such as window_size=[-1, -1].
+    if not (dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
+            and type(window_size) is tuple and window_size == (-1, -1)):
+        _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    if _is_compiling():
         out, lse = _fwd_op(q, k, v, softmax_scale, causal)
     else:
         # No lse unless asked for: the kernel skips it and the call saves an allocation.
@@ -263,11 +279,6 @@ def _softmax_scale(softmax_scale, d_head: int) -> float:
 # ---- the call --------------------------------------------------------------------------------
 
 
-def _all_tensors(q, k, v) -> bool:
-    return isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(
-        v, torch.Tensor)
-
-
 def _plan_key(q, k, v, softmax_scale, causal, want_lse):
     """The argument signature a _Plan is valid for."""
     # get_device() (-1 on the CPU) is cheaper than building a torch.device per tensor.
@@ -278,36 +289,39 @@ def _plan_key(q, k, v, softmax_scale, causal, want_lse):
 
 def _planned_forward(q, k, v, softmax_scale, causal, want_lse):
     """(out, lse) through the plan of a signature seen before, or None: then the checked path
-    runs (and records a plan for next time)."""
-    if not _all_tensors(q, k, v):
+    runs (and records a plan for next time).
+
+    This is the per-call path of flash_attn_func: every line is paid on every call (a tiny
+    attention costs less on the GPU than this on the host), so the key is built inline and
+    the launch needs nothing but the pointers and the stream.
+    """
+    if not (isinstance(q, _Tensor) and isinstance(k, _Tensor) and isinstance(v, _Tensor)):
         return None
     try:
-        plan = _plans.get(_plan_key(q, k, v, softmax_scale, causal, want_lse))
+        plan = _plans.get((q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
+                           q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(),
+                           v.get_device(), softmax_scale, causal, want_lse))  # = _plan_key()
     except TypeError:  # an unhashable softmax_scale: the checked path explains what is wrong
         return None
     if plan is None:
         return None
-    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
-    if ((ptrs[0] | ptrs[1] | ptrs[2]) & 15 or plan.device_index != torch.cuda.current_device()
+    # What the signature does not fix: data alignment, the current device, autograd.
+    q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    index = plan.device_index
+    if ((q_ptr | k_ptr | v_ptr) & 15 or _current_device() != index
             or (torch.is_grad_enabled()
                 and (q.requires_grad or k.requires_grad or v.requires_grad))):
         return None  # the checked path raises, or switches device
-    return _launch_plan(plan, q, *ptrs)
-
-
-def _launch_plan(plan: "_Plan", q, q_ptr: int, k_ptr: int, v_ptr: int, out=None):
-    """Allocate out (unless given) and lse (if wanted) and launch: the only launch path."""
-    if out is None:
-        out = torch.empty_like(q)  # q's layout, as flash-attn does
-    lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if plan.want_lse else None
-    o_stride = out.stride()
-    params = (q_ptr, k_ptr, v_ptr, out.data_ptr(),
-              0 if lse is None else lse.data_ptr(),  # null: the kernel writes no lse
-              *plan.qkv_strides, o_stride[0], o_stride[1], o_stride[2], *plan.sizes_and_scales)
-    kernel = plan.kernel
-    _driver.launch(kernel.fn, kernel.label, plan.grid, kernel.threads, kernel.smem,
-                   _current_stream(plan.device_index), kernel.synchronize, params)
-    return out, lse
+    # q's layout, as flash-attn does; the plan's out strides are empty_like's for q's shape and
+    # strides, which the key fixes.
+    out = torch.empty_like(q)
+    stream = _current_stream(index)
+    if want_lse:
+        lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
+        plan.launcher.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(), lse.data_ptr())
+        return out, lse
+    plan.launcher.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(), 0)  # 0: no lse
+    return out, None
 
 
 def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal,
@@ -353,38 +367,34 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
     else:
         kernel = _config_kernels.get((ctx, config)) or _config_kernel(ctx, index, config)
 
+    if out is None:
+        out = torch.empty_like(q)  # q's layout, as flash-attn does
+    lse = q.new_empty((batch, n_heads, seqlen_q), dtype=torch.float32) if want_lse else None
     if batch == 0 or seqlen_q == 0 or seqlen_k == 0:
-        if out is None:
-            out = torch.empty_like(q)  # q's layout, as flash-attn does
-        lse = q.new_empty((batch, n_heads, seqlen_q), dtype=torch.float32) if want_lse else None
         if seqlen_k == 0:  # every row sees no key
             out.zero_()
             if lse is not None:
                 lse.fill_(-math.inf)
         return out, lse
 
-    qs, ks, vs = q.stride(), k.stride(), v.stride()
-    plan = _Plan(device_index=index, kernel=kernel,
-                 grid=((seqlen_q + kernel.block_rows - 1) // kernel.block_rows, n_heads, batch),
-                 lse_shape=(batch, n_heads, seqlen_q), want_lse=want_lse,
-                 qkv_strides=(qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2]),
-                 # exp(s * scale) = exp2(s * scale * log2(e))
-                 sizes_and_scales=(batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal),
-                                   scale, scale * _LOG2E))
-    out, lse = _launch_plan(plan, q, q.data_ptr(), k.data_ptr(), v.data_ptr(), out)
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
+    launcher = _driver.Launcher(
+        kernel.fn, kernel.label,
+        grid=((seqlen_q + kernel.block_rows - 1) // kernel.block_rows, n_heads, batch),
+        threads=kernel.threads, smem=kernel.smem, synchronize=kernel.synchronize,
+        # Params after the pointers: strides, sizes, scales;
+        # exp(s * scale) = exp2(s * scale * log2(e)).
+        fixed_params=(qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+                      os_[0], os_[1], os_[2], batch, n_heads, n_heads_k, seqlen_q, seqlen_k,
+                      int(causal), scale, scale * _LOG2E))
+    launcher.launch(_current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                    out.data_ptr(), 0 if lse is None else lse.data_ptr())  # 0: writes no lse
     if plan_key is not None:
         if len(_plans) >= _MAX_PLANS:  # many distinct shapes (varying lengths): start over
             _plans.clear()
-        _plans[plan_key] = plan
+        _plans[plan_key] = _Plan(device_index=index, launcher=launcher,
+                                 lse_shape=(batch, n_heads, seqlen_q))
     return out, lse
-
-
-def _current_stream(index: int) -> int:
-    """Raw handle of torch's current stream on device ``index``: a side stream, or the capture
-    stream inside ``torch.cuda.graph``. Same value as ``torch.cuda.current_stream(index)
-    .cuda_stream`` without building a Stream object per call (Inductor's generated code uses
-    the same function)."""
-    return torch._C._cuda_getCurrentRawStream(index)
 
 
 # ---- kernels: per device, per context, per problem class -------------------------------------
@@ -430,12 +440,8 @@ class _Plan:
     """What the checked path concluded for one flash_attn_func argument signature."""
 
     device_index: int
-    kernel: _Kernel
-    grid: tuple[int, int, int]
+    launcher: "_driver.Launcher"  # kernel, geometry, fixed Params fields (out laid out like q)
     lse_shape: tuple[int, int, int]
-    want_lse: bool
-    qkv_strides: tuple  # Params: q, k, v batch/seq/head strides
-    sizes_and_scales: tuple  # Params: batch ... scale_log2
 
 
 _MAX_PLANS = 4096

@@ -54,12 +54,18 @@ class FakeDriver:
         return (OK,)
 
     def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, extra):
-        # kernel_params is the address of a void*[1] pointing at the packed Params.
-        params_address = ctypes.c_void_p.from_address(kernel_params).value
+        # No kernelParams; extra is the address of {BUFFER_POINTER, &Params, BUFFER_SIZE,
+        # &size, END}, cuda.h's way to pass one packed argument buffer.
+        assert kernel_params is None
+        keys_and_values = (ctypes.c_void_p * 5).from_address(extra)
+        pointer_key, params_address, size_key, size_address, end = keys_and_values
+        assert (pointer_key, size_key, end) == (
+            real_driver.CU_LAUNCH_PARAM_BUFFER_POINTER_AS_INT,
+            real_driver.CU_LAUNCH_PARAM_BUFFER_SIZE_AS_INT, None)  # None: END is 0
+        assert ctypes.c_size_t.from_address(size_address).value == PARAMS_BYTES
         params = Params.from_buffer_copy(ctypes.string_at(params_address, PARAMS_BYTES))
         self.launches.append(SimpleNamespace(fn=fn, grid=(gx, gy, gz), block=(bx, by, bz),
-                                             smem=smem, stream=stream, params=params,
-                                             extra=extra))
+                                             smem=smem, stream=stream, params=params))
         return (self.launch_result,)
 
     def cuStreamIsCapturing(self, stream):
@@ -103,7 +109,7 @@ def test_launch_packs_params_and_geometry(fake):
     (launch,) = fake.launches
     # seqlen_q 100 <= 256 with fp16 d64: rule 0 picks the 128x128, 8-warp config.
     assert launch.grid == (1, 4, 2) and launch.block == (256, 1, 1)
-    assert launch.smem == D64_WIDE.smem_bytes and launch.extra == 0
+    assert launch.smem == D64_WIDE.smem_bytes
     assert isinstance(launch.stream, real_driver.CUstream) and int(launch.stream) == 0x77
     p = launch.params
     assert (p.q, p.k, p.v, p.o, p.lse) == (q.data_ptr(), k.data_ptr(), v.data_ptr(),
@@ -125,6 +131,39 @@ def test_no_lse_unless_wanted(fake):
     assert lse is None
     (launch,) = fake.launches
     assert launch.params.lse is None and launch.params.o == out.data_ptr()
+
+
+def test_repeat_call_takes_the_plan(fake, monkeypatch):
+    """flash_attn_func's per-call path: a plan recorded by the checked path is found with the
+    key _planned_forward builds inline, launches with the new pointers and the first call's
+    fixed fields, and hands back to the checked path whatever the key does not fix."""
+    monkeypatch.setattr(api, "_current_device", lambda: 0)
+    q, k, v = qkv()
+    api._run(None, 0, q, k, v, None, 0.125, True, False,
+             plan_key=api._plan_key(q, k, v, None, True, False))
+    q2, k2, v2 = qkv()
+    out, lse = api._planned_forward(q2, k2, v2, None, True, False)
+    assert lse is None and out.shape == q2.shape and out.stride() == q2.stride()
+    first, second = fake.launches
+    p = second.params
+    assert (p.q, p.k, p.v, p.o, p.lse) == (q2.data_ptr(), k2.data_ptr(), v2.data_ptr(),
+                                           out.data_ptr(), None)
+    fixed = [name for name, _ in Params._fields_][5:]
+    assert [getattr(p, f) for f in fixed] == [getattr(first.params, f) for f in fixed]
+    assert (second.fn, second.grid, second.block, second.smem, int(second.stream)) == \
+        (first.fn, first.grid, first.block, first.smem, 0x77)
+
+    assert api._planned_forward(q2, k2, v2, None, True, True) is None  # with lse: other key
+    assert api._planned_forward(q2, k2, v2, 0.125, True, False) is None  # other scale
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
+    assert api._planned_forward(shifted, k2, v2, None, True, False) is None  # misaligned
+    assert api._planned_forward(q2.requires_grad_(), k2, v2, None, True, False) is None
+    with torch.no_grad():
+        assert api._planned_forward(q2, k2, v2, None, True, False) is not None
+    monkeypatch.setattr(api, "_current_device", lambda: 1)
+    assert api._planned_forward(k2, k2, v2, None, True, False) is None  # not a known shape
+    assert api._planned_forward(q, k, v, None, True, False) is None  # another device current
+    assert len(fake.launches) == 3
 
 
 def test_module_loaded_once_with_its_smem_attribute(fake, fake_kernel_dir):

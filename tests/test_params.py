@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from cudaflash import manifest
-from cudaflash._params import PARAMS_BYTES, PARAMS_STRUCT_FORMAT, Params
+from cudaflash._params import (PARAMS_BYTES, PARAMS_FIXED_FORMAT, PARAMS_POINTERS_BYTES,
+                               PARAMS_POINTERS_FORMAT, PARAMS_STRUCT_FORMAT, Params)
 
 PARAMS_CUH = Path(__file__).resolve().parents[1] / "cuda_src" / "params.cuh"
 _CUDA_TYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p,
@@ -31,6 +32,16 @@ def test_struct_format_fills_every_field_in_order():
     p = Params()
     struct.pack_into(PARAMS_STRUCT_FORMAT, p, 0, *values)
     assert [getattr(p, name) for name, _ in Params._fields_] == values
+
+
+def test_pointers_and_fixed_fields_split_the_struct():
+    """The launcher packs the pointers per call and the rest once per plan: the two formats
+    must cover the struct, back to back, in field order."""
+    assert struct.calcsize(PARAMS_POINTERS_FORMAT) == PARAMS_POINTERS_BYTES
+    assert PARAMS_POINTERS_BYTES == Params.lse.offset + Params.lse.size == \
+        Params.q_batch_stride.offset
+    assert PARAMS_POINTERS_BYTES + struct.calcsize(PARAMS_FIXED_FORMAT) == PARAMS_BYTES
+    assert PARAMS_STRUCT_FORMAT == PARAMS_POINTERS_FORMAT + PARAMS_FIXED_FORMAT[1:]
 
 
 def test_fields_match_params_cuh():
