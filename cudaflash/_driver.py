@@ -189,6 +189,9 @@ class _ArgBuffer(threading.local):
             _LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(self.params),
             _LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(self.size), _LAUNCH_PARAM_END)
         self.extra_address = ctypes.addressof(self.extra)
+        # What a launch reads, as one attribute: each read of a threading.local attribute
+        # costs a dictionary lookup of the thread's state.
+        self.pack_target = (self.bytes, self.extra_address)
 
 
 _arg_buffer = _ArgBuffer()
@@ -237,8 +240,8 @@ class Launcher:
     def launch(self, stream: int, q: int, k: int, v: int, o: int, lse: int) -> None:
         """Launch on ``stream`` (a raw CUstream handle, 0 for the legacy default stream) with
         these data pointers (``lse`` 0: the kernel writes no lse)."""
-        buf = _arg_buffer
-        _pack_params(buf.bytes, 0, q, k, v, o, lse, self._fixed)
+        params_bytes, extra_address = _arg_buffer.pack_target
+        _pack_params(params_bytes, 0, q, k, v, o, lse, self._fixed)
         stream_obj = _stream_objects.get(stream)
         if stream_obj is None:
             stream_obj = _new_stream_object(stream)
@@ -247,7 +250,7 @@ class Launcher:
         # (an int is converted through a new object on each call), no kernelParams, the extra
         # array as an int address (taken as-is), plain ints for the geometry.
         result = self._cuLaunchKernel(self.fn, gx, gy, gz, self.threads, 1, 1, self.smem,
-                                      stream_obj, None, buf.extra_address)
+                                      stream_obj, None, extra_address)
         if result[0]:  # check() inline: this is the per-call path
             check(result, self.label)
         if self.synchronize:

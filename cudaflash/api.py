@@ -45,7 +45,8 @@ _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 # function does the same lazy CUDA initialisation (and bad-fork check) itself.
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
 _is_compiling = torch.compiler.is_compiling  # torch.compile recognises the function itself
-_Tensor = torch.Tensor
+_is_grad_enabled = torch.is_grad_enabled
+_empty_like = torch.empty_like
 
 
 # ---- public functions ------------------------------------------------------------------------
@@ -85,12 +86,43 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
     if _is_compiling():
         out, lse = _fwd_op(q, k, v, softmax_scale, causal)
-    else:
-        # No lse unless asked for: the kernel skips it and the call saves an allocation.
-        want_lse = bool(return_attn_probs)
-        out, lse = (_planned_forward(q, k, v, softmax_scale, causal, want_lse)
-                    or _forward(None, q, k, v, None, softmax_scale, causal, want_lse))
-    return (out, lse, None) if return_attn_probs else out
+        return (out, lse, None) if return_attn_probs else out
+    # No lse unless asked for: the kernel skips it and the call saves an allocation.
+    want_lse = return_attn_probs is True or bool(return_attn_probs)
+
+    # The per-call path: a signature seen before has a plan (what the checked path concluded).
+    # Every line here is paid on every attention call, and a tiny attention costs less on the
+    # GPU than this on the host, hence inline code and pre-bound functions.
+    try:
+        plan = _plans.get((q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
+                           q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(),
+                           v.get_device(), softmax_scale, causal, want_lse))  # = _plan_key()
+    except (AttributeError, TypeError):
+        # Not tensors (no isinstance checks: they cost more than this rare fallback), or an
+        # unhashable softmax_scale: the checked path explains what is wrong.
+        plan = None
+    if plan is not None:
+        # What the signature does not fix: data alignment, the current device, autograd.
+        # Any of them wrong: the checked path raises, or switches device.
+        q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        index = plan.device_index
+        if not ((q_ptr | k_ptr | v_ptr) & 15 or _current_device() != index
+                or (_is_grad_enabled()
+                    and (q.requires_grad or k.requires_grad or v.requires_grad))):
+            # q's layout, as flash-attn does; the plan's out strides are empty_like's for q's
+            # shape and strides, which the key fixes.
+            out = _empty_like(q)
+            stream = _current_stream(index)
+            if want_lse:
+                lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
+                plan.launcher.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(),
+                                     lse.data_ptr())
+                return out, lse, None
+            plan.launcher.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(), 0)  # 0: no lse
+            return out
+
+    out, lse = _forward(None, q, k, v, None, softmax_scale, causal, want_lse)
+    return (out, lse, None) if want_lse else out
 
 
 def forward(config, q, k, v, out=None, softmax_scale=None, causal=False):
@@ -285,43 +317,6 @@ def _plan_key(q, k, v, softmax_scale, causal, want_lse):
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
             v.dtype, q.get_device(), k.get_device(), v.get_device(), softmax_scale, causal,
             want_lse)
-
-
-def _planned_forward(q, k, v, softmax_scale, causal, want_lse):
-    """(out, lse) through the plan of a signature seen before, or None: then the checked path
-    runs (and records a plan for next time).
-
-    This is the per-call path of flash_attn_func: every line is paid on every call (a tiny
-    attention costs less on the GPU than this on the host), so the key is built inline and
-    the launch needs nothing but the pointers and the stream.
-    """
-    if not (isinstance(q, _Tensor) and isinstance(k, _Tensor) and isinstance(v, _Tensor)):
-        return None
-    try:
-        plan = _plans.get((q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
-                           q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(),
-                           v.get_device(), softmax_scale, causal, want_lse))  # = _plan_key()
-    except TypeError:  # an unhashable softmax_scale: the checked path explains what is wrong
-        return None
-    if plan is None:
-        return None
-    # What the signature does not fix: data alignment, the current device, autograd.
-    q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
-    index = plan.device_index
-    if ((q_ptr | k_ptr | v_ptr) & 15 or _current_device() != index
-            or (torch.is_grad_enabled()
-                and (q.requires_grad or k.requires_grad or v.requires_grad))):
-        return None  # the checked path raises, or switches device
-    # q's layout, as flash-attn does; the plan's out strides are empty_like's for q's shape and
-    # strides, which the key fixes.
-    out = torch.empty_like(q)
-    stream = _current_stream(index)
-    if want_lse:
-        lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
-        plan.launcher.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(), lse.data_ptr())
-        return out, lse
-    plan.launcher.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(), 0)  # 0: no lse
-    return out, None
 
 
 def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal,

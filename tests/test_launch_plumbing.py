@@ -135,15 +135,22 @@ def test_no_lse_unless_wanted(fake):
 
 def test_repeat_call_takes_the_plan(fake, monkeypatch):
     """flash_attn_func's per-call path: a plan recorded by the checked path is found with the
-    key _planned_forward builds inline, launches with the new pointers and the first call's
+    key flash_attn_func builds inline, launches with the new pointers and the first call's
     fixed fields, and hands back to the checked path whatever the key does not fix."""
     monkeypatch.setattr(api, "_current_device", lambda: 0)
     q, k, v = qkv()
     api._run(None, 0, q, k, v, None, 0.125, True, False,
              plan_key=api._plan_key(q, k, v, None, True, False))
+    checked = []  # calls that fell back to the checked path
+
+    def checked_path(config, q, k, v, out, softmax_scale, causal, want_lse):
+        checked.append((softmax_scale, want_lse))
+        return "checked", "lse"
+
+    monkeypatch.setattr(api, "_forward", checked_path)
     q2, k2, v2 = qkv()
-    out, lse = api._planned_forward(q2, k2, v2, None, True, False)
-    assert lse is None and out.shape == q2.shape and out.stride() == q2.stride()
+    out = api.flash_attn_func(q2, k2, v2, causal=True)
+    assert not checked and out.shape == q2.shape and out.stride() == q2.stride()
     first, second = fake.launches
     p = second.params
     assert (p.q, p.k, p.v, p.o, p.lse) == (q2.data_ptr(), k2.data_ptr(), v2.data_ptr(),
@@ -153,16 +160,23 @@ def test_repeat_call_takes_the_plan(fake, monkeypatch):
     assert (second.fn, second.grid, second.block, second.smem, int(second.stream)) == \
         (first.fn, first.grid, first.block, first.smem, 0x77)
 
-    assert api._planned_forward(q2, k2, v2, None, True, True) is None  # with lse: other key
-    assert api._planned_forward(q2, k2, v2, 0.125, True, False) is None  # other scale
+    def falls_back(*args, **kwargs) -> bool:
+        before = len(checked)
+        api.flash_attn_func(*args, **kwargs)
+        return len(checked) == before + 1
+
+    assert falls_back(q2, k2, v2, causal=True, return_attn_probs=True)  # with lse: other key
+    assert falls_back(q2, k2, v2, causal=True, softmax_scale=0.125)  # other scale
+    assert falls_back(q2, k2, v2, causal=True, softmax_scale=[0.1])  # unhashable
+    assert falls_back("q", k2, v2, causal=True)  # not a tensor
     shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
-    assert api._planned_forward(shifted, k2, v2, None, True, False) is None  # misaligned
-    assert api._planned_forward(q2.requires_grad_(), k2, v2, None, True, False) is None
+    assert falls_back(shifted, k2, v2, causal=True)  # misaligned
+    assert falls_back(q2.requires_grad_(), k2, v2, causal=True)
     with torch.no_grad():
-        assert api._planned_forward(q2, k2, v2, None, True, False) is not None
+        assert not falls_back(q2, k2, v2, causal=True)
     monkeypatch.setattr(api, "_current_device", lambda: 1)
-    assert api._planned_forward(k2, k2, v2, None, True, False) is None  # not a known shape
-    assert api._planned_forward(q, k, v, None, True, False) is None  # another device current
+    assert falls_back(k2, k2, v2, causal=True)  # not a known shape
+    assert falls_back(q, k, v, causal=True)  # another device current
     assert len(fake.launches) == 3
 
 
