@@ -94,10 +94,10 @@ struct KernelConfig {
                   "mma_double_buffer_loads needs an operand loaded in slices");
     static_assert(!kEagerLoad || kAsyncCopy, "eager_load_blocks needs async_copy");
     static_assert(kMinCtasPerSm >= 1 && kMinCtasPerSm <= 4, "min_ctas_per_sm must be 1..4");
-    static_assert(!kWgmma || (kRowsPerWarp == 16 && kDHead <= 128 && kBc >= 64 && kSwizzled &&
+    static_assert(!kWgmma || (kRowsPerWarp == 16 && kBc >= 64 && kSwizzled &&
                               kAsyncCopy && kQFrags == 0 && kKFrags == 0 && kVFrags == 0 &&
                               !kDoubleBuffer),
-                  "wgmma: 16 rows per warp, d_head <= 128, B_c >= 64, swizzled cp.async tiles, "
+                  "wgmma: 16 rows per warp, B_c >= 64, swizzled cp.async tiles, "
                   "no *_mma_load_K_fragments or mma_double_buffer_loads (no ldmatrix path)");
 #if CF_WGMMA && defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "wgmma configs compile for sm_90a only: -gencode arch=compute_90a,code=sm_90a"

@@ -207,8 +207,6 @@ class KernelConfig:
             if self.B_r != 16 * self.n_warps:
                 bad("B_r", f"must be 16 * n_warps = {16 * self.n_warps} with wgmma (each "
                            "warpgroup of 4 warps owns 64 query rows)")
-            if self.d_head > 128:
-                bad("d_head", "must be <= 128 with wgmma (the O accumulator of 64 x d_head)")
             if self.B_c < 64:
                 bad("B_c", "must be >= 64 with wgmma")
             if not (self.async_copy and self.swizzled):

@@ -81,7 +81,6 @@ BAD = [
     ({"wgmma": True}, "K_mma_load_K_fragments"),
     ({"wgmma": True}, "B_r"),
     ({**WGMMA, "B_r": 128, "n_warps": 4}, "B_r"),
-    ({**WGMMA, "d_head": 256}, "d_head"),
     ({**WGMMA, "B_c": 32}, "B_c"),
     ({**WGMMA, "swizzled": False}, "swizzled"),
 ]

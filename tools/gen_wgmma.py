@@ -8,7 +8,7 @@ is tedious and error-prone by hand, hence this generator. Run it after changing 
 from pathlib import Path
 
 # (N, A operand): A from shared memory ("ss", S = Q K^T) or from registers ("rs", O += P V).
-SHAPES = [(64, "ss"), (128, "ss"), (64, "rs"), (128, "rs")]
+SHAPES = [(64, "ss"), (128, "ss"), (64, "rs"), (128, "rs"), (256, "rs")]
 TYPES = {"bf16": "bf16", "f16": "f16"}
 
 HEADER = '''\
