@@ -329,7 +329,9 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def parse_ptxas(log: str) -> dict:
-    """registers, spill_bytes (stores + loads), stack_bytes, static_smem of ENTRY.
+    """registers, spill_bytes (stores + loads), stack_bytes, static_smem of ENTRY, and
+    wgmma_serialized: ptxas's note that it had to serialize the wgmma instructions (it could
+    not prove the accumulator registers untouched while they run), which costs their overlap.
 
     Raises BuildError unless ENTRY is the only entry ptxas compiled.
     """
@@ -347,7 +349,8 @@ def parse_ptxas(log: str) -> dict:
     return {"registers": int(used.group(1)),
             "spill_bytes": int(props.group(2)) + int(props.group(3)),
             "stack_bytes": int(props.group(1)),
-            "static_smem": int(smem.group(1)) if smem else 0}
+            "static_smem": int(smem.group(1)) if smem else 0,
+            "wgmma_serialized": "wgmma.mma_async instructions are serialized" in log}
 
 
 def ptx_entries(text: str) -> list:
@@ -419,7 +422,7 @@ class Builder:
                     raise BuildError(f"the PTX defines entries {entries}; it must define "
                                      f"exactly one entry {ENTRY!r} (docs/contracts.md)")
                 stats = {"registers": None, "spill_bytes": None, "stack_bytes": None,
-                         "static_smem": 0}
+                         "static_smem": 0, "wgmma_serialized": False}
         except BuildError as e:
             raise JobFailed(job, argv, str(e), proc.stdout) from None
         write_atomic(self.stamp_path(job), json.dumps({"stamp": stamp, "stats": stats}) + "\n")
@@ -614,6 +617,13 @@ def build(*, configs_path: Path = ROOT / "configs.yaml",
         if s["spill_bytes"]:
             print(f"WARNING: {job.label} spills {s['spill_bytes']} bytes to local memory "
                   f"({s['registers']} registers, stack frame {s['stack_bytes']} bytes)")
+        elif s["stack_bytes"]:
+            print(f"WARNING: {job.label} keeps a {s['stack_bytes']}-byte stack frame in local "
+                  "memory without spilling (an array indexed at run time, e.g. a loop the "
+                  "compiler did not unroll)")
+        if s.get("wgmma_serialized"):  # .get: stamps written before this check lack the key
+            print(f"WARNING: {job.label}: ptxas serialized its wgmma instructions (see the "
+                  "ptxas log: nvcc -Xptxas -v)")
         if s["static_smem"]:
             print(f"WARNING: {job.label} uses {s['static_smem']} bytes of static shared "
                   f"memory on top of the {job.cfg.smem_bytes} dynamic bytes in the manifest")

@@ -119,12 +119,17 @@ ptxas info    : Compile time = 161.2 ms
 
 def test_parse_ptxas():
     assert build_cubins.parse_ptxas(PTXAS_LOG) == {
-        "registers": 255, "spill_bytes": 80, "stack_bytes": 16, "static_smem": 1024}
+        "registers": 255, "spill_bytes": 80, "stack_bytes": 16, "static_smem": 1024,
+        "wgmma_serialized": False}
+    serialized = PTXAS_LOG + ("ptxas info    : (C7515) Potential Performance Loss: "
+                              "wgmma.mma_async instructions are serialized due to ...\n")
+    assert build_cubins.parse_ptxas(serialized)["wgmma_serialized"] is True
     clean = PTXAS_LOG.replace("16 bytes stack frame, 44 bytes spill stores, 36",
                               "0 bytes stack frame, 0 bytes spill stores, 0")
     clean = clean.replace("used 1 barriers, 1024 bytes smem", "used 1 barriers, 520 bytes cmem[0]")
     assert build_cubins.parse_ptxas(clean) == {
-        "registers": 255, "spill_bytes": 0, "stack_bytes": 0, "static_smem": 0}
+        "registers": 255, "spill_bytes": 0, "stack_bytes": 0, "static_smem": 0,
+        "wgmma_serialized": False}
 
 
 @pytest.mark.parametrize("log", [
