@@ -1,5 +1,6 @@
 """Reading the manifest and choosing the kernels a GPU can run (no GPU, no nvcc needed)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -35,6 +36,19 @@ def test_runs_on(kind, kernel_arch, device_arch, runs):
         entry="cudaflash_fwd", threads=128, smem_bytes=32768, registers=None, spill_bytes=None,
         sha256="")
     assert manifest.runs_on(entry, device_arch) is runs
+
+
+@pytest.mark.parametrize("device_arch, runs", [(90, True), (80, False), (89, False),
+                                               (100, False), (120, False)])
+def test_wgmma_cubins_run_on_sm90_only(device_arch, runs):
+    """sm_90a SASS is arch-specific: not even a later 9.x minor may load it."""
+    config = dataclasses.replace(D64["fp16"], B_r=64, n_warps=4, wgmma=True).validate()
+    entry = manifest.KernelEntry(
+        name=config.name, config=config, arch=90, kind="cubin", path=None,
+        entry="cudaflash_fwd", threads=128, smem_bytes=config.smem_bytes, registers=None,
+        spill_bytes=None, sha256="")
+    assert manifest.runs_on(entry, device_arch) is runs
+    assert not manifest.runs_on(entry, 91)  # a hypothetical later Hopper minor
 
 
 def _usable(arch, smem):
