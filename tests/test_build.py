@@ -449,3 +449,12 @@ def test_cli_reports_config_errors(fake_tree, capsys):
     assert build_cubins.main(["--configs", str(fake_tree / "configs.yaml"), "--src",
                               str(fake_tree / "src"), "--only", "d999"]) == 1
     assert "no config name contains only='d999'" in capsys.readouterr().err
+
+
+def test_generated_wgmma_header_is_current():
+    """cuda_src/wgmma.cuh is what tools/gen_wgmma.py writes: edit the generator, not it."""
+    spec = importlib.util.spec_from_file_location("gen_wgmma", ROOT / "tools" / "gen_wgmma.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (ROOT / "cuda_src" / "wgmma.cuh").read_text() == gen.render(), (
+        "cuda_src/wgmma.cuh is out of date: run `python tools/gen_wgmma.py`")

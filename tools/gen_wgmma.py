@@ -91,43 +91,45 @@ __device__ __forceinline__ void {name}(float (&d)[{regs}], {args}, int accumulat
 '''
 
 
-def dispatcher() -> str:
-    lines = ["\n// Dispatch on (N, element type): kBf16 picks bf16 or f16 operands.",
-             "template <int kN, bool kBf16>",
-             "__device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], uint64_t a_desc, "
+# Per A-operand kind: the dispatcher's A parameter(s) and the arguments passed on.
+A_PARAMS = {"ss": ("uint64_t a_desc", "a_desc"), "rs": ("const uint32_t (&a)[4]", "a")}
+
+
+def dispatcher(kind: str) -> str:
+    """wgmma_<kind><kN, kBf16>: the wrapper of shape m64n<kN>k16 for bf16 or f16 operands."""
+    a_param, a_arg = A_PARAMS[kind]
+    args = f"d, {a_arg}, b_desc, accumulate"
+    lines = ["template <int kN, bool kBf16>",
+             f"__device__ __forceinline__ void wgmma_{kind}(float (&d)[kN / 2], {a_param}, "
              "uint64_t b_desc, int accumulate) {"]
-    for i, (n, kind) in enumerate(s for s in SHAPES if s[1] == "ss"):
-        kw = "if" if i == 0 else "} else if"
-        lines.append(f"    {kw} constexpr (kN == {n}) {{")
-        lines.append(f"        if constexpr (kBf16) wgmma_ss_m64n{n}k16_bf16(d, a_desc, b_desc, "
-                     "accumulate);")
-        lines.append(f"        else wgmma_ss_m64n{n}k16_f16(d, a_desc, b_desc, accumulate);")
-    lines += ["    } else {", '        static_assert(kN == 64, "no wgmma_ss wrapper for this N");',
-              "    }", "}", "",
-              "template <int kN, bool kBf16>",
-              "__device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], "
-              "const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {"]
-    for i, (n, kind) in enumerate(s for s in SHAPES if s[1] == "rs"):
-        kw = "if" if i == 0 else "} else if"
-        lines.append(f"    {kw} constexpr (kN == {n}) {{")
-        lines.append(f"        if constexpr (kBf16) wgmma_rs_m64n{n}k16_bf16(d, a, b_desc, "
-                     "accumulate);")
-        lines.append(f"        else wgmma_rs_m64n{n}k16_f16(d, a, b_desc, accumulate);")
-    lines += ["    } else {", '        static_assert(kN == 64, "no wgmma_rs wrapper for this N");',
+    for i, n in enumerate(n for n, k in SHAPES if k == kind):
+        lines.append(f"    {'if' if i == 0 else '} else if'} constexpr (kN == {n}) {{")
+        lines.append(f"        if constexpr (kBf16) wgmma_{kind}_m64n{n}k16_bf16({args});")
+        lines.append(f"        else wgmma_{kind}_m64n{n}k16_f16({args});")
+    lines += ["    } else {",
+              f'        static_assert(kN == 64, "no wgmma_{kind} wrapper for this N");',
               "    }", "}"]
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+OUT = Path(__file__).resolve().parent.parent / "cuda_src" / "wgmma.cuh"
+
+
+def render() -> str:
+    """The text of cuda_src/wgmma.cuh."""
     body = [HEADER]
     for n, kind in SHAPES:
         for ptype in TYPES.values():
             body.append(wrapper(n, kind, ptype))
-    body.append(dispatcher())
+    body.append("\n// Dispatch on (N, element type): kBf16 picks bf16 or f16 operands.\n")
+    body.append("\n".join(dispatcher(kind) for kind in A_PARAMS))
     body.append("\n}  // namespace cudaflash\n")
-    out = Path(__file__).resolve().parent.parent / "cuda_src" / "wgmma.cuh"
-    out.write_text("".join(body))
-    print(f"wrote {out}")
+    return "".join(body)
+
+
+def main() -> None:
+    OUT.write_text(render())
+    print(f"wrote {OUT}")
 
 
 if __name__ == "__main__":
