@@ -182,16 +182,16 @@ class _ArgBuffer(threading.local):
     """
 
     def __init__(self) -> None:
+        # The ctypes objects must live as long as the thread: the driver reads them by address.
         self.params = Params()  # aligned like the CUDA struct
-        self.bytes = memoryview(self.params).cast("B")  # byte view, for struct.pack_into
         self.size = ctypes.c_size_t(PARAMS_BYTES)
         self.extra = (ctypes.c_void_p * 5)(
             _LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(self.params),
             _LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(self.size), _LAUNCH_PARAM_END)
-        self.extra_address = ctypes.addressof(self.extra)
-        # What a launch reads, as one attribute: each read of a threading.local attribute
-        # costs a dictionary lookup of the thread's state.
-        self.pack_target = (self.bytes, self.extra_address)
+        # What a launch reads, as one attribute (each read of a threading.local attribute
+        # costs a lookup of the thread's state): a byte view of params for struct.pack_into,
+        # and the address of the extra array.
+        self.pack_target = (memoryview(self.params).cast("B"), ctypes.addressof(self.extra))
 
 
 _arg_buffer = _ArgBuffer()
