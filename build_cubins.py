@@ -102,7 +102,7 @@ class Spec:
     config_archs: dict = field(default_factory=dict)
 
     def cubin_archs(self, cfg) -> tuple:
-        """The archs ``cfg`` is compiled for: its entry's (or all) archs whose smem it fits."""
+        """The archs ``cfg`` is compiled for: its entry's (or all) archs it builds for."""
         return tuple(a for a in self.config_archs.get(cfg, self.archs) if cfg.builds_for(a))
 
 
@@ -129,7 +129,7 @@ def nvcc_argv(cfg, arch: int, kind: str, *, nvcc: str, src_dir: Path, out: Path)
     """The nvcc command that compiles one config for one arch (pure: no I/O)."""
     if kind == "cubin":
         # wgmma needs the arch-specific target sm_90a (its SASS runs on sm_90 GPUs only).
-        sm = f"{arch}a" if cfg.wgmma else str(arch)
+        sm = f"{arch}a" if cfg.arch_specific else str(arch)
         target = ["-cubin", "-gencode", f"arch=compute_{sm},code=sm_{sm}"]
     elif kind == "ptx":
         target = ["-ptx", f"-arch=compute_{arch}"]
@@ -195,6 +195,9 @@ def load_spec(path: Path) -> Spec:
 def _check_rules_built(spec: Spec, where: str) -> None:
     """Every name a rule can produce must be a listed config built for the rule's archs."""
     by_name = {cfg.name: cfg for cfg in spec.configs}
+    jobs = {cfg: [] for cfg in spec.configs}
+    for job in plan_jobs(spec):
+        jobs[job.cfg].append(job)
     for rule in spec.rules:
         for dtype in rule.dtypes():
             name = rule.config_name(dtype)
@@ -209,14 +212,12 @@ def _check_rules_built(spec: Spec, where: str) -> None:
                         f"{where}: rule {rule.index}: config {name!r} needs {cfg.smem_bytes} "
                         f"bytes of shared memory, more than sm_{arch}'s "
                         f"{config.ARCH_SMEM_LIMIT[arch]}, so it can never run there")
-                if cfg.wgmma and arch != config.WGMMA_ARCH:
-                    raise ConfigError(
-                        f"{where}: rule {rule.index}: config {name!r} uses wgmma, which only "
-                        f"sm_{config.WGMMA_ARCH} has; give the rule arch: [{config.WGMMA_ARCH}]")
-                if arch in spec.archs and arch not in spec.cubin_archs(cfg):
+                # What the runtime will find for this arch: the same rule it uses.
+                if not any(job.cfg.runs_on(job.kind, job.arch, arch) for job in jobs[cfg]):
+                    built = ", ".join(job.label for job in jobs[cfg]) or "nothing"
                     raise ConfigError(
                         f"{where}: rule {rule.index}: config {name!r} is not built for "
-                        f"sm_{arch} (its entry's archs: {list(spec.cubin_archs(cfg))})")
+                        f"sm_{arch}: nothing of what is built runs there ({built})")
 
 
 def plan_jobs(spec: Spec, only: Optional[str] = None,
@@ -233,7 +234,7 @@ def plan_jobs(spec: Spec, only: Optional[str] = None,
         for arch in spec.cubin_archs(cfg):
             if arch in wanted:
                 jobs.append(Job(cfg, "cubin", arch, job_file(cfg, "cubin", arch)))
-        if spec.ptx_arch in wanted and not cfg.wgmma:  # sm_90a PTX could not JIT elsewhere
+        if spec.ptx_arch in wanted and not cfg.arch_specific:  # sm_90a PTX JITs nowhere else
             jobs.append(Job(cfg, "ptx", spec.ptx_arch, job_file(cfg, "ptx", spec.ptx_arch)))
     return jobs
 

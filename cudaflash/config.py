@@ -118,10 +118,27 @@ class KernelConfig:
     def fits_arch(self, arch: int) -> bool:
         return self.smem_bytes <= ARCH_SMEM_LIMIT[arch]
 
+    @property
+    def arch_specific(self) -> bool:
+        """Compiled for one exact GPU arch (sm_90a for wgmma): no PTX is built, and the SASS
+        runs on that compute capability only."""
+        return self.wgmma
+
     def builds_for(self, arch: int) -> bool:
-        """Whether a cubin of this config exists for ``arch``: its shared memory fits, and
-        wgmma kernels are Hopper-only (sm_90a SASS, no PTX that newer GPUs could JIT)."""
-        return self.fits_arch(arch) and (not self.wgmma or arch == WGMMA_ARCH)
+        """Whether a cubin of this config exists for ``arch``: its shared memory fits, and an
+        arch-specific config is built for its one arch only."""
+        return self.fits_arch(arch) and (not self.arch_specific or arch == WGMMA_ARCH)
+
+    def runs_on(self, kind: str, built_arch: int, device_arch: int) -> bool:
+        """Whether this config compiled as ``kind`` ("cubin" or "ptx") for ``built_arch``
+        runs on a GPU of compute capability ``device_arch``: SASS for sm_XY runs on sm_XZ
+        with Z >= Y (arch-specific SASS on sm_XY only); PTX for compute_N JITs for any
+        arch >= N. The one compatibility rule of the build and the runtime."""
+        if kind == "ptx":
+            return device_arch >= built_arch
+        if self.arch_specific:
+            return device_arch == built_arch
+        return built_arch // 10 == device_arch // 10 and built_arch <= device_arch
 
     def nvcc_defines(self) -> dict[str, int]:
         """The -D macros that instantiate this config in cuda_src/flash_fwd.cu."""

@@ -67,13 +67,8 @@ class Manifest:
 
 
 def runs_on(entry: KernelEntry, arch: int) -> bool:
-    """SASS for sm_XY runs on sm_XZ with Z >= Y (arch-specific sm_90a SASS, the wgmma
-    kernels, on sm_90 only); PTX for compute_N JITs for any arch >= N."""
-    if entry.kind == "ptx":
-        return arch >= entry.arch
-    if entry.config.wgmma:  # sm_90a SASS: arch-specific, no newer minor runs it
-        return arch == entry.arch
-    return entry.arch // 10 == arch // 10 and entry.arch <= arch
+    """Whether ``entry`` runs on a GPU of compute capability ``arch`` (KernelConfig.runs_on)."""
+    return entry.config.runs_on(entry.kind, entry.arch, arch)
 
 
 def _preference(entry: KernelEntry) -> tuple[bool, int]:
