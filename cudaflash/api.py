@@ -47,6 +47,7 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None)
 _is_compiling = torch.compiler.is_compiling  # torch.compile recognises the function itself
 _is_grad_enabled = torch.is_grad_enabled
 _empty_like = torch.empty_like
+_float32 = torch.float32
 
 
 # ---- public functions ------------------------------------------------------------------------
@@ -114,11 +115,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             out = _empty_like(q)
             stream = _current_stream(index)
             if want_lse:
-                lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
-                plan.launcher.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(),
-                                     lse.data_ptr())
+                lse = q.new_empty(plan.lse_shape, dtype=_float32)
+                plan.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(), lse.data_ptr())
                 return out, lse, None
-            plan.launcher.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(), 0)  # 0: no lse
+            plan.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(), 0)  # 0: no lse
             return out
 
     out, lse = _forward(None, q, k, v, None, softmax_scale, causal, want_lse)
@@ -360,7 +360,7 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
     if config is None:
         kernel = _auto_kernel(ctx, index, q.dtype, d_head, causal, seqlen_q, seqlen_k)
     else:
-        kernel = _config_kernels.get((ctx, config)) or _config_kernel(ctx, index, config)
+        kernel = _config_kernel(ctx, index, config)
 
     if out is None:
         out = torch.empty_like(q)  # q's layout, as flash-attn does
@@ -387,7 +387,7 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
     if plan_key is not None:
         if len(_plans) >= _MAX_PLANS:  # many distinct shapes (varying lengths): start over
             _plans.clear()
-        _plans[plan_key] = _Plan(device_index=index, launcher=launcher,
+        _plans[plan_key] = _Plan(device_index=index, launch=launcher.launch,
                                  lse_shape=(batch, n_heads, seqlen_q))
     return out, lse
 
@@ -435,7 +435,9 @@ class _Plan:
     """What the checked path concluded for one flash_attn_func argument signature."""
 
     device_index: int
-    launcher: "_driver.Launcher"  # kernel, geometry, fixed Params fields (out laid out like q)
+    # Launcher.launch, bound once: the kernel, geometry and fixed Params fields (out laid out
+    # like q) are in its Launcher.
+    launch: object
     lse_shape: tuple[int, int, int]
 
 
@@ -487,7 +489,7 @@ def _device_kernels(index: int) -> _DeviceKernels:
 
 def _auto_kernel(ctx: int, index: int, dtype: torch.dtype, d_head: int, causal: bool,
                  seqlen_q: int, seqlen_k: int) -> _Kernel:
-    dk = _devices.get(index) or _device_kernels(index)
+    dk = _device_kernels(index)
     r = _rules(dk.device.arch)
     key = (ctx, dtype, d_head, causal, bisect.bisect_left(r.q_bounds, seqlen_q),
            bisect.bisect_left(r.k_bounds, seqlen_k))
@@ -508,6 +510,9 @@ def _auto_kernel(ctx: int, index: int, dtype: torch.dtype, d_head: int, causal: 
 
 
 def _config_kernel(ctx: int, index: int, config: KernelConfig) -> _Kernel:
+    kernel = _config_kernels.get((ctx, config))
+    if kernel is not None:
+        return kernel
     dk = _device_kernels(index)
     entry = dk.usable.get(config.name)
     if entry is None:
@@ -532,7 +537,11 @@ def _make_kernel(dk: _DeviceKernels, entry: KernelEntry, ctx: int) -> _Kernel:
                          schema="(Tensor q, Tensor k, Tensor v, float? softmax_scale, "
                                 "bool causal) -> (Tensor, Tensor)")
 def _fwd_op(q, k, v, softmax_scale, causal):
-    return _forward(None, q, k, v, None, softmax_scale, causal)
+    # The compiled graph runs this body eagerly (is_compiling() is False here), so the call
+    # takes flash_attn_func's plans like any eager call instead of re-checking every time.
+    out, lse, _ = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                  return_attn_probs=True)
+    return out, lse
 
 
 @_fwd_op.register_fake
