@@ -11,9 +11,7 @@ from .manifest import load_manifest
 
 
 def _table(header: tuple, rows: list) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()
-                     for row in [header, *rows])
+    return bench.format_table(header, rows, left=range(len(header)))
 
 
 def cmd_list(args) -> int:
@@ -30,12 +28,9 @@ def cmd_list(args) -> int:
 def cmd_info(args) -> int:
     import torch
 
-    try:
-        from cuda.bindings import __version__ as bindings_version
-    except ImportError as e:
-        bindings_version = f"not importable ({e})"
     print(f"cudaflash {__version__}, python {platform.python_version()}, torch "
-          f"{torch.__version__} (CUDA {torch.version.cuda}), cuda-bindings {bindings_version}")
+          f"{torch.__version__} (CUDA {torch.version.cuda}), cuda-bindings "
+          f"{_driver.bindings_version() or 'not importable'}")
     m = load_manifest()
     print(f"kernels: {len(m.kernels)} in {m.path} (nvcc {m.nvcc_version}, sources "
           f"{m.source_hash[:12]})")

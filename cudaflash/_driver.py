@@ -52,6 +52,15 @@ def _cu():
     return driver
 
 
+def bindings_version():
+    """cuda-bindings' version string, or None when it cannot be imported."""
+    try:
+        from cuda.bindings import __version__
+    except ImportError:
+        return None
+    return __version__
+
+
 def driver_version() -> str:
     v = check(_cu().cuDriverGetVersion(), "cuDriverGetVersion")
     return f"{v // 1000}.{v % 1000 // 10}"

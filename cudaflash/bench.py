@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import __version__, api
+from . import __version__, _driver, api
 from .config import D_HEADS, DTYPES, KernelConfig
 from .tune import comma_list  # tune.py is stdlib-only at import: no cycle, no cost
 
@@ -310,13 +310,8 @@ def _num(x: Optional[float], fmt: str) -> str:
 def environment(device_index: int) -> dict:
     """What the numbers depend on: GPU, driver, library versions."""
     props = torch.cuda.get_device_properties(device_index)
+    bindings_version = _driver.bindings_version()
     try:
-        from cuda.bindings import __version__ as bindings_version
-    except ImportError:
-        bindings_version = None
-    try:
-        from . import _driver
-
         driver = _driver.driver_version()
     except (ImportError, RuntimeError):  # no cuda-bindings, or the driver call failed
         driver = None

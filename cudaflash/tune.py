@@ -151,10 +151,8 @@ def run(args) -> int:
         return 1
     index = torch.cuda.current_device()
     device = torch.device("cuda", index)
-    major, minor = torch.cuda.get_device_capability(index)
-    arch = 10 * major + minor
-    gpu = torch.cuda.get_device_name(index)
-    usable = {e.name: e for e in api.list_kernels(index)}
+    dk = api._device_kernels(index)  # the kernels flash_attn_func can run there
+    arch, gpu, usable = dk.device.arch, dk.device.name, dk.usable
     shipped_rules = manifest.load_manifest().selection
     head_dims = args.head_dims or sorted({e.config.d_head for e in usable.values()})
     iters, warmup = ((QUICK_ITERS, QUICK_WARMUP) if args.quick
