@@ -84,12 +84,11 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     }
 
     using Gemm = std::conditional_t<C::kWgmma, WarpgroupGemm<C>, WarpGemm<C>>;
-    const Gemm gemm(sQ, sK, sV, warp, lane);
-    uint32_t q_whole[kM][C::kDSlices][4];  // used only when Q_FRAGS = 0 (mma.sync)
-    if constexpr (C::kQFrags == 0 && !C::kWgmma) {
+    Gemm gemm(sQ, sK, sV, warp, lane);
+    if constexpr (Gemm::kQInRegisters) {
         copy_wait_all<C>();
         __syncthreads();
-        gemm.load_q_whole(q_whole);
+        gemm.load_q_whole();
     }
 
     float O[kM][C::kOTiles][4];
@@ -112,7 +111,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                 load_kv(sV, v, p.v_seq_stride, block);  // overlaps QK^T
             }
             copy_commit<C>();
-            gemm.qk(S, q_whole);
+            gemm.qk(S);
             // V_block has landed; every warp is done reading K.
             copy_wait_all<C>();
             __syncthreads();
@@ -123,7 +122,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
             copy_commit<C>();
             copy_wait_all<C>();
             __syncthreads();
-            gemm.qk(S, q_whole);
+            gemm.qk(S);
             load_kv(sV, v, p.v_seq_stride, block);
             copy_commit<C>();
             copy_wait_all<C>();

@@ -33,7 +33,9 @@ __device__ __forceinline__ void pipelined_groups(Load&& load, Compute&& compute)
 template <class C>
 struct WarpGemm {
     static constexpr int kM = C::kMTiles;
-    static constexpr int kSlabBytes = C::kSlab * 2;  // bytes of one slab row
+    static constexpr int kSlabBytes = C::kSlabRowBytes;
+    // Q_FRAGS = 0: the warp's whole Q slice stays in registers for the CTA's lifetime.
+    static constexpr bool kQInRegisters = C::kQFrags == 0;
 
     // Per-lane shared addresses of the first fragment each operand's ldmatrix reads.
     uint32_t q_lane;  // Q: rows warp*rows_per_warp + (lane % 8) + 8 * (lane / 8 % 2)
@@ -41,6 +43,7 @@ struct WarpGemm {
     uint32_t v_lane;  // V: rows (lane % 8) + 8 * (lane / 8 % 2)
     SliceOffsets<C> hi_by_lane16;  // column half = lane / 16 (Q and V)
     SliceOffsets<C> hi_by_lane8;   // column half = lane / 8 % 2 (K)
+    uint32_t q_whole[kQInRegisters ? kM : 1][kQInRegisters ? C::kDSlices : 1][4];
 
     __device__ __forceinline__ WarpGemm(const void* sQ, const void* sK, const void* sV, int warp,
                                         int lane)
@@ -67,17 +70,16 @@ struct WarpGemm {
                                  hi_by_lane16.bytes[nd2 % 4]);
     }
 
-    // The warp's whole Q slice, kept in registers for the CTA's lifetime (Q_FRAGS = 0).
-    __device__ __forceinline__ void load_q_whole(uint32_t (&q)[kM][C::kDSlices][4]) const {
+    // The warp's whole Q slice into registers (kQInRegisters), once Q has landed.
+    __device__ __forceinline__ void load_q_whole() {
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
-            for (int ks = 0; ks < C::kDSlices; ++ks) load_q(q[mi][ks], mi, ks);
+            for (int ks = 0; ks < C::kDSlices; ++ks) load_q(q_whole[mi][ks], mi, ks);
     }
 
     // S (kM, B_c / 8, 4) = Q K^T.
-    __device__ __forceinline__ void qk(float (&S)[kM][C::kSTiles][4],
-                                       const uint32_t (&q_whole)[kM][C::kDSlices][4]) const {
+    __device__ __forceinline__ void qk(float (&S)[kM][C::kSTiles][4]) const {
         constexpr int kG = C::kKGroup;
         constexpr int kGroups = C::kDSlices / kG;
         constexpr int kBufs = (C::kDoubleBuffer && kGroups > 1) ? 2 : 1;
@@ -109,7 +111,7 @@ struct WarpGemm {
             for (int s = 0; s < kG; ++s) {
 #pragma unroll
                 for (int mi = 0; mi < kM; ++mi) {
-                    const uint32_t(&a)[4] = q_fragment(qf[buf], q_whole, mi, g * kG + s, s);
+                    const uint32_t(&a)[4] = q_fragment(qf[buf], mi, g * kG + s, s);
 #pragma unroll
                     for (int nj = 0; nj < C::kSTiles; ++nj)
                         mma_m16n8k16<C::kBf16>(S[mi][nj], a, kf[buf][s][nj / 2][(nj % 2) * 2],
@@ -123,13 +125,12 @@ struct WarpGemm {
     // The A fragment of Q for (m16 tile mi, slice ks): from the sliced buffer (slot s of the
     // current group) or from the registers holding the whole Q slice.
     template <int kRowsQf, int kG>
-    __device__ __forceinline__ static const uint32_t (&q_fragment(
-        const uint32_t (&qf)[kRowsQf][kG][4], const uint32_t (&q_whole)[kM][C::kDSlices][4],
-        int mi, int ks, int s))[4] {
-        if constexpr (C::kQFrags != 0) {
-            return qf[mi][s];
-        } else {
+    __device__ __forceinline__ const uint32_t (&q_fragment(const uint32_t (&qf)[kRowsQf][kG][4],
+                                                           int mi, int ks, int s) const)[4] {
+        if constexpr (kQInRegisters) {
             return q_whole[mi][ks];
+        } else {
+            return qf[mi][s];
         }
     }
 
@@ -140,18 +141,8 @@ struct WarpGemm {
         constexpr int kGroups = C::kKvSlices / kG;
         constexpr int kBufs = (C::kDoubleBuffer && kGroups > 1) ? 2 : 1;
 
-        // The m16n8 accumulator layout of two adjacent n8 tiles of P is exactly the m16k16
-        // A-fragment layout, so P converts in registers without touching shared memory.
         uint32_t pf[kM][C::kKvSlices][4];
-#pragma unroll
-        for (int mi = 0; mi < kM; ++mi)
-#pragma unroll
-            for (int kk = 0; kk < C::kKvSlices; ++kk) {
-                pf[mi][kk][0] = pack_2<C::kBf16>(P[mi][2 * kk][0], P[mi][2 * kk][1]);
-                pf[mi][kk][1] = pack_2<C::kBf16>(P[mi][2 * kk][2], P[mi][2 * kk][3]);
-                pf[mi][kk][2] = pack_2<C::kBf16>(P[mi][2 * kk + 1][0], P[mi][2 * kk + 1][1]);
-                pf[mi][kk][3] = pack_2<C::kBf16>(P[mi][2 * kk + 1][2], P[mi][2 * kk + 1][3]);
-            }
+        pack_a_fragments<C::kBf16>(pf, P);
 
         uint32_t vf[kBufs][kG][C::kOTiles / 2][4];
         auto load_group = [&](int g, int buf) {

@@ -60,6 +60,7 @@ struct KernelConfig {
     static constexpr int kMTiles = kRowsPerWarp / 16;  // m16 tiles per warp
     static constexpr int kSlab = 64;                   // smem/gmem copies work in 64-column slabs
     static constexpr int kSlabs = kDHead / kSlab;
+    static constexpr int kSlabRowBytes = kSlab * int(sizeof(elem_t));  // 128: a swizzle row
     static constexpr int kRowsPerCopyPass = kThreads / 8;  // 8 threads x 16 B cover one slab row
 
     static constexpr int kDSlices = kDHead / 16;  // k16 slices of the QK^T reduction
@@ -68,11 +69,8 @@ struct KernelConfig {
     static constexpr int kOTiles = kDHead / 8;    // n8 tiles of O per m16 tile
 
     // k16 slices moved smem -> registers per load step (the whole operand when *_FRAGS is 0).
-    static constexpr int kQGroup = kQFrags == 0 ? kDSlices : kQFrags / 2;
     static constexpr int kKGroup = kKFrags == 0 ? kDSlices : kKFrags / 2;
     static constexpr int kVGroup = kVFrags == 0 ? kKvSlices : kVFrags / 2;
-
-    static constexpr int kSmemBytes = (kBr + 2 * kBc) * kDHead * int(sizeof(elem_t));
 
     static_assert(kDHead == 64 || kDHead == 128 || kDHead == 256, "d_head must be 64, 128 or 256");
     static_assert(kWarps == 4 || kWarps == 8, "n_warps must be 4 or 8");

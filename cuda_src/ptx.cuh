@@ -76,4 +76,21 @@ __device__ __forceinline__ uint32_t pack_2(float lo, float hi) {
     }
 }
 
+// Accumulators -> A fragments, rounded to 16 bits: the m16n8 accumulator layout of two
+// adjacent n8 tiles is exactly the m16k16 A-fragment layout (of mma.sync, and per warp of
+// wgmma's register A operand), so P = S converts without touching shared memory.
+template <bool kBf16, int kM, int kNTiles>
+__device__ __forceinline__ void pack_a_fragments(uint32_t (&a)[kM][kNTiles / 2][4],
+                                                 const float (&c)[kM][kNTiles][4]) {
+#pragma unroll
+    for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+        for (int kk = 0; kk < kNTiles / 2; ++kk) {
+            a[mi][kk][0] = pack_2<kBf16>(c[mi][2 * kk][0], c[mi][2 * kk][1]);
+            a[mi][kk][1] = pack_2<kBf16>(c[mi][2 * kk][2], c[mi][2 * kk][3]);
+            a[mi][kk][2] = pack_2<kBf16>(c[mi][2 * kk + 1][0], c[mi][2 * kk + 1][1]);
+            a[mi][kk][3] = pack_2<kBf16>(c[mi][2 * kk + 1][2], c[mi][2 * kk + 1][3]);
+        }
+}
+
 }  // namespace cudaflash

@@ -17,8 +17,9 @@ template <class C>
 struct WarpgroupGemm {
     static_assert(C::kRowsPerWarp == 16 && C::kWarps % 4 == 0,
                   "wgmma: each warpgroup of 4 warps owns 64 query rows");
-    static constexpr int kSlabRowBytes = C::kSlab * 2;  // 128: one swizzle row
+    static constexpr int kSlabRowBytes = C::kSlabRowBytes;  // one swizzle row
     static constexpr int kSwizzleAtomBytes = 8 * kSlabRowBytes;  // 8 rows: the swizzle period
+    static constexpr bool kQInRegisters = false;  // the tensor cores read Q from shared memory
 
     uint32_t q_base;  // this warpgroup's first Q row, slab 0
     uint32_t k_base;
@@ -34,8 +35,7 @@ struct WarpgroupGemm {
     // S (this thread's part of the warpgroup's 64 x B_c tile) = Q K^T. Both operands are
     // K-major (d_head contiguous): k16 slice ks is 32 bytes into slab ks / 4, and the
     // descriptor's stride is one 8-row swizzle atom (the leading offset is unused).
-    template <class QWhole>
-    __device__ __forceinline__ void qk(float (&S)[1][C::kSTiles][4], const QWhole&) const {
+    __device__ __forceinline__ void qk(float (&S)[1][C::kSTiles][4]) const {
         float(&s)[C::kSTiles * 4] = reinterpret_cast<float(&)[C::kSTiles * 4]>(S);
         wgmma_fence_operands(s);
         wgmma_fence();
@@ -60,22 +60,15 @@ struct WarpgroupGemm {
     __device__ __forceinline__ void pv(float (&O)[1][C::kOTiles][4],
                                        const float (&S)[1][C::kSTiles][4]) const {
         float(&o)[C::kOTiles * 4] = reinterpret_cast<float(&)[C::kOTiles * 4]>(O);
-        uint32_t p[C::kKvSlices][4];
-#pragma unroll
-        for (int ks = 0; ks < C::kKvSlices; ++ks) {
-            // k16 slice ks of P = n8 tiles 2ks and 2ks + 1 of S (the mma.sync A layout).
-            p[ks][0] = pack_2<C::kBf16>(S[0][2 * ks][0], S[0][2 * ks][1]);
-            p[ks][1] = pack_2<C::kBf16>(S[0][2 * ks][2], S[0][2 * ks][3]);
-            p[ks][2] = pack_2<C::kBf16>(S[0][2 * ks + 1][0], S[0][2 * ks + 1][1]);
-            p[ks][3] = pack_2<C::kBf16>(S[0][2 * ks + 1][2], S[0][2 * ks + 1][3]);
-        }
+        uint32_t p[1][C::kKvSlices][4];
+        pack_a_fragments<C::kBf16>(p, S);
         wgmma_fence_operands(o);
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < C::kKvSlices; ++ks) {
             const uint64_t b = make_smem_desc(v_base + ks * 16 * kSlabRowBytes,
                                               C::kBc * kSlabRowBytes, kSwizzleAtomBytes);
-            wgmma_rs<C::kDHead, C::kBf16>(o, p[ks], b, 1);
+            wgmma_rs<C::kDHead, C::kBf16>(o, p[0][ks], b, 1);
         }
         wgmma_commit();
         wgmma_wait<0>();
