@@ -21,20 +21,33 @@ struct WarpgroupGemm {
     static constexpr int kSwizzleAtomBytes = 8 * kSlabRowBytes;  // 8 rows: the swizzle period
     static constexpr bool kQInRegisters = false;  // the tensor cores read Q from shared memory
 
-    uint32_t q_base;  // this warpgroup's first Q row, slab 0
-    uint32_t k_base;
-    uint32_t v_base;
+    // Every descriptor field but the start address, fixed per operand. Q and K are K-major
+    // (d_head contiguous): the stride is one 8-row swizzle atom, the leading offset is unused.
+    // V, read as O's (B_c, d_head) B operand, is MN-major: the leading offset steps between
+    // 64-column slabs, the stride between 8-row atoms.
+    static constexpr uint64_t kQkFields = make_smem_desc(0, 16, kSwizzleAtomBytes);
+    static constexpr uint64_t kVFields =
+        make_smem_desc(0, C::kBc * kSlabRowBytes, kSwizzleAtomBytes);
+
+    // Start addresses >> 4, the descriptors' start field, of each operand's first k16 slice
+    // (Q: this warpgroup's first row). One register each; a slice adds its offset >> 4.
+    uint32_t q_start, k_start, v_start;
 
     __device__ __forceinline__ WarpgroupGemm(const void* sQ, const void* sK, const void* sV,
-                                             int warp, int /*lane*/) {
-        q_base = smem_addr(sQ) + (warp / 4) * 64 * kSlabRowBytes;
-        k_base = smem_addr(sK);
-        v_base = smem_addr(sV);
+                                             int warp, int /*lane*/)
+        : q_start((smem_addr(sQ) + (warp / 4) * 64 * kSlabRowBytes) >> 4),
+          k_start(smem_addr(sK) >> 4),
+          v_start(smem_addr(sV) >> 4) {}
+
+    // The descriptor `bytes` past `start`: shared addresses stay below 256 KiB, so the sum
+    // fits the 14-bit start field.
+    __device__ __forceinline__ static uint64_t desc(uint64_t fields, uint32_t start,
+                                                    uint32_t bytes) {
+        return fields | (start + (bytes >> 4));
     }
 
-    // S (this thread's part of the warpgroup's 64 x B_c tile) = Q K^T. Both operands are
-    // K-major (d_head contiguous): k16 slice ks is 32 bytes into slab ks / 4, and the
-    // descriptor's stride is one 8-row swizzle atom (the leading offset is unused).
+    // S (this thread's part of the warpgroup's 64 x B_c tile) = Q K^T: k16 slice ks is 32
+    // bytes into slab ks / 4 of Q and of K.
     __device__ __forceinline__ void qk(float (&S)[1][C::kSTiles][4]) const {
         float(&s)[C::kSTiles * 4] = reinterpret_cast<float(&)[C::kSTiles * 4]>(S);
         wgmma_fence_operands(s);
@@ -42,21 +55,17 @@ struct WarpgroupGemm {
 #pragma unroll
         for (int ks = 0; ks < C::kDSlices; ++ks) {
             const uint32_t slice = (ks % 4) * 32;
-            const uint64_t a = make_smem_desc(
-                q_base + (ks / 4) * C::kBr * kSlabRowBytes + slice, 16, kSwizzleAtomBytes);
-            const uint64_t b = make_smem_desc(
-                k_base + (ks / 4) * C::kBc * kSlabRowBytes + slice, 16, kSwizzleAtomBytes);
-            wgmma_ss<C::kBc, C::kBf16>(s, a, b, ks > 0);
+            wgmma_ss<C::kBc, C::kBf16>(
+                s, desc(kQkFields, q_start, (ks / 4) * C::kBr * kSlabRowBytes + slice),
+                desc(kQkFields, k_start, (ks / 4) * C::kBc * kSlabRowBytes + slice), ks > 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operands(s);
     }
 
-    // O += P V with P = S rounded to 16 bits. V is (B_c, d_head) with d_head contiguous: for
-    // O's N = d_head that is MN-major, read transposed. k16 slice ks is rows 16ks..16ks+15
-    // (two swizzle atoms); the leading offset steps between 64-column slabs, the stride
-    // between 8-row atoms.
+    // O += P V with P = S rounded to 16 bits. k16 slice ks of V is rows 16ks..16ks+15 (two
+    // swizzle atoms), read transposed (MN-major).
     __device__ __forceinline__ void pv(float (&O)[1][C::kOTiles][4],
                                        const float (&S)[1][C::kSTiles][4]) const {
         float(&o)[C::kOTiles * 4] = reinterpret_cast<float(&)[C::kOTiles * 4]>(O);
@@ -66,9 +75,8 @@ struct WarpgroupGemm {
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < C::kKvSlices; ++ks) {
-            const uint64_t b = make_smem_desc(v_base + ks * 16 * kSlabRowBytes,
-                                              C::kBc * kSlabRowBytes, kSwizzleAtomBytes);
-            wgmma_rs<C::kDHead, C::kBf16>(o, p[0][ks], b, 1);
+            wgmma_rs<C::kDHead, C::kBf16>(
+                o, p[0][ks], desc(kVFields, v_start, ks * 16 * kSlabRowBytes), 1);
         }
         wgmma_commit();
         wgmma_wait<0>();

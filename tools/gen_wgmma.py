@@ -29,8 +29,8 @@ namespace cudaflash {
 // Descriptor"): start address, leading- and stride-dimension byte offsets (all >> 4) and the
 // swizzle mode in bits 62-63 (1 = 128-byte swizzle). The tile must start 1024-byte aligned so
 // that the hardware's address-based swizzle matches the layout the copies wrote.
-__device__ __forceinline__ uint64_t make_smem_desc(uint32_t smem_addr, uint32_t leading_bytes,
-                                                   uint32_t stride_bytes) {
+__host__ __device__ constexpr uint64_t make_smem_desc(uint32_t smem_addr, uint32_t leading_bytes,
+                                                      uint32_t stride_bytes) {
     return uint64_t((smem_addr & 0x3FFFF) >> 4) | uint64_t((leading_bytes & 0x3FFFF) >> 4) << 16 |
            uint64_t((stride_bytes & 0x3FFFF) >> 4) << 32 | uint64_t(1) << 62;
 }
