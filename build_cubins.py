@@ -111,18 +111,22 @@ class Job:
     cfg: "config.KernelConfig"
     kind: str  # "cubin" or "ptx"
     arch: int
-    file: str  # relative to the output dir, as recorded in the manifest
+
+    @property
+    def target(self) -> str:
+        """sm_XY for a cubin, compute_XY for PTX."""
+        return f"sm_{self.arch}" if self.kind == "cubin" else f"compute_{self.arch}"
 
     @property
     def label(self) -> str:
-        return (f"{self.cfg.name} sm_{self.arch}" if self.kind == "cubin"
-                else f"{self.cfg.name} compute_{self.arch} (ptx)")
+        return f"{self.cfg.name} {self.target}" + (" (ptx)" if self.kind == "ptx" else "")
 
-
-def job_file(cfg, kind: str, arch: int) -> str:
-    if kind == "cubin":
-        return f"sm_{arch}/{cfg.name}.cubin"
-    return f"ptx/compute_{arch}/{cfg.name}.ptx"
+    @property
+    def file(self) -> str:
+        """Relative to the output dir, as recorded in the manifest."""
+        if self.kind == "cubin":
+            return f"{self.target}/{self.cfg.name}.cubin"
+        return f"ptx/{self.target}/{self.cfg.name}.ptx"
 
 
 def nvcc_argv(cfg, arch: int, kind: str, *, nvcc: str, src_dir: Path, out: Path) -> list:
@@ -233,9 +237,9 @@ def plan_jobs(spec: Spec, only: Optional[str] = None,
             continue
         for arch in spec.cubin_archs(cfg):
             if arch in wanted:
-                jobs.append(Job(cfg, "cubin", arch, job_file(cfg, "cubin", arch)))
+                jobs.append(Job(cfg, "cubin", arch))
         if spec.ptx_arch in wanted and not cfg.arch_specific:  # sm_90a PTX JITs nowhere else
-            jobs.append(Job(cfg, "ptx", spec.ptx_arch, job_file(cfg, "ptx", spec.ptx_arch)))
+            jobs.append(Job(cfg, "ptx", spec.ptx_arch))
     return jobs
 
 
@@ -542,8 +546,7 @@ def summary(jobs: Sequence[Job], stats: dict) -> str:
     rows = [("name", "arch", "regs", "spill", "stack", "smem")]
     for job in jobs:
         s = stats[job]
-        arch = f"sm_{job.arch}" if job.kind == "cubin" else f"compute_{job.arch}"
-        rows.append((job.cfg.name, arch, _cell(s["registers"]), _cell(s["spill_bytes"]),
+        rows.append((job.cfg.name, job.target, _cell(s["registers"]), _cell(s["spill_bytes"]),
                      _cell(s["stack_bytes"]), str(job.cfg.smem_bytes)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)

@@ -30,7 +30,6 @@ from .manifest import KernelEntry
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _LOG2E = math.log2(math.e)
-_MIN_ARCH = 80  # cp.async, ldmatrix and bf16 mma
 _GRID_YZ_MAX = 65535  # CUDA limit on grid.y (heads) and grid.z (batch)
 _INT32_MAX = 2**31 - 1  # Params sizes are int32
 _DIMS = ("batch", "seqlen", "head")
@@ -479,9 +478,9 @@ def _device_kernels(index: int) -> _DeviceKernels:
     dk = _devices.get(index)
     if dk is None:
         device = _driver.device(index)
-        if device.arch < _MIN_ARCH:
+        if device.arch < selection.MIN_ARCH:
             raise RuntimeError(f"cuda:{index} ({device.name}) is sm_{device.arch}; cudaflash "
-                               f"needs sm_{_MIN_ARCH} (Ampere) or newer")
+                               f"needs sm_{selection.MIN_ARCH} (Ampere) or newer")
         usable = _manifest.load_manifest().usable(device.arch, device.smem_optin)
         dk = _devices[index] = _DeviceKernels(device, usable, _env.debug())
     return dk
