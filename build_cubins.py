@@ -55,9 +55,14 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas", "-v")
 
 KERNEL_SOURCE = "flash_fwd.cu"  # the single translation unit, under the source dir
 PARAMS_HEADER = "params.cuh"  # holds `constexpr int kParamsBytes = N;`
-ENTRY = "cudaflash_fwd"  # the one extern "C" entry every cubin exports
+# The extern "C" entries every cubin and PTX exports: the forward, its split-KV variant and
+# the kernel that combines the splits (cuda_src/flash_fwd.cu).
+ENTRY = "cudaflash_fwd"
+SPLIT_ENTRY = "cudaflash_fwd_split"
+COMBINE_ENTRY = "cudaflash_combine"
+ENTRIES = (ENTRY, SPLIT_ENTRY, COMBINE_ENTRY)
 MANIFEST_NAME = "manifest.json"
-MANIFEST_SCHEMA = 1
+MANIFEST_SCHEMA = 2
 YAML_KEYS = ("archs", "ptx_arch", "defaults", "configs", "selection")
 
 
@@ -334,27 +339,36 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def parse_ptxas(log: str) -> dict:
-    """registers, spill_bytes (stores + loads), stack_bytes, static_smem of ENTRY, and
-    wgmma_serialized: ptxas's note that it had to serialize the wgmma instructions (it could
-    not prove the accumulator registers untouched while they run), which costs their overlap.
+    """From ptxas's report: registers and static_smem of ENTRY, split_registers of
+    SPLIT_ENTRY, spill_bytes (stores + loads, summed over all entries: none may spill),
+    stack_bytes (the largest frame), and wgmma_serialized: ptxas's note that it had to
+    serialize the wgmma instructions (it could not prove the accumulator registers untouched
+    while they run), which costs their overlap.
 
-    Raises BuildError unless ENTRY is the only entry ptxas compiled.
+    Raises BuildError unless ptxas compiled exactly the ENTRIES.
     """
     entries = re.findall(r"Compiling entry function '([^']+)'", log)
-    if entries != [ENTRY]:
+    if sorted(entries) != sorted(ENTRIES):
         raise BuildError(f"ptxas compiled entries {entries}; every cubin must export exactly "
-                         f"one entry {ENTRY!r} (docs/contracts.md)")
-    section = log.split(f"Compiling entry function '{ENTRY}'", 1)[1]
-    props = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
-                      r"(\d+) bytes spill loads", section)
-    used = re.search(r"Used (\d+) registers", section)
-    if not props or not used:
-        raise BuildError(f"could not read registers/spills of {ENTRY!r} from the ptxas report")
-    smem = re.search(r"Used \d+ registers[^\n]*?(\d+) bytes smem", section)
-    return {"registers": int(used.group(1)),
-            "spill_bytes": int(props.group(2)) + int(props.group(3)),
-            "stack_bytes": int(props.group(1)),
-            "static_smem": int(smem.group(1)) if smem else 0,
+                         f"{list(ENTRIES)} (docs/contracts.md)")
+    stats = {}
+    for name in ENTRIES:
+        section = log.split(f"Compiling entry function '{name}'", 1)[1]
+        section = section.split("Compiling entry function", 1)[0]
+        props = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                          r"(\d+) bytes spill loads", section)
+        used = re.search(r"Used (\d+) registers", section)
+        if not props or not used:
+            raise BuildError(f"could not read registers/spills of {name!r} from the ptxas "
+                             "report")
+        smem = re.search(r"Used \d+ registers[^\n]*?(\d+) bytes smem", section)
+        stats[name] = (int(used.group(1)), int(props.group(2)) + int(props.group(3)),
+                       int(props.group(1)), int(smem.group(1)) if smem else 0)
+    return {"registers": stats[ENTRY][0],
+            "split_registers": stats[SPLIT_ENTRY][0],
+            "spill_bytes": sum(s[1] for s in stats.values()),
+            "stack_bytes": max(s[2] for s in stats.values()),
+            "static_smem": stats[ENTRY][3],
             "wgmma_serialized": "wgmma.mma_async instructions are serialized" in log}
 
 
@@ -423,11 +437,11 @@ class Builder:
                 stats = parse_ptxas(proc.stdout)
             else:
                 entries = ptx_entries(out.read_text())
-                if entries != [ENTRY]:
+                if sorted(entries) != sorted(ENTRIES):
                     raise BuildError(f"the PTX defines entries {entries}; it must define "
-                                     f"exactly one entry {ENTRY!r} (docs/contracts.md)")
-                stats = {"registers": None, "spill_bytes": None, "stack_bytes": None,
-                         "static_smem": 0, "wgmma_serialized": False}
+                                     f"exactly {list(ENTRIES)} (docs/contracts.md)")
+                stats = {"registers": None, "split_registers": None, "spill_bytes": None,
+                         "stack_bytes": None, "static_smem": 0, "wgmma_serialized": False}
         except BuildError as e:
             raise JobFailed(job, argv, str(e), proc.stdout) from None
         write_atomic(self.stamp_path(job), json.dumps({"stamp": stamp, "stats": stats}) + "\n")
@@ -517,6 +531,8 @@ def manifest_dict(spec: Spec, jobs: Sequence[Job], stats: dict, *, out_dir: Path
             "kind": job.kind,
             "file": job.file,
             "entry": ENTRY,
+            "split_entry": SPLIT_ENTRY,
+            "combine_entry": COMBINE_ENTRY,
             "threads": job.cfg.threads,
             "smem_bytes": job.cfg.smem_bytes,
             "registers": s["registers"],
@@ -530,7 +546,7 @@ def manifest_dict(spec: Spec, jobs: Sequence[Job], stats: dict, *, out_dir: Path
         "nvcc_version": version,
         "source_hash": src_hash,
         "params_bytes": params_size,
-        "entry": ENTRY,
+        "entries": list(ENTRIES),
         "archs": sorted({job.arch for job in jobs if job.kind == "cubin"}),
         "ptx_arch": spec.ptx_arch,
         "selection": [rule.to_dict() for rule in spec.rules],
@@ -543,10 +559,11 @@ def _cell(value) -> str:
 
 
 def summary(jobs: Sequence[Job], stats: dict) -> str:
-    rows = [("name", "arch", "regs", "spill", "stack", "smem")]
+    rows = [("name", "arch", "regs", "split regs", "spill", "stack", "smem")]
     for job in jobs:
         s = stats[job]
-        rows.append((job.cfg.name, job.target, _cell(s["registers"]), _cell(s["spill_bytes"]),
+        rows.append((job.cfg.name, job.target, _cell(s["registers"]),
+                     _cell(s.get("split_registers")), _cell(s["spill_bytes"]),
                      _cell(s["stack_bytes"]), str(job.cfg.smem_bytes)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)

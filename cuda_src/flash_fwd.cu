@@ -8,6 +8,11 @@
 // is bottom-right aligned (query i sees keys j <= i + seqlen_k - seqlen_q) and blocks wholly
 // above the diagonal are never loaded.
 //
+// Split-KV, for grids too small to fill the GPU (decoding, one long sequence): the module also
+// exports cudaflash_fwd_split, the same kernel over one run of a query block's KV blocks per
+// CTA (grid.z = batch * n_splits), writing float32 partial results, and cudaflash_combine,
+// which merges them (params.cuh). Separate entries, so the plain kernel pays nothing for it.
+//
 // The config (tile sizes, copy/load strategies) comes from -D macros: kernel_config.cuh.
 #include "copy.cuh"
 #include "gemm.cuh"
@@ -20,7 +25,7 @@
 
 namespace cudaflash {
 
-template <class C>
+template <class C, bool kSplit>
 __device__ __forceinline__ void flash_fwd(const Params& p) {
     using elem_t = typename C::elem_t;
     constexpr int kM = C::kMTiles;
@@ -35,7 +40,8 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     // Causal CTAs with more KV blocks start first (the last query blocks do the most work).
     const int q_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int head = blockIdx.y;
-    const int batch = blockIdx.z;
+    const int batch = kSplit ? blockIdx.z / p.n_splits : blockIdx.z;
+    const int split = kSplit ? blockIdx.z % p.n_splits : 0;
     const int head_k = head / (p.n_heads / p.n_heads_k);
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -61,6 +67,13 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
         const int first_row_keys = q_row0 + causal_shift + 1;  // keys the first row sees
         mask_from = min(mask_from, max(first_row_keys, 0) / C::kBc);
     }
+    // This CTA's KV blocks: [kv_begin, n_blocks). A split past the causal diagonal gets none
+    // and writes O = 0, lse = -inf, which the combine weights by zero.
+    int kv_begin = 0;
+    if constexpr (kSplit) {
+        kv_begin = split * p.kv_blocks_per_split;
+        n_blocks = min(n_blocks, kv_begin + p.kv_blocks_per_split);
+    }
 
     using QCopy = TileCopy<C, C::kBr>;
     using KvCopy = TileCopy<C, C::kBc>;
@@ -76,7 +89,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     // later V load overlaps the previous block's softmax and PV.
     constexpr bool kPrefetchFirstV = C::kEagerLoad && C::kOptimizedSoftmax;
     if constexpr (C::kEagerLoad) {
-        if (n_blocks > 0) {
+        if (n_blocks > kv_begin) {
             load_kv(sK, k, p.k_seq_stride, n_blocks - 1);
             if constexpr (kPrefetchFirstV) load_kv(sV, v, p.v_seq_stride, n_blocks - 1);
         }
@@ -115,7 +128,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
             // V_block has landed; every warp is done reading K.
             copy_wait_all<C>();
             __syncthreads();
-            if (block > 0) load_kv(sK, k, p.k_seq_stride, block - 1);  // overlaps softmax + PV
+            if (block > kv_begin) load_kv(sK, k, p.k_seq_stride, block - 1);  // overlaps softmax + PV
             copy_commit<C>();
         } else {
             load_kv(sK, k, p.k_seq_stride, block);
@@ -137,12 +150,34 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     // Last block first: the masked blocks (tail, diagonal) come first, then unmasked ones.
     int block = n_blocks - 1;
     if constexpr (C::kOptimizedSoftmax) {
-        if (block >= 0) iteration(block--, std::true_type{});
+        if (block >= kv_begin) iteration(block--, std::true_type{});
     }
-    for (; block >= 0; --block) iteration(block, std::false_type{});
+    for (; block >= kv_begin; --block) iteration(block, std::false_type{});
 
     float lse[kM][2];
     softmax.finalize(O, lse);
+
+    if constexpr (kSplit) {
+        copy_wait_all<C>();  // with no KV block here, the Q copy may still be in flight
+        // Partial results straight from registers, float32: each quad writes 8 consecutive
+        // floats of a row per n8 tile. Rows past seqlen_q are not written.
+        const int64_t split_row0 =
+            ((int64_t(split) * p.batch + batch) * p.n_heads + head) * p.seqlen_q;
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = q_row0 + warp * C::kRowsPerWarp + mi * 16 + lane / 4 + 8 * r;
+                if (row >= p.seqlen_q) continue;
+                if (lane % 4 == 0) p.lse_accum[split_row0 + row] = lse[mi][r];
+                float* o_row = p.o_accum + (split_row0 + row) * C::kDHead + 2 * (lane % 4);
+#pragma unroll
+                for (int nd = 0; nd < C::kOTiles; ++nd)
+                    *reinterpret_cast<float2*>(o_row + nd * 8) =
+                        make_float2(O[mi][nd][2 * r], O[mi][nd][2 * r + 1]);
+            }
+        return;
+    }
 
     if (p.lse != nullptr && lane % 4 == 0) {
         float* lse_row = p.lse + (int64_t(batch) * p.n_heads + head) * p.seqlen_q;
@@ -176,10 +211,73 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     QCopy::store(o, sQ, p.o_seq_stride, q_rows);
 }
 
+// cudaflash_combine: one warp per query row, grid (ceil(seqlen_q / kCombineRows), n_heads,
+// batch). lse = log(sum_s exp(lse_s)); o = sum_s exp(lse_s - lse) * o_s. A row no split saw
+// a key for (every lse_s = -inf) gets o = 0 and lse = -inf, as in the unsplit kernel.
+constexpr int kCombineRows = 4;
+constexpr int kCombineThreads = 32 * kCombineRows;
+
+template <class C>
+__device__ __forceinline__ void combine_splits(const Params& p) {
+    using elem_t = typename C::elem_t;
+    constexpr int kPerLane = C::kDHead / 32;  // 2, 4 or 8 columns per lane
+    const int lane = threadIdx.x % 32;
+    const int row = blockIdx.x * kCombineRows + threadIdx.x / 32;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    if (row >= p.seqlen_q) return;
+
+    const int64_t split_stride = int64_t(p.batch) * p.n_heads * p.seqlen_q;  // rows per split
+    const int64_t row_index = (int64_t(batch) * p.n_heads + head) * p.seqlen_q + row;
+    float max_lse = -INFINITY;
+    for (int s = 0; s < p.n_splits; ++s)
+        max_lse = fmaxf(max_lse, p.lse_accum[s * split_stride + row_index]);
+    float sum = 0.f;
+    if (max_lse != -INFINITY)
+        for (int s = 0; s < p.n_splits; ++s)
+            sum += __expf(p.lse_accum[s * split_stride + row_index] - max_lse);
+    const float lse = max_lse == -INFINITY ? -INFINITY : max_lse + __logf(sum);
+
+    float acc[kPerLane];
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) acc[i] = 0.f;
+    if (lse != -INFINITY) {
+        for (int s = 0; s < p.n_splits; ++s) {
+            const float w = __expf(p.lse_accum[s * split_stride + row_index] - lse);
+            if (w == 0.f) continue;  // also the splits that saw no key (lse_s = -inf)
+            const float* o_s =
+                p.o_accum + (s * split_stride + row_index) * C::kDHead + lane * kPerLane;
+#pragma unroll
+            for (int i = 0; i < kPerLane; i += 2) {
+                const float2 x = *reinterpret_cast<const float2*>(o_s + i);
+                acc[i] += w * x.x;
+                acc[i + 1] += w * x.y;
+            }
+        }
+    }
+    elem_t* o = static_cast<elem_t*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
+                row * p.o_seq_stride + lane * kPerLane;
+#pragma unroll
+    for (int i = 0; i < kPerLane; i += 2)
+        *reinterpret_cast<uint32_t*>(o + i) = pack_2<C::kBf16>(acc[i], acc[i + 1]);
+    if (p.lse != nullptr && lane == 0) p.lse[row_index] = lse;
+}
+
 }  // namespace cudaflash
 
 extern "C" __global__ void __launch_bounds__(cudaflash::KernelConfig::kThreads,
                                               cudaflash::KernelConfig::kMinCtasPerSm)
     cudaflash_fwd(const __grid_constant__ cudaflash::Params p) {
-    cudaflash::flash_fwd<cudaflash::KernelConfig>(p);
+    cudaflash::flash_fwd<cudaflash::KernelConfig, false>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(cudaflash::KernelConfig::kThreads,
+                                              cudaflash::KernelConfig::kMinCtasPerSm)
+    cudaflash_fwd_split(const __grid_constant__ cudaflash::Params p) {
+    cudaflash::flash_fwd<cudaflash::KernelConfig, true>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(cudaflash::kCombineThreads)
+    cudaflash_combine(const __grid_constant__ cudaflash::Params p) {
+    cudaflash::combine_splits<cudaflash::KernelConfig>(p);
 }

@@ -35,9 +35,20 @@ struct Params {
     // one FFMA before exp2.
     float softmax_scale;
     float scale_log2;
+
+    // Split-KV (cudaflash_fwd_split + cudaflash_combine; ignored by cudaflash_fwd): the KV
+    // blocks of a query block are cut into n_splits runs of kv_blocks_per_split blocks, one
+    // CTA each (grid.z = batch * n_splits). Each writes its rows' O, normalised by its own
+    // softmax sum, to o_accum (n_splits, batch, n_heads, seqlen_q, d_head) and their log-sum-exp
+    // to lse_accum (n_splits, batch, n_heads, seqlen_q), both float32 and contiguous; the
+    // combine kernel weights the splits by exp(lse_split - lse) into o and lse.
+    int32_t n_splits;
+    int32_t kv_blocks_per_split;
+    float* o_accum;
+    float* lse_accum;
 };
 
-constexpr int kParamsBytes = 168;
+constexpr int kParamsBytes = 192;
 static_assert(sizeof(Params) == kParamsBytes, "Params layout changed: update cudaflash/_params.py");
 
 }  // namespace cudaflash

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from ._env import log
 from ._params import (PARAMS_BYTES, PARAMS_FIXED_FORMAT, PARAMS_POINTERS_BYTES,
-                      PARAMS_POINTERS_FORMAT, Params)
+                      PARAMS_POINTERS_FORMAT, PARAMS_WORKSPACE_FORMAT, PARAMS_WORKSPACE_OFFSET,
+                      Params)
 from .manifest import KernelEntry
 
 
@@ -75,6 +76,7 @@ class Device:
     name: str
     arch: int  # compute capability, major*10+minor
     smem_optin: int  # largest dynamic shared memory one block may opt into, bytes
+    sm_count: int  # streaming multiprocessors
 
 
 @functools.cache
@@ -93,6 +95,7 @@ def device(index: int) -> Device:
         arch=10 * get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
         + get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
         smem_optin=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+        sm_count=get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
     )
 
 
@@ -121,18 +124,28 @@ def current_context(index: int) -> int:
 
 # ---- modules ---------------------------------------------------------------------------------
 
-_functions: dict[tuple[int, int, str], object] = {}
+@dataclass(frozen=True)
+class Functions:
+    """The CUfunctions of one kernel module (manifest entry) in one context."""
+
+    forward: object  # cudaflash_fwd
+    split: object  # cudaflash_fwd_split: the forward over one run of KV blocks per CTA
+    combine: object  # cudaflash_combine: merges the split results
+    split_ctas_per_sm: int  # how many CTAs of ``split`` fit on one SM (the driver's count)
+
+
+_functions: dict[tuple[int, int, str], Functions] = {}
 _functions_lock = threading.Lock()
 
 
-def get_function(entry: KernelEntry, device_index: int, ctx: int):
-    """The CUfunction of ``entry`` in context ``ctx`` (which must be current), loaded once."""
+def get_functions(entry: KernelEntry, device_index: int, ctx: int) -> Functions:
+    """The functions of ``entry`` in context ``ctx`` (which must be current), loaded once."""
     key = (device_index, ctx, entry.name)
     with _functions_lock:
-        fn = _functions.get(key)
-        if fn is None:
-            fn = _functions[key] = _load(entry)
-    return fn
+        fns = _functions.get(key)
+        if fns is None:
+            fns = _functions[key] = _load(entry)
+    return fns
 
 
 def clear_cache() -> None:
@@ -161,15 +174,27 @@ def _load(entry: KernelEntry):
     if entry.kind == "ptx":
         image += b"\0"  # the driver reads PTX as a C string
     module = check(cu.cuModuleLoadData(image), f"cuModuleLoadData({entry.path})")
-    fn = check(cu.cuModuleGetFunction(module, entry.entry.encode()),
-               f"cuModuleGetFunction({entry.entry!r} in {entry.path})")
-    # Above 48 KiB, dynamic shared memory needs an explicit opt-in per function and context.
-    check(cu.cuFuncSetAttribute(
-        fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        entry.smem_bytes), f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={entry.smem_bytes}"
-                           f", {entry.name})")
+
+    def function(symbol: str, smem: int):
+        fn = check(cu.cuModuleGetFunction(module, symbol.encode()),
+                   f"cuModuleGetFunction({symbol!r} in {entry.path})")
+        if smem:
+            # Above 48 KiB, dynamic shared memory needs an explicit opt-in per function and
+            # context.
+            check(cu.cuFuncSetAttribute(
+                fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem), f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={smem}, {symbol} of "
+                       f"{entry.name})")
+        return fn
+
+    split = function(entry.split_entry, entry.smem_bytes)
+    ctas = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(split, entry.threads,
+                                                                entry.smem_bytes),
+                 f"cuOccupancyMaxActiveBlocksPerMultiprocessor({entry.name})")
+    fns = Functions(forward=function(entry.entry, entry.smem_bytes), split=split,
+                    combine=function(entry.combine_entry, 0), split_ctas_per_sm=max(1, ctas))
     log.debug("loaded %s (%s sm_%d) from %s", entry.name, entry.kind, entry.arch, entry.path)
-    return fn
+    return fns
 
 
 # ---- launch ----------------------------------------------------------------------------------
@@ -209,6 +234,8 @@ _arg_buffer = _ArgBuffer()
 _pack_params = struct.Struct(
     f"{PARAMS_POINTERS_FORMAT}{PARAMS_BYTES - PARAMS_POINTERS_BYTES}s").pack_into
 _pack_fixed = struct.Struct(PARAMS_FIXED_FORMAT).pack
+_pack_workspace = struct.Struct(PARAMS_WORKSPACE_FORMAT).pack_into
+_NO_WORKSPACE = struct.pack(PARAMS_WORKSPACE_FORMAT, 0, 0)
 
 # CUstream objects by raw handle: cuLaunchKernel converts an int stream argument to a
 # CUstream on every call (about 1.3 us on the H100 host); a process uses few streams.
@@ -243,7 +270,9 @@ class Launcher:
                  synchronize: bool, fixed_params: tuple) -> None:
         self.fn, self.label, self.grid = fn, label, grid
         self.threads, self.smem, self.synchronize = threads, smem, synchronize
-        self._fixed = _pack_fixed(*fixed_params)  # Params fields after the pointers, in order
+        # The Params fields after the pointers, in order; the workspace pointers 0 (launch
+        # sets them for each call of launch_with_workspace).
+        self._fixed = _pack_fixed(*fixed_params) + _NO_WORKSPACE
         self._cuLaunchKernel = _cu().cuLaunchKernel  # one attribute lookup less per call
 
     def launch(self, stream: int, q: int, k: int, v: int, o: int, lse: int) -> None:
@@ -263,7 +292,25 @@ class Launcher:
         if result[0]:  # check() inline: this is the per-call path
             check(result, self.label)
         if self.synchronize:
-            cu = _cu()
-            status = check(cu.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
-            if status == cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
-                check(cu.cuStreamSynchronize(stream), f"cuStreamSynchronize after {self.label}")
+            self._synchronize(stream)
+
+    def launch_with_workspace(self, stream: int, q: int, k: int, v: int, o: int, lse: int,
+                              o_accum: int, lse_accum: int) -> None:
+        """``launch`` with the split-KV workspace pointers set (split and combine kernels)."""
+        params_bytes, extra_address = _arg_buffer.pack_target
+        _pack_params(params_bytes, 0, q, k, v, o, lse, self._fixed)
+        _pack_workspace(params_bytes, PARAMS_WORKSPACE_OFFSET, o_accum, lse_accum)
+        stream_obj = _stream_objects.get(stream)
+        if stream_obj is None:
+            stream_obj = _new_stream_object(stream)
+        gx, gy, gz = self.grid
+        check(self._cuLaunchKernel(self.fn, gx, gy, gz, self.threads, 1, 1, self.smem,
+                                   stream_obj, None, extra_address), self.label)
+        if self.synchronize:
+            self._synchronize(stream)
+
+    def _synchronize(self, stream: int) -> None:
+        cu = _cu()
+        status = check(cu.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
+        if status == cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+            check(cu.cuStreamSynchronize(stream), f"cuStreamSynchronize after {self.label}")

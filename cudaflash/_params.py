@@ -7,7 +7,7 @@ with ``ctypes.sizeof(Params)`` by the tests.
 
 import ctypes
 
-PARAMS_BYTES = 168
+PARAMS_BYTES = 192
 
 
 class Params(ctypes.Structure):
@@ -41,14 +41,24 @@ class Params(ctypes.Structure):
         # scales
         ("softmax_scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),
+        # split-KV (cudaflash_fwd_split, cudaflash_combine)
+        ("n_splits", ctypes.c_int32),
+        ("kv_blocks_per_split", ctypes.c_int32),
+        ("o_accum", ctypes.c_void_p),
+        ("lse_accum", ctypes.c_void_p),
     ]
 
 
 # struct.pack formats of the same layout (native alignment matches: every field is naturally
 # aligned and the total is a multiple of 8), used by the launcher to fill a reusable buffer
-# without building a ctypes object per call. Split in two: the pointers change on every call,
-# the rest (strides, sizes, scales) is fixed for a call signature and packed once per plan.
+# without building a ctypes object per call. Split in three: the pointers change on every
+# call; the middle (strides, sizes, scales, split counts) is fixed for a call signature and
+# packed once per plan; the split-KV workspace pointers at the end change per call of a
+# split launch and are 0 otherwise.
 PARAMS_POINTERS_FORMAT = "=5Q"  # q, k, v, o, lse
-PARAMS_FIXED_FORMAT = "=12q6i2f"  # strides, sizes, scales
+PARAMS_FIXED_FORMAT = "=12q6i2f2i"  # strides, sizes, scales, n_splits, kv_blocks_per_split
+PARAMS_WORKSPACE_FORMAT = "=2Q"  # o_accum, lse_accum
 PARAMS_POINTERS_BYTES = 40
-PARAMS_STRUCT_FORMAT = PARAMS_POINTERS_FORMAT + PARAMS_FIXED_FORMAT[1:]
+PARAMS_WORKSPACE_OFFSET = 176
+PARAMS_STRUCT_FORMAT = (PARAMS_POINTERS_FORMAT + PARAMS_FIXED_FORMAT[1:]
+                        + PARAMS_WORKSPACE_FORMAT[1:])

@@ -124,20 +124,26 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return (out, lse, None) if want_lse else out
 
 
-def forward(config, q, k, v, out=None, softmax_scale=None, causal=False):
+def forward(config, q, k, v, out=None, softmax_scale=None, causal=False, num_splits=None):
     """Run one explicit kernel config; returns ``(out, lse)``.
 
     ``config`` is a KernelConfig or its canonical name (``list_kernels(device)`` lists the
     ones built for a GPU); its dtype and d_head must be q's. ``out``, if given, must have q's
     shape, dtype and device, a contiguous last dim and aligned strides, and must not overlap
-    q, k or v. Other arguments as in ``flash_attn_func``.
+    q, k or v. ``num_splits``: how many runs each query block's keys are cut into (split-KV,
+    then a second kernel combines them); None chooses as flash_attn_func does (split only
+    grids too small to fill the GPU), 1 never splits, n splits into at most n runs of at
+    least one KV block. Other arguments as in ``flash_attn_func``.
     """
     if isinstance(config, str):
         config = KernelConfig.from_name(config)
     elif not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a KernelConfig or a canonical config name, got "
                         f"{type(config).__name__}")
-    return _forward(config, q, k, v, out, softmax_scale, causal)
+    if num_splits is not None and (not isinstance(num_splits, numbers.Integral)
+                                   or isinstance(num_splits, bool) or num_splits < 1):
+        raise ValueError(f"num_splits={num_splits!r}; it must be None or an int >= 1")
+    return _forward(config, q, k, v, out, softmax_scale, causal, num_splits=num_splits)
 
 
 def list_kernels(device=None) -> list[KernelEntry]:
@@ -319,7 +325,7 @@ def _plan_key(q, k, v, softmax_scale, causal, want_lse):
 
 
 def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal,
-             want_lse=True):
+             want_lse=True, num_splits=None):
     _check_qkv(q, k, v)
     # flash_attn_func records a plan for the signature, if it is hashable.
     plan_key = None
@@ -347,17 +353,27 @@ def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal
     if index != torch.cuda.current_device():
         # The driver calls work in the current context: make q's device current.
         with torch.cuda.device(index):
-            return _run(config, index, q, k, v, out, scale, bool(causal), want_lse, plan_key)
-    return _run(config, index, q, k, v, out, scale, bool(causal), want_lse, plan_key)
+            return _run(config, index, q, k, v, out, scale, bool(causal), want_lse, plan_key,
+                        num_splits)
+    return _run(config, index, q, k, v, out, scale, bool(causal), want_lse, plan_key,
+                num_splits)
 
 
 def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: bool,
-         plan_key=None):
+         plan_key=None, num_splits=None):
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
+    # The problem the kernel sees: `rows` query rows in each of `heads` heads.
+    rows, heads, group = seqlen_q, n_heads, n_heads // n_heads_k
+    if seqlen_q == 1 and group > 1:
+        # Decoding with GQA/MQA: the `group` query heads that share a K/V head become `group`
+        # rows of one head (their data are consecutive heads of q and out), so each K/V block
+        # is read once for all of them instead of once per query head. One query row sees
+        # every key under the bottom-right causal mask, so the packed rows are not causal.
+        rows, heads, causal = group, n_heads_k, False
     ctx = _driver.current_context(index)
     if config is None:
-        kernel = _auto_kernel(ctx, index, q.dtype, d_head, causal, seqlen_q, seqlen_k)
+        kernel = _auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k)
     else:
         kernel = _config_kernel(ctx, index, config)
 
@@ -372,23 +388,106 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
         return out, lse
 
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
-    launcher = _driver.Launcher(
-        kernel.fn, kernel.label,
-        grid=((seqlen_q + kernel.block_rows - 1) // kernel.block_rows, n_heads, batch),
-        threads=kernel.threads, smem=kernel.smem, synchronize=kernel.synchronize,
-        # Params after the pointers: strides, sizes, scales;
-        # exp(s * scale) = exp2(s * scale * log2(e)).
-        fixed_params=(qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-                      os_[0], os_[1], os_[2], batch, n_heads, n_heads_k, seqlen_q, seqlen_k,
-                      int(causal), scale, scale * _LOG2E))
-    launcher.launch(_current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                    out.data_ptr(), 0 if lse is None else lse.data_ptr())  # 0: writes no lse
+    q_seq, q_head, o_seq, o_head = qs[1], qs[2], os_[1], os_[2]
+    if rows != seqlen_q:  # GQA decoding: row r of head h is query head h * group + r
+        q_seq, q_head, o_seq, o_head = qs[2], group * qs[2], os_[2], group * os_[2]
+    q_blocks = (rows + kernel.block_rows - 1) // kernel.block_rows
+    kv_blocks = (seqlen_k + kernel.block_cols - 1) // kernel.block_cols
+    if num_splits is None:
+        slots = _device_kernels(index).device.sm_count * kernel.fns.split_ctas_per_sm
+        most = _max_splits(kv_blocks * kernel.block_cols, kv_blocks,
+                           min(rows, kernel.block_rows), batch)
+        num_splits = _split_count(q_blocks * heads * batch, slots, most)
+    num_splits = min(num_splits, kv_blocks, _GRID_YZ_MAX // batch)
+    per_split = (kv_blocks + num_splits - 1) // num_splits
+    num_splits = (kv_blocks + per_split - 1) // per_split  # no split without a block
+    # Params after the pointers: strides, sizes, scales, split counts;
+    # exp(s * scale) = exp2(s * scale * log2(e)).
+    fixed_params = (qs[0], q_seq, q_head, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+                    os_[0], o_seq, o_head, batch, heads, n_heads_k, rows, seqlen_k,
+                    int(causal), scale, scale * _LOG2E, num_splits, per_split)
+    if num_splits == 1:
+        launch = _driver.Launcher(
+            kernel.fns.forward, kernel.label, grid=(q_blocks, heads, batch),
+            threads=kernel.threads, smem=kernel.smem, synchronize=kernel.synchronize,
+            fixed_params=fixed_params).launch
+    else:
+        launch = _split_launch(kernel, q.device, fixed_params, q_blocks=q_blocks, heads=heads,
+                               batch=batch, rows=rows, d_head=d_head, num_splits=num_splits)
+    launch(_current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+           0 if lse is None else lse.data_ptr())  # 0: writes no lse
     if plan_key is not None:
         if len(_plans) >= _MAX_PLANS:  # many distinct shapes (varying lengths): start over
             _plans.clear()
-        _plans[plan_key] = _Plan(device_index=index, launch=launcher.launch,
+        _plans[plan_key] = _Plan(device_index=index, launch=launch,
                                  lse_shape=(batch, n_heads, seqlen_q))
     return out, lse
+
+
+# Split-KV: a grid of fewer CTAs than the GPU holds at once leaves SMs idle for the whole call
+# (decoding: one query row per sequence; a short chunk of queries against a long cache).
+# Cutting each query block's KV blocks into runs, one CTA each, fills them; a second kernel
+# combines the runs' partial results, at the price of writing and reading them in float32.
+_SPLIT_BELOW = 0.8  # split grids that fill less than this fraction of the GPU's CTA slots
+_MIN_BLOCKS_PER_SPLIT = 2
+# A split writes and reads rows x d_head float32 partials (8 bytes per element) and reads
+# keys x d_head of K and V (4 bytes per element): at >= 16 keys per row the partials are at
+# most 1/8 of that traffic. With fewer (a 1024-query prefill), splitting measured slower
+# (docs/perf-log.md, "Split-KV").
+_MIN_KEYS_PER_ROW = 16
+_MAX_SPLITS = 128
+_COMBINE_ROWS = 4  # query rows per CTA of cudaflash_combine (kCombineRows, flash_fwd.cu)
+_COMBINE_THREADS = 32 * _COMBINE_ROWS  # one warp per row
+
+
+def _max_splits(keys: int, kv_blocks: int, rows_per_cta: int, batch: int) -> int:
+    """The most splits worth making: each keeps >= _MIN_BLOCKS_PER_SPLIT KV blocks and
+    >= _MIN_KEYS_PER_ROW keys per query row of its CTA, and grid.z = batch x splits fits."""
+    return min(_MAX_SPLITS, kv_blocks // _MIN_BLOCKS_PER_SPLIT, _GRID_YZ_MAX // batch,
+               keys // (_MIN_KEYS_PER_ROW * rows_per_cta))
+
+
+def _split_count(ctas: int, slots: int, most: int) -> int:
+    """How many runs to cut each query block's KV blocks into, for a grid of ``ctas`` CTAs on
+    a GPU with ``slots`` CTA slots (SMs x CTAs per SM), at most ``most``: 1 when the grid
+    fills the GPU; otherwise the fewest splits whose waves are about as full as the best
+    count's (the fewest: every split adds partial results to write and combine)."""
+    if ctas >= _SPLIT_BELOW * slots or most < 2:
+        return 1
+
+    def wave_fill(splits: int) -> float:  # busy fraction of the CTA slots over all waves
+        waves = ctas * splits / slots
+        return waves / math.ceil(waves)
+
+    best = max(wave_fill(s) for s in range(1, most + 1))
+    return next(s for s in range(1, most + 1) if wave_fill(s) >= 0.85 * best)
+
+
+def _split_launch(kernel: "_Kernel", device: torch.device, fixed_params: tuple, *, q_blocks: int,
+                  heads: int, batch: int, rows: int, d_head: int, num_splits: int):
+    """The launch function of a split-KV call: allocate the float32 workspace (from torch's
+    allocator, on the current stream: released once both kernels have run), run the split
+    forward, then the combine kernel."""
+    forward = _driver.Launcher(
+        kernel.fns.split, kernel.label.replace("(", "(split ", 1),
+        grid=(q_blocks, heads, batch * num_splits), threads=kernel.threads, smem=kernel.smem,
+        synchronize=kernel.synchronize, fixed_params=fixed_params)
+    combine = _driver.Launcher(
+        kernel.fns.combine, kernel.label.replace("(", "(combine ", 1),
+        grid=((rows + _COMBINE_ROWS - 1) // _COMBINE_ROWS, heads, batch),
+        threads=_COMBINE_THREADS, smem=0, synchronize=kernel.synchronize,
+        fixed_params=fixed_params)
+    o_accum_shape = (num_splits, batch, heads, rows, d_head)
+    lse_accum_shape = (num_splits, batch, heads, rows)
+
+    def launch(stream: int, q: int, k: int, v: int, o: int, lse: int) -> None:
+        o_accum = torch.empty(o_accum_shape, dtype=_float32, device=device)
+        lse_accum = torch.empty(lse_accum_shape, dtype=_float32, device=device)
+        workspace = (o_accum.data_ptr(), lse_accum.data_ptr())
+        forward.launch_with_workspace(stream, q, k, v, o, lse, *workspace)
+        combine.launch_with_workspace(stream, q, k, v, o, lse, *workspace)
+
+    return launch
 
 
 # ---- kernels: per device, per context, per problem class -------------------------------------
@@ -398,9 +497,10 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
 class _Kernel:
     """What a launch needs, resolved once per (context, problem class or config)."""
 
-    fn: object  # CUfunction
+    fns: "_driver.Functions"  # forward, split forward, combine
     label: str  # names the kernel in a launch error
     block_rows: int  # B_r: query rows per CTA
+    block_cols: int  # B_c: keys per KV block
     threads: int
     smem: int
     synchronize: bool  # CUDAFLASH_DEBUG
@@ -524,9 +624,10 @@ def _config_kernel(ctx: int, index: int, config: KernelConfig) -> _Kernel:
 
 
 def _make_kernel(dk: _DeviceKernels, entry: KernelEntry, ctx: int) -> _Kernel:
-    fn = _driver.get_function(entry, dk.device.index, ctx)
-    return _Kernel(fn=fn, label=f"cuLaunchKernel({entry.name})", block_rows=entry.config.B_r,
-                   threads=entry.threads, smem=entry.smem_bytes, synchronize=dk.debug)
+    fns = _driver.get_functions(entry, dk.device.index, ctx)
+    return _Kernel(fns=fns, label=f"cuLaunchKernel({entry.name})", block_rows=entry.config.B_r,
+                   block_cols=entry.config.B_c, threads=entry.threads, smem=entry.smem_bytes,
+                   synchronize=dk.debug)
 
 
 # ---- torch.compile ---------------------------------------------------------------------------

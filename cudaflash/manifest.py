@@ -18,7 +18,7 @@ from ._params import PARAMS_BYTES
 from .config import KernelConfig
 from .selection import Rule, parse_rules
 
-SCHEMA = 1
+SCHEMA = 2
 KINDS = ("cubin", "ptx")
 
 
@@ -31,7 +31,9 @@ class KernelEntry:
     arch: int  # compute capability as major*10+minor; for PTX the virtual arch
     kind: str  # "cubin" (SASS for one major) or "ptx" (JIT-compiled by the driver)
     path: Path  # absolute
-    entry: str  # the one extern "C" kernel symbol
+    entry: str  # the forward's extern "C" symbol
+    split_entry: str  # the split-KV forward's
+    combine_entry: str  # the kernel that merges split-KV partial results
     threads: int  # per block
     smem_bytes: int  # dynamic shared memory per block
     registers: int | None  # per thread; None for PTX (decided by the JIT)
@@ -121,7 +123,8 @@ def _parse(data: dict, path: Path) -> Manifest:
             raise ValueError(f"kernels[{i}]: kind {k['kind']!r}, expected one of {KINDS}")
         kernels.append(KernelEntry(
             name=k["name"], config=config, arch=int(k["arch"]), kind=k["kind"],
-            path=path.parent / k["file"], entry=k["entry"], threads=int(k["threads"]),
+            path=path.parent / k["file"], entry=k["entry"], split_entry=k["split_entry"],
+            combine_entry=k["combine_entry"], threads=int(k["threads"]),
             smem_bytes=int(k["smem_bytes"]), registers=k["registers"],
             spill_bytes=k["spill_bytes"], sha256=k["sha256"]))
     selection = parse_rules(data["selection"], where=path.name)

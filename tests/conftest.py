@@ -98,13 +98,17 @@ def write_fake_kernel_dir(root, kernels=FAKE_KERNELS, selection=FAKE_SELECTION,
         (root / rel).write_bytes(data)
         entries.append({
             "name": cfg.name, "config": cfg.to_dict(), "arch": arch, "kind": kind, "file": rel,
-            "entry": "cudaflash_fwd", "threads": cfg.threads, "smem_bytes": cfg.smem_bytes,
+            "entry": "cudaflash_fwd", "split_entry": "cudaflash_fwd_split",
+            "combine_entry": "cudaflash_combine", "threads": cfg.threads,
+            "smem_bytes": cfg.smem_bytes,
             "registers": 128 if kind == "cubin" else None,
             "spill_bytes": 0 if kind == "cubin" else None,
             "sha256": hashlib.sha256(data).hexdigest(), "nvcc_version": "13.0.88",
             "source_hash": "f" * 64})
-    manifest = {"schema": 1, "nvcc_version": "13.0.88", "source_hash": "f" * 64,
-                "params_bytes": params_bytes, "entry": "cudaflash_fwd", "archs": [80, 86, 90],
+    manifest = {"schema": 2, "nvcc_version": "13.0.88", "source_hash": "f" * 64,
+                "params_bytes": params_bytes,
+                "entries": ["cudaflash_fwd", "cudaflash_fwd_split", "cudaflash_combine"],
+                "archs": [80, 86, 90],
                 "ptx_arch": 90, "selection": selection, "kernels": entries}
     (root / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return root

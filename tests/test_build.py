@@ -109,6 +109,16 @@ def test_plan_filters():
 
 PTXAS_LOG = """\
 ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'cudaflash_combine' for 'sm_90'
+ptxas info    : Function properties for cudaflash_combine
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 30 registers, used 0 barriers, 520 bytes cmem[0]
+ptxas info    : Compile time = 10.0 ms
+ptxas info    : Compiling entry function 'cudaflash_fwd_split' for 'sm_90'
+ptxas info    : Function properties for cudaflash_fwd_split
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 254 registers, used 1 barriers, 1024 bytes smem
+ptxas info    : Compile time = 160.0 ms
 ptxas info    : Compiling entry function 'cudaflash_fwd' for 'sm_90'
 ptxas info    : Function properties for cudaflash_fwd
     16 bytes stack frame, 44 bytes spill stores, 36 bytes spill loads
@@ -118,27 +128,32 @@ ptxas info    : Compile time = 161.2 ms
 
 
 def test_parse_ptxas():
+    # Registers and smem of the forward, the split forward's registers, spills summed over
+    # all three entries, the largest stack frame.
     assert build_cubins.parse_ptxas(PTXAS_LOG) == {
-        "registers": 255, "spill_bytes": 80, "stack_bytes": 16, "static_smem": 1024,
-        "wgmma_serialized": False}
+        "registers": 255, "split_registers": 254, "spill_bytes": 88, "stack_bytes": 16,
+        "static_smem": 1024, "wgmma_serialized": False}
     serialized = PTXAS_LOG + ("ptxas info    : (C7515) Potential Performance Loss: "
                               "wgmma.mma_async instructions are serialized due to ...\n")
     assert build_cubins.parse_ptxas(serialized)["wgmma_serialized"] is True
     clean = PTXAS_LOG.replace("16 bytes stack frame, 44 bytes spill stores, 36",
                               "0 bytes stack frame, 0 bytes spill stores, 0")
+    clean = clean.replace("8 bytes stack frame, 4 bytes spill stores, 4",
+                          "0 bytes stack frame, 0 bytes spill stores, 0")
     clean = clean.replace("used 1 barriers, 1024 bytes smem", "used 1 barriers, 520 bytes cmem[0]")
     assert build_cubins.parse_ptxas(clean) == {
-        "registers": 255, "spill_bytes": 0, "stack_bytes": 0, "static_smem": 0,
-        "wgmma_serialized": False}
+        "registers": 255, "split_registers": 254, "spill_bytes": 0, "stack_bytes": 0,
+        "static_smem": 0, "wgmma_serialized": False}
 
 
 @pytest.mark.parametrize("log", [
     "",
     PTXAS_LOG.replace("'cudaflash_fwd'", "'_Z3fooPf'"),
+    PTXAS_LOG.replace("'cudaflash_combine'", "'other'"),
     PTXAS_LOG + PTXAS_LOG.replace("'cudaflash_fwd'", "'other'"),
 ])
-def test_parse_ptxas_requires_exactly_the_one_entry(log):
-    with pytest.raises(build_cubins.BuildError, match="exactly one entry 'cudaflash_fwd'"):
+def test_parse_ptxas_requires_exactly_the_three_entries(log):
+    with pytest.raises(build_cubins.BuildError, match="must export exactly"):
         build_cubins.parse_ptxas(log)
 
 
@@ -265,15 +280,17 @@ def test_rule_whose_config_cannot_fit_its_arch(tmp_path):
 
 # ---- manifest schema (docs/contracts.md) ------------------------------------------------
 
-TOP_KEYS = {"schema", "nvcc_version", "source_hash", "params_bytes", "entry", "archs",
+TOP_KEYS = {"schema", "nvcc_version", "source_hash", "params_bytes", "entries", "archs",
             "ptx_arch", "selection", "kernels"}
-KERNEL_KEYS = {"name", "config", "arch", "kind", "file", "entry", "threads", "smem_bytes",
-               "registers", "spill_bytes", "sha256", "nvcc_version", "source_hash"}
+KERNEL_KEYS = {"name", "config", "arch", "kind", "file", "entry", "split_entry",
+               "combine_entry", "threads", "smem_bytes", "registers", "spill_bytes", "sha256",
+               "nvcc_version", "source_hash"}
+ENTRIES = ["cudaflash_fwd", "cudaflash_fwd_split", "cudaflash_combine"]
 
 
 def check_manifest(m: dict, out_dir: Path) -> None:
     assert set(m) == TOP_KEYS
-    assert m["schema"] == 1 and m["entry"] == "cudaflash_fwd"
+    assert m["schema"] == 2 and m["entries"] == ENTRIES
     assert re.fullmatch(r"\d+\.\d+\.\d+", m["nvcc_version"])
     assert re.fullmatch(r"[0-9a-f]{64}", m["source_hash"])
     assert m["archs"] == sorted(m["archs"]) and all(isinstance(a, int) for a in m["archs"])
@@ -284,8 +301,8 @@ def check_manifest(m: dict, out_dir: Path) -> None:
         assert set(k) == KERNEL_KEYS, k.get("name")
         cfg = KernelConfig.from_dict(k["config"], where=k["name"])
         assert k["name"] == cfg.name
-        assert (k["entry"], k["threads"], k["smem_bytes"]) == ("cudaflash_fwd", cfg.threads,
-                                                               cfg.smem_bytes)
+        assert [k["entry"], k["split_entry"], k["combine_entry"]] == ENTRIES
+        assert (k["threads"], k["smem_bytes"]) == (cfg.threads, cfg.smem_bytes)
         if k["kind"] == "cubin":
             assert k["arch"] in m["archs"] and cfg.builds_for(k["arch"])
             assert k["file"] == f"sm_{k['arch']}/{cfg.name}.cubin"
@@ -348,6 +365,12 @@ extern "C" __global__ void cudaflash_fwd(const __grid_constant__ cudaflash::Para
     __syncthreads();
     static_cast<float*>(p.o)[threadIdx.x] = smem[(threadIdx.x + 1) % (32 * CF_N_WARPS)];
 }
+extern "C" __global__ void cudaflash_fwd_split(const __grid_constant__ cudaflash::Params p) {
+    p.o_accum[threadIdx.x] = p.scale_log2;
+}
+extern "C" __global__ void cudaflash_combine(const __grid_constant__ cudaflash::Params p) {
+    p.lse_accum[threadIdx.x] = p.softmax_scale;
+}
 """
 FAKE_YAML = """\
 archs: [80, 90]
@@ -389,7 +412,7 @@ def test_build_incremental_and_stale(fake_tree, capsys):
         for kind, arch in (("cubin", 80), ("cubin", 90), ("ptx", 90))]
     out = capsys.readouterr().out
     assert "-gencode arch=compute_80,code=sm_80" in out and "-ptx -arch=compute_90" in out
-    assert re.search(rf"{FAKE_NAMES[0]} +sm_90 +\d+ +0 +0 +24576", out)  # summary row
+    assert re.search(rf"{FAKE_NAMES[0]} +sm_90 +\d+ +\d+ +0 +0 +24576", out)  # summary row
 
     assert fake_build(fake_tree) == m  # nothing changed: nothing compiled
     out = capsys.readouterr().out

@@ -129,6 +129,7 @@ CORE_SHAPES = [
     (1, 17, 1000, 4, 2, True),  # seqlen_q < seqlen_k, GQA
     (1, 1000, 17, 2, 1, True),  # seqlen_q > seqlen_k: rows that see no key; MQA
     (2, 1, 2049, 2, 2, True),  # one query row (decoding)
+    (2, 1, 1000, 8, 2, True),  # decoding with GQA: 4 query heads run as rows of one head
     (1, 1000, 2049, 2, 2, False),
     (1, 2049, 2049, 2, 2, True),  # many blocks on the causal diagonal
 ]
@@ -139,17 +140,34 @@ def test_kernels_are_built():
     assert KERNELS, f"no kernel in {manifest.load_manifest().path} runs on this GPU"
 
 
+@pytest.mark.parametrize("splits", [1, 3], ids=["whole", "split3"])
 @pytest.mark.parametrize("shape", CORE_SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}_hk{}_causal{}"
                          .format(*s))
 @pytest.mark.parametrize("entry", KERNELS, ids=lambda e: e.name)
-def test_config(entry, shape):
+def test_config(entry, shape, splits):
+    """Each config, whole (cudaflash_fwd) and with the keys cut into up to 3 runs
+    (cudaflash_fwd_split + cudaflash_combine; with causal masking some runs see no key)."""
     b, sq, sk, h, hk, causal = shape
     cfg = entry.config
     q, k, v = make_qkv(b, sq, sk, h, hk, cfg.d_head, DTYPES[cfg.dtype], seed=sq + sk)
     out = torch.full_like(q, math.nan)  # every element must be written
-    out2, lse = forward(cfg, q, k, v, out=out, causal=causal)
+    out2, lse = forward(cfg, q, k, v, out=out, causal=causal, num_splits=splits)
     assert out2 is out
     check_attention(out, lse, q, k, v, causal)
+
+
+def test_split_matches_whole_closely():
+    """Splitting only regroups the sums: out and lse stay within a few ulps of the whole
+    kernel's (not just within the reference's bound)."""
+    combo = _pick_combo(("bf16", 128), ("fp16", 64))
+    dtype, d = DTYPES[combo[0]], combo[1]
+    q, k, v = make_qkv(2, 37, 3000, 4, 2, d, dtype, seed=11)
+    cfg = api.selected_config(0, combo[0], d, False, 37, 3000)[0]
+    whole, whole_lse = forward(cfg, q, k, v, num_splits=1)
+    for splits in (2, 5, 17):
+        out, lse = forward(cfg, q, k, v, num_splits=splits)
+        assert (out.float() - whole.float()).abs().max().item() <= 4 * torch.finfo(dtype).eps
+        assert (lse - whole_lse).abs().max().item() <= 1e-4
 
 
 # ---- features, through flash_attn_func -----------------------------------------------------------
@@ -163,9 +181,19 @@ FEATURE_SHAPES = [
 ]
 
 
+# Decoding (seqlen_q = 1): grids too small for the GPU, split by flash_attn_func's own rule.
+DECODE_SHAPES = [
+    (1, 1, 4096, 8, 8),
+    (2, 1, 1000, 8, 2),  # GQA: query heads packed as rows
+    (1, 1, 8193, 16, 1),  # MQA, a long cache with a tail
+    (3, 1, 77, 6, 3),  # shorter than one split's worth of keys
+    (1, 4, 5000, 4, 4),  # a few query rows (speculative decoding)
+]
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
-@pytest.mark.parametrize("shape", FEATURE_SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}_hk{}"
-                         .format(*s))
+@pytest.mark.parametrize("shape", FEATURE_SHAPES + DECODE_SHAPES,
+                         ids=lambda s: "b{}_q{}_k{}_h{}_hk{}".format(*s))
 @pytest.mark.parametrize("combo", COMBOS, ids=_combo_id)
 def test_flash_attn_func(combo, shape, causal):
     dtype, d = DTYPES[combo[0]], combo[1]

@@ -38,6 +38,7 @@ class FakeDriver:
         self.synchronized = []
         self.capturing = False
         self.launch_result = OK
+        self.ctas_per_sm = 2
 
     def cuCtxGetCurrent(self):
         return OK, CTX
@@ -52,6 +53,9 @@ class FakeDriver:
     def cuFuncSetAttribute(self, fn, attribute, value):
         self.attributes.append((fn, attribute, value))
         return (OK,)
+
+    def cuOccupancyMaxActiveBlocksPerMultiprocessor(self, fn, threads, smem):
+        return OK, self.ctas_per_sm
 
     def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, extra):
         # No kernelParams; extra is the address of {BUFFER_POINTER, &Params, BUFFER_SIZE,
@@ -83,7 +87,7 @@ def fake(fake_kernel_dir, monkeypatch):
     drv = FakeDriver()
     monkeypatch.setattr(_driver, "_cu", lambda: drv)
     monkeypatch.setattr(_driver, "device",
-                        lambda index: _driver.Device(index, "Fake A100", 80, 166912))
+                        lambda index: _driver.Device(index, "Fake A100", 80, 166912, 1))
     monkeypatch.setattr(_driver, "_error_text",
                         lambda err: f"{err.name}: (error text of the real driver)")
     monkeypatch.setattr(api, "_current_stream", lambda index: 0x77)
@@ -188,10 +192,13 @@ def test_module_loaded_once_with_its_smem_attribute(fake, fake_kernel_dir):
     entry = manifest.load_manifest().usable(80, 166912)[D64["fp16"].name]
     assert (entry.kind, entry.arch) == ("cubin", 80)
     assert fake.loaded == [entry.path.read_bytes()]
-    ((fn, attribute, value),) = fake.attributes
-    assert fn == ("module1", b"cudaflash_fwd")
-    assert attribute.name == "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES"
-    assert value == entry.smem_bytes
+    # Both forwards opt into their dynamic smem; the combine kernel uses none.
+    assert sorted(fn for fn, _, _ in fake.attributes) == [("module1", b"cudaflash_fwd"),
+                                                          ("module1", b"cudaflash_fwd_split")]
+    for _, attribute, value in fake.attributes:
+        assert attribute.name == "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES"
+        assert value == entry.smem_bytes
+    assert [x.fn for x in fake.launches] == [("module1", b"cudaflash_fwd")] * 3
     assert [x.grid for x in fake.launches] == [(8, 4, 2), (8, 4, 2), (16, 4, 2)]
 
 
@@ -205,7 +212,7 @@ def test_seqlen_buckets_follow_the_rules(fake):
 
 
 def test_ptx_is_nul_terminated(fake, fake_kernel_dir, monkeypatch):
-    monkeypatch.setattr(_driver, "device", lambda i: _driver.Device(i, "Fake H100", 90, 232448))
+    monkeypatch.setattr(_driver, "device", lambda i: _driver.Device(i, "Fake H100", 90, 232448, 1))
     run(*qkv(dtype=torch.bfloat16))  # bf16 d64 has only sm_80 SASS: the sm_90 device JITs PTX
     ptx = (fake_kernel_dir / f"ptx/compute_90/{D64['bf16'].name}.ptx").read_bytes()
     assert fake.loaded == [ptx + b"\0"]
@@ -231,7 +238,7 @@ def test_head_dim_not_built_for_this_gpu(fake):
 
 
 def test_old_gpu(fake, monkeypatch):
-    monkeypatch.setattr(_driver, "device", lambda i: _driver.Device(i, "Tesla T4", 75, 65536))
+    monkeypatch.setattr(_driver, "device", lambda i: _driver.Device(i, "Tesla T4", 75, 65536, 40))
     with pytest.raises(RuntimeError, match=r"cuda:0 \(Tesla T4\) is sm_75; cudaflash needs "
                                            r"sm_80 \(Ampere\) or newer"):
         run(*qkv())
@@ -310,3 +317,112 @@ def test_check_unpacks_cuda_python_results(monkeypatch):
     with pytest.raises(_driver.CudaError, match=r"^cuFoo\(x\) failed: CUDA_ERROR_INVALID_VALUE: "
                                                 "invalid argument$"):
         _driver.check((real_driver.CUresult.CUDA_ERROR_INVALID_VALUE, None), "cuFoo(x)")
+
+
+# ---- split-KV and GQA decoding -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ctas, slots, most, expected", [
+    (432, 432, 32, 1),  # the grid fills the GPU
+    (346, 432, 32, 1),  # >= 80% of the slots: not worth a second kernel
+    (345, 432, 32, 5),  # < 80%: 5 x 345 = 1725 CTAs, 4 waves of 432 at 99.8%
+    (32, 396, 32, 11),  # 352 of 396 slots: within 15% of 12 splits' 384, one split less
+    (32, 396, 5, 5),
+    (32, 396, 1, 1),
+    (8, 396, 128, 43),  # decoding: 43 x 8 = 344 of 396 slots
+    (1, 4, 128, 4),
+])
+def test_split_count(ctas, slots, most, expected):
+    assert api._split_count(ctas, slots, most) == expected
+
+
+@pytest.mark.parametrize("keys, kv_blocks, rows, batch, expected", [
+    (32768, 512, 1, 1, 128),  # decoding: capped at 128
+    (1000, 8, 1, 1, 4),  # two KV blocks per split
+    (16384, 256, 64, 1, 16),  # 64-row CTAs: 1024 keys per split
+    (1024, 16, 64, 1, 1),  # a 1024-token prefill: not worth splitting
+    (4096, 64, 4, 40000, 1),  # grid.z = batch * splits would pass 65535
+])
+def test_max_splits(keys, kv_blocks, rows, batch, expected):
+    assert api._max_splits(keys, kv_blocks, rows, batch) == expected
+
+
+def test_split_count_only_splits_to_fill_the_gpu_better():
+    def fill(ctas, splits):  # busy fraction of 396 CTA slots over the waves
+        waves = ctas * splits / 396
+        return waves / math.ceil(waves)
+
+    for ctas in range(1, 400, 7):
+        for most in (1, 2, 8, 17, 128):
+            splits = api._split_count(ctas, 396, most)
+            assert 1 <= splits <= most
+            if splits > 1:
+                assert ctas < 0.8 * 396 and fill(ctas, splits) > fill(ctas, 1) / 0.85
+
+
+@pytest.fixture
+def many_sms(fake, monkeypatch):
+    """A device with enough SMs that the small test grids get split."""
+    monkeypatch.setattr(_driver, "device",
+                        lambda index: _driver.Device(index, "Fake A100", 80, 166912, 108))
+    return fake
+
+
+def test_split_launches_split_forward_then_combine(many_sms):
+    fake = many_sms
+    q, k, v = qkv(b=2, sq=100, sk=8000, h=4, hk=2)
+    out, lse = run(q, k, v, causal=True)
+    split, combine = fake.launches
+    # 100 rows <= 256: the 128x128 8-warp config. 2 x 4 x 1 = 8 CTAs on 108 x 2 slots;
+    # 8000 keys for 100 rows: at most 8000 // (16 * 100) = 5 splits, of 13 KV blocks.
+    assert split.fn == ("module1", b"cudaflash_fwd_split")
+    assert split.grid == (1, 4, 2 * 5) and split.block == (256, 1, 1)
+    assert split.smem == D64_WIDE.smem_bytes
+    assert combine.fn == ("module1", b"cudaflash_combine")
+    assert combine.grid == (25, 4, 2) and combine.block == (128, 1, 1) and combine.smem == 0
+    for launch in (split, combine):
+        p = launch.params
+        assert (p.n_splits, p.kv_blocks_per_split) == (5, 13)
+        assert (p.q, p.o, p.lse) == (q.data_ptr(), out.data_ptr(), lse.data_ptr())
+        assert (p.seqlen_q, p.seqlen_k, p.n_heads, p.is_causal) == (100, 8000, 4, 1)
+        assert p.o_accum and p.lse_accum
+    assert (split.params.o_accum, split.params.lse_accum) == \
+        (combine.params.o_accum, combine.params.lse_accum)
+
+
+def test_forced_split_counts(fake):
+    q, k, v = qkv(b=1, sq=100, sk=1000, h=2, hk=2)
+    d64 = D64_WIDE  # B_c 128: 8 KV blocks
+    for asked, splits, per_split in ((1, 1, 8), (2, 2, 4), (3, 3, 3), (5, 4, 2), (8, 8, 1),
+                                     (100, 8, 1)):
+        fake.launches.clear()
+        api._run(d64, 0, q, k, v, None, 0.125, False, True, num_splits=asked)
+        if splits == 1:
+            (launch,) = fake.launches
+            assert launch.fn[1] == b"cudaflash_fwd"
+            continue
+        split, combine = fake.launches
+        assert (split.params.n_splits, split.params.kv_blocks_per_split) == (splits, per_split)
+        assert split.grid[2] == splits
+
+
+def test_gqa_decoding_packs_the_query_heads_of_a_kv_head(fake):
+    """seqlen_q = 1 with GQA: the 4 query heads of each K/V head run as 4 rows of one head."""
+    q, k, v = qkv(b=3, sq=1, sk=500, h=8, hk=2)
+    out, lse = run(q, k, v, causal=True)
+    (launch,) = fake.launches
+    p = launch.params
+    assert (p.batch, p.n_heads, p.n_heads_k, p.seqlen_q, p.seqlen_k) == (3, 2, 2, 4, 500)
+    assert p.is_causal == 0  # one query row sees every key
+    qs, os_ = q.stride(), out.stride()
+    assert (p.q_batch_stride, p.q_seq_stride, p.q_head_stride) == (qs[0], qs[2], 4 * qs[2])
+    assert (p.o_batch_stride, p.o_seq_stride, p.o_head_stride) == (os_[0], os_[2], 4 * os_[2])
+    assert launch.grid == (1, 2, 3)
+    assert lse.shape == (3, 8, 1) and lse.is_contiguous()  # written as (3, 2, 4): same memory
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_num_splits_is_checked(fake, bad):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=f"num_splits={bad!r}; it must be None or an int >= 1"):
+        api.forward(D64["fp16"], q, k, v, num_splits=bad)

@@ -33,8 +33,9 @@ def test_fields_and_order(fake_kernel_dir):
 def test_runs_on(kind, kernel_arch, device_arch, runs):
     entry = manifest.KernelEntry(
         name=D64["fp16"].name, config=D64["fp16"], arch=kernel_arch, kind=kind, path=None,
-        entry="cudaflash_fwd", threads=128, smem_bytes=32768, registers=None, spill_bytes=None,
-        sha256="")
+        entry="cudaflash_fwd", split_entry="cudaflash_fwd_split",
+        combine_entry="cudaflash_combine", threads=128, smem_bytes=32768, registers=None,
+        spill_bytes=None, sha256="")
     assert manifest.runs_on(entry, device_arch) is runs
 
 
@@ -45,8 +46,9 @@ def test_wgmma_cubins_run_on_sm90_only(device_arch, runs):
     config = dataclasses.replace(D64["fp16"], B_r=64, n_warps=4, wgmma=True).validate()
     entry = manifest.KernelEntry(
         name=config.name, config=config, arch=90, kind="cubin", path=None,
-        entry="cudaflash_fwd", threads=128, smem_bytes=config.smem_bytes, registers=None,
-        spill_bytes=None, sha256="")
+        entry="cudaflash_fwd", split_entry="cudaflash_fwd_split",
+        combine_entry="cudaflash_combine", threads=128, smem_bytes=config.smem_bytes,
+        registers=None, spill_bytes=None, sha256="")
     assert manifest.runs_on(entry, device_arch) is runs
     assert not manifest.runs_on(entry, 91)  # a hypothetical later Hopper minor
 
@@ -83,7 +85,8 @@ def test_missing_manifest_says_how_to_build(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda m: m.update(schema=2), "schema 2"),
+    (lambda m: m.update(schema=1), "schema 1"),
+    (lambda m: m["kernels"][0].pop("split_entry"), "KeyError"),
     (lambda m: m.update(params_bytes=160), "params_bytes=160"),
     (lambda m: m["kernels"][0].update(name="fwd_fp16_d64_x"), "not the canonical name"),
     (lambda m: m["kernels"][0].update(kind="fatbin"), "kind 'fatbin'"),

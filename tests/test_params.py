@@ -11,7 +11,8 @@ import pytest
 
 from cudaflash import manifest
 from cudaflash._params import (PARAMS_BYTES, PARAMS_FIXED_FORMAT, PARAMS_POINTERS_BYTES,
-                               PARAMS_POINTERS_FORMAT, PARAMS_STRUCT_FORMAT, Params)
+                               PARAMS_POINTERS_FORMAT, PARAMS_STRUCT_FORMAT,
+                               PARAMS_WORKSPACE_FORMAT, PARAMS_WORKSPACE_OFFSET, Params)
 
 PARAMS_CUH = Path(__file__).resolve().parents[1] / "cuda_src" / "params.cuh"
 _CUDA_TYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p,
@@ -20,7 +21,7 @@ _CUDA_TYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p,
 
 
 def test_sizes_agree():
-    assert ctypes.sizeof(Params) == PARAMS_BYTES == 168
+    assert ctypes.sizeof(Params) == PARAMS_BYTES == 192
     assert struct.calcsize(PARAMS_STRUCT_FORMAT) == PARAMS_BYTES
 
 
@@ -34,14 +35,18 @@ def test_struct_format_fills_every_field_in_order():
     assert [getattr(p, name) for name, _ in Params._fields_] == values
 
 
-def test_pointers_and_fixed_fields_split_the_struct():
-    """The launcher packs the pointers per call and the rest once per plan: the two formats
-    must cover the struct, back to back, in field order."""
+def test_pointers_fixed_fields_and_workspace_split_the_struct():
+    """The launcher packs the pointers per call, the middle once per plan and the split-KV
+    workspace pointers per split call: the three formats must cover the struct, back to back,
+    in field order."""
     assert struct.calcsize(PARAMS_POINTERS_FORMAT) == PARAMS_POINTERS_BYTES
     assert PARAMS_POINTERS_BYTES == Params.lse.offset + Params.lse.size == \
         Params.q_batch_stride.offset
-    assert PARAMS_POINTERS_BYTES + struct.calcsize(PARAMS_FIXED_FORMAT) == PARAMS_BYTES
-    assert PARAMS_STRUCT_FORMAT == PARAMS_POINTERS_FORMAT + PARAMS_FIXED_FORMAT[1:]
+    assert PARAMS_POINTERS_BYTES + struct.calcsize(PARAMS_FIXED_FORMAT) == \
+        PARAMS_WORKSPACE_OFFSET == Params.o_accum.offset
+    assert PARAMS_WORKSPACE_OFFSET + struct.calcsize(PARAMS_WORKSPACE_FORMAT) == PARAMS_BYTES
+    assert PARAMS_STRUCT_FORMAT == (PARAMS_POINTERS_FORMAT + PARAMS_FIXED_FORMAT[1:]
+                                    + PARAMS_WORKSPACE_FORMAT[1:])
 
 
 def test_fields_match_params_cuh():
