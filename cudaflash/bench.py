@@ -3,8 +3,9 @@ backends, in one process, on the same random tensors.
 
 cudaflash gets BSHD tensors; SDPA gets ``transpose(1, 2)`` views of the same tensors (BHSD, no
 copy). The default sweep is the FlashAttention benchmark convention: batch = 16384 / S,
-nheads = 2048 / d, TFLOP/s = 4 * B * H * Sq * Sk * d / time, halved when causal. How a call is
-timed: ``method_text``. The measurement functions (``time_gpu``, ``time_backend``,
+nheads = 2048 / d, TFLOP/s = 4 * B * H * Sq * Sk * d / time, halved when causal. ``--decode``
+times decoding instead: one query row against a K/V cache of S keys, in microseconds and
+GB/s of K/V read, with and without GQA. How a call is timed: ``method_text``. The measurement functions (``time_gpu``, ``time_backend``,
 ``measure_case``, ``measure_host``) return numbers and print nothing, so ``tune`` reuses them.
 """
 
@@ -44,6 +45,12 @@ BACKENDS = ("cudaflash", *SDPA_BACKENDS)
 FA_TOKENS = 16384
 FA_HIDDEN = 2048
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+# Decoding: one new token per sequence against K/V caches of these lengths, for a lone
+# sequence and a small batch, with every query head its own K/V head (MHA) and with four
+# query heads per K/V head (GQA, as in Llama-style models).
+DEFAULT_DECODE_SEQLENS = (1024, 4096, 16384, 65536)
+DECODE_BATCHES = (1, 8)
+DECODE_GQA_GROUPS = (1, 4)
 DEFAULT_HEAD_DIMS = (64, 128)
 CAUSAL_CHOICES = {"both": (False, True), "yes": (True,), "no": (False,)}
 
@@ -75,7 +82,8 @@ def attention_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, d_hea
 
 @dataclass(frozen=True)
 class Case:
-    """One benchmarked problem: seqlen_q = seqlen_k = seqlen."""
+    """One benchmarked problem: seqlen keys; seqlen queries, or one when decoding; nheads
+    query heads reading nheads_k K/V heads."""
 
     dtype: str  # "bf16" or "fp16"
     d_head: int
@@ -83,11 +91,26 @@ class Case:
     seqlen: int
     batch: int
     nheads: int
+    decode: bool = False
+    nheads_k: Optional[int] = None  # None: nheads
+
+    @property
+    def seqlen_q(self) -> int:
+        return 1 if self.decode else self.seqlen
+
+    @property
+    def kv_heads(self) -> int:
+        return self.nheads if self.nheads_k is None else self.nheads_k
 
     @property
     def flops(self) -> float:
-        return attention_flops(self.batch, self.nheads, self.seqlen, self.seqlen, self.d_head,
-                               self.causal)
+        return attention_flops(self.batch, self.nheads, self.seqlen_q, self.seqlen,
+                               self.d_head, self.causal)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K and V, which a decoding step reads once at best."""
+        return 2 * self.batch * self.seqlen * self.kv_heads * self.d_head * 2
 
 
 def fa_case(dtype: str, d_head: int, causal: bool, seqlen: int) -> Case:
@@ -102,11 +125,24 @@ def build_cases(dtypes, head_dims, causals, seqlens) -> list[Case]:
             for seqlen in seqlens]
 
 
-def make_qkv(batch: int, seqlen: int, nheads: int, d_head: int, dtype: str, device):
-    """Random BSHD q, k, v: never zeros, which hide wrong indexing and can run faster."""
-    shape = (batch, seqlen, nheads, d_head)
+def build_decode_cases(dtypes, head_dims, seqlens) -> list[Case]:
+    """Decoding steps: nheads = 2048 / d query heads, DECODE_GQA_GROUPS of them per K/V head,
+    DECODE_BATCHES sequences. Not causal: one query row sees its whole cache either way."""
+    return [Case(dtype=dtype, d_head=d_head, causal=False, seqlen=seqlen, batch=batch,
+                 nheads=FA_HIDDEN // d_head, decode=True,
+                 nheads_k=FA_HIDDEN // d_head // group)
+            for dtype in dtypes for d_head in head_dims for group in DECODE_GQA_GROUPS
+            for batch in DECODE_BATCHES for seqlen in seqlens]
+
+
+def make_qkv(batch: int, seqlen: int, nheads: int, d_head: int, dtype: str, device,
+             seqlen_q: Optional[int] = None, nheads_k: Optional[int] = None):
+    """Random BSHD q (seqlen_q rows, default seqlen) and k, v (nheads_k heads, default
+    nheads): never zeros, which hide wrong indexing and can run faster."""
+    q_shape = (batch, seqlen if seqlen_q is None else seqlen_q, nheads, d_head)
+    kv_shape = (batch, seqlen, nheads if nheads_k is None else nheads_k, d_head)
     return tuple(torch.randn(shape, dtype=TORCH_DTYPES[dtype], device=device)
-                 for _ in range(3))
+                 for shape in (q_shape, kv_shape, kv_shape))
 
 
 # ---- timing ----------------------------------------------------------------------------------
@@ -164,6 +200,10 @@ def backend_call(backend: str, q, k, v, causal: bool,
             return (lambda: api.flash_attn_func(q, k, v, causal=causal)), contextlib.nullcontext
         return (lambda: api.forward(config, q, k, v, causal=causal)), contextlib.nullcontext
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # views, no copy
+    if k.shape[2] != q.shape[2]:  # GQA: SDPA's own option, where the backend has it
+        return ((lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                        enable_gqa=True)),
+                lambda: sdpa_kernel(SDPA_BACKENDS[backend]))
     return ((lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)),
             lambda: sdpa_kernel(SDPA_BACKENDS[backend]))
 
@@ -211,7 +251,17 @@ class CaseResult:
         t = self.timings.get(backend)
         return None if t is None else self.case.flops / t.median_ms / 1e9
 
+    def us(self, backend: str) -> Optional[float]:
+        t = self.timings.get(backend)
+        return None if t is None else t.median_ms * 1e3
+
+    def kv_gbps(self, backend: str) -> Optional[float]:
+        """GB/s of K/V read, counting each byte once (decoding's lower bound on traffic)."""
+        t = self.timings.get(backend)
+        return None if t is None else self.case.kv_bytes / t.median_ms / 1e6
+
     def ratio(self, backend: str, other: str) -> Optional[float]:
+        """How many times faster ``backend`` ran than ``other`` (TFLOP/s ratio)."""
         a, b = self.tflops(backend), self.tflops(other)
         return None if a is None or b is None else a / b
 
@@ -219,18 +269,20 @@ class CaseResult:
 def measure_case(case: Case, backends, *, device, config: Optional[KernelConfig], iters: int,
                  warmup: int, flush: torch.Tensor, progress: "Progress") -> CaseResult:
     """Time every backend on one set of random tensors."""
-    q, k, v = make_qkv(case.batch, case.seqlen, case.nheads, case.d_head, case.dtype, device)
+    q, k, v = make_qkv(case.batch, case.seqlen, case.nheads, case.d_head, case.dtype, device,
+                       seqlen_q=case.seqlen_q, nheads_k=case.kv_heads)
     timings, errors = {}, {}
     for backend in backends:
-        progress.step(f"{case.dtype} d={case.d_head} causal={case.causal} S={case.seqlen} "
-                      f"{backend}")
+        what = (f"decode B={case.batch} H={case.nheads} Hk={case.kv_heads}" if case.decode
+                else f"causal={case.causal}")
+        progress.step(f"{case.dtype} d={case.d_head} {what} S={case.seqlen} {backend}")
         result = time_backend(backend, q, k, v, case.causal, config=config, iters=iters,
                               warmup=warmup, flush=flush)
         (errors if isinstance(result, str) else timings)[backend] = result
     used = None
     if "cudaflash" in timings:  # a failed cudaflash call may mean there is no manifest at all
         used = config.name if config is not None else selected_config(
-            device.index, case.dtype, case.d_head, case.causal, case.seqlen, case.seqlen)
+            device.index, case.dtype, case.d_head, case.causal, case.seqlen_q, case.seqlen)
     return CaseResult(case, timings, errors, used)
 
 
@@ -331,11 +383,22 @@ def environment(device_index: int) -> dict:
 
 def print_results(results: list[CaseResult], backends) -> None:
     others = [b for b in backends if b != "cudaflash"] if "cudaflash" in backends else []
-    header = ("dtype", "d", "causal", "S", "B", "H", *backends, *(f"cf/{b}" for b in others))
-    rows = [(r.case.dtype, r.case.d_head, r.case.causal, r.case.seqlen, r.case.batch,
-             r.case.nheads, *(_num(r.tflops(b), ".1f") for b in backends),
-             *(_num(r.ratio("cudaflash", b), ".2f") for b in others)) for r in results]
-    print("TFLOP/s per backend; cf/X = cudaflash TFLOP/s / X TFLOP/s")
+    ratios = [f"cf/{b}" for b in others]
+    if results and results[0].case.decode:
+        header = ("dtype", "d", "S_k", "B", "H", "H_k", *(f"{b} us" for b in backends),
+                  "cudaflash GB/s", *ratios)
+        rows = [(r.case.dtype, r.case.d_head, r.case.seqlen, r.case.batch, r.case.nheads,
+                 r.case.kv_heads, *(_num(r.us(b), ".1f") for b in backends),
+                 _num(r.kv_gbps("cudaflash"), ".0f"),
+                 *(_num(r.ratio("cudaflash", b), ".2f") for b in others)) for r in results]
+        print("decoding (one query row per sequence): microseconds per call; GB/s of K/V "
+              "read; cf/X = X's time / cudaflash's time")
+    else:
+        header = ("dtype", "d", "causal", "S", "B", "H", *backends, *ratios)
+        rows = [(r.case.dtype, r.case.d_head, r.case.causal, r.case.seqlen, r.case.batch,
+                 r.case.nheads, *(_num(r.tflops(b), ".1f") for b in backends),
+                 *(_num(r.ratio("cudaflash", b), ".2f") for b in others)) for r in results]
+        print("TFLOP/s per backend; cf/X = cudaflash TFLOP/s / X TFLOP/s")
     print(format_table(header, rows))
 
     failures: dict = {}  # (backend, reason) -> number of sizes
@@ -355,12 +418,27 @@ def print_results(results: list[CaseResult], backends) -> None:
         print("\ncudaflash / SDPA flash over S:")
         groups: dict = {}
         for r in results:
-            groups.setdefault((r.case.dtype, r.case.d_head, r.case.causal), []).append(r)
-        for (dtype, d_head, causal), group in groups.items():
+            groups.setdefault(_group_key(r.case), []).append(r)
+        for key, group in groups.items():
             ratios = [x for x in (r.ratio("cudaflash", "flash") for r in group) if x is not None]
             stats = (f"min {min(ratios):.2f}, median {statistics.median(ratios):.2f} "
                      f"({len(ratios)} of {len(group)} sizes)" if ratios else "n/a")
-            print(f"  {dtype} d={d_head} causal={causal}: {stats}")
+            print(f"  {_group_title(key)}: {stats}")
+
+
+def _group_key(case: Case) -> tuple:
+    """Cases that one plot panel and one summary line cover: they differ only in S."""
+    if case.decode:
+        return case.dtype, case.d_head, "decode", case.batch, case.nheads, case.kv_heads
+    return case.dtype, case.d_head, case.causal
+
+
+def _group_title(key: tuple) -> str:
+    if key[2] == "decode":
+        dtype, d_head, _, batch, nheads, kv_heads = key
+        return f"{dtype} d={d_head} decode B={batch} H={nheads} H_k={kv_heads}"
+    dtype, d_head, causal = key
+    return f"{dtype} d={d_head} causal={causal}"
 
 
 def print_host(host: dict) -> None:
@@ -384,22 +462,25 @@ def _import_pyplot():
 
 
 def plot(path: Path, results: list[CaseResult], backends) -> None:
-    """TFLOP/s over S, one panel per (dtype, d, causal), one line per backend."""
+    """TFLOP/s (decoding: GB/s of K/V read) over S, one panel per group of cases that differ
+    only in S, one line per backend."""
     plt = _import_pyplot()
     groups: dict = {}
     for r in results:
-        groups.setdefault((r.case.dtype, r.case.d_head, r.case.causal), []).append(r)
+        groups.setdefault(_group_key(r.case), []).append(r)
     fig, axes = plt.subplots(len(groups), 1, figsize=(7, 3.2 * len(groups)), squeeze=False)
-    for ax, ((dtype, d_head, causal), group) in zip(axes[:, 0], groups.items()):
+    for ax, (key, group) in zip(axes[:, 0], groups.items()):
+        decode = group[0].case.decode
         seqlens = [r.case.seqlen for r in group]
         for backend in backends:
-            ax.plot(seqlens, [r.tflops(backend) or float("nan") for r in group], marker="o",
-                    label=backend)
+            values = [(r.kv_gbps(backend) if decode else r.tflops(backend)) or float("nan")
+                      for r in group]
+            ax.plot(seqlens, values, marker="o", label=backend)
         ax.set_xscale("log", base=2)
         ax.set_xticks(seqlens, [str(s) for s in seqlens])
-        ax.set_title(f"{dtype} d={d_head} {'causal' if causal else 'non-causal'}")
-        ax.set_xlabel("seqlen")
-        ax.set_ylabel("TFLOP/s")
+        ax.set_title(_group_title(key))
+        ax.set_xlabel("keys (K/V cache length)" if decode else "seqlen")
+        ax.set_ylabel("GB/s of K/V" if decode else "TFLOP/s")
         ax.legend()
     fig.tight_layout()
     fig.savefig(path)
@@ -416,7 +497,9 @@ def write_json(path: Path, env: dict, method: dict, results: list[CaseResult],
     data = {
         "env": env,
         "method": method,
-        "results": [{**dataclasses.asdict(r.case), "flops": r.case.flops,
+        "results": [{**dataclasses.asdict(r.case), "seqlen_q": r.case.seqlen_q,
+                     "nheads_k": r.case.kv_heads, "flops": r.case.flops,
+                     "kv_bytes": r.case.kv_bytes,
                      "cudaflash_config": r.config,
                      "backends": {b: backend_entry(r, b) for b in [*r.timings, *r.errors]}}
                     for r in results],
@@ -465,9 +548,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "the same random tensors (FlashAttention convention: batch = "
                     f"{FA_TOKENS} / S, nheads = {FA_HIDDEN} / d), print TFLOP/s and ratios, "
                     "and the host time per call at a tiny size.")
-    p.add_argument("--seqlens", type=comma_list(_positive), default=list(DEFAULT_SEQLENS),
+    p.add_argument("--seqlens", type=comma_list(_positive), default=None,
                    help="comma-separated sequence lengths (default "
-                        f"{','.join(map(str, DEFAULT_SEQLENS))}); batch = {FA_TOKENS} // S")
+                        f"{','.join(map(str, DEFAULT_SEQLENS))}); batch = {FA_TOKENS} // S. "
+                        "With --decode: K/V cache lengths (default "
+                        f"{','.join(map(str, DEFAULT_DECODE_SEQLENS))})")
+    p.add_argument("--decode", action="store_true",
+                   help="time decoding steps instead: one query row per sequence, batch "
+                        f"{' and '.join(map(str, DECODE_BATCHES))}, nheads = {FA_HIDDEN} // d, "
+                        "as many K/V heads (MHA) and a quarter of them (GQA)")
     p.add_argument("--head-dims", type=comma_list(int, D_HEADS), default=None,
                    help=f"comma-separated head dims from {list(D_HEADS)} (default "
                         f"{','.join(map(str, DEFAULT_HEAD_DIMS))}, or --config's); nheads = "
@@ -512,6 +601,9 @@ def sweep_dims(args) -> tuple[list, list]:
 def run(args) -> int:
     try:
         dtypes, head_dims = sweep_dims(args)
+        if args.decode and args.causal != "both":
+            raise ValueError(f"--causal {args.causal} does not apply to --decode: one query "
+                             "row sees its whole cache under either mask")
     except ValueError as e:
         print(f"cudaflash bench: {e}", file=sys.stderr)
         return 2
@@ -536,7 +628,11 @@ def run(args) -> int:
     if args.config is not None:
         print(f"cudaflash config: {args.config.name} (cudaflash.forward)")
 
-    cases = build_cases(dtypes, head_dims, CAUSAL_CHOICES[args.causal], args.seqlens)
+    if args.decode:
+        cases = build_decode_cases(dtypes, head_dims, args.seqlens or DEFAULT_DECODE_SEQLENS)
+    else:
+        cases = build_cases(dtypes, head_dims, CAUSAL_CHOICES[args.causal],
+                            args.seqlens or DEFAULT_SEQLENS)
     progress = Progress(len(cases) * len(args.backends)
                         + (0 if args.no_host else HOST_ROUNDS * len(args.backends)), "bench")
     flush = flush_buffer(device)

@@ -31,7 +31,7 @@ def parse(*argv):
 def test_bench_defaults():
     args = parse("bench")
     assert args.run is bench.run
-    assert args.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
+    assert args.seqlens is None and not args.decode  # run() picks the sweep's default lengths
     assert args.causal == "both"
     assert args.backends == ["cudaflash", "flash", "cudnn", "efficient"]
     assert args.iters == 30 and args.warmup >= 1
@@ -95,6 +95,28 @@ def test_fa_convention_cases():
     assert (c.batch, c.nheads) == (4, 16)
     assert c.flops == bench.attention_flops(4, 16, 4096, 4096, 128, True)
     assert bench.fa_case("bf16", 64, False, 32768).batch == 1  # never an empty batch
+
+
+def test_decode_cases():
+    cases = bench.build_decode_cases(["bf16"], [64, 128], bench.DEFAULT_DECODE_SEQLENS)
+    assert len(cases) == 2 * 2 * 2 * 4  # d x GQA groups x batches x cache lengths
+    for c in cases:
+        assert c.decode and c.seqlen_q == 1 and not c.causal
+        assert c.nheads * c.d_head == 2048 and c.nheads % c.kv_heads == 0
+    c = next(c for c in cases if (c.d_head, c.batch, c.seqlen, c.kv_heads) == (128, 8, 4096, 4))
+    assert c.nheads == 16
+    assert c.flops == bench.attention_flops(8, 16, 1, 4096, 128, False)
+    assert c.kv_bytes == 2 * 8 * 4096 * 4 * 128 * 2
+    r = bench.CaseResult(c, {"cudaflash": bench.Timing(0.05, 0.04, 0.06, 30),
+                             "flash": bench.Timing(0.1, 0.1, 0.1, 30)}, {}, "cfg")
+    assert r.us("cudaflash") == pytest.approx(50.0)
+    assert r.kv_gbps("cudaflash") == pytest.approx(c.kv_bytes / 50e-6 / 1e9)
+    assert r.ratio("cudaflash", "flash") == pytest.approx(2.0)
+
+
+def test_decode_takes_no_causal_option(capsys):
+    assert bench.run(parse("bench", "--decode", "--causal", "yes")) == 2
+    assert "--causal yes does not apply to --decode" in capsys.readouterr().err
 
 
 def test_tflops_and_ratio():
@@ -210,6 +232,21 @@ def test_bench_run_small_sweep(tmp_path, capsys):
         assert r["cudaflash_config"].startswith("fwd_bf16_d64_")
         assert set(r["backends"]) == set(bench.BACKENDS)
     assert data["host_us_per_call"]["cudaflash"] > 0
+
+
+@pytest.mark.requires_gpu
+def test_bench_decode_sweep(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    args = parse("bench", "--decode", "--seqlens", "2048", "--head-dims", "128", "--iters",
+                 "20", "--warmup", "2", "--backends", "cudaflash,flash", "--no-host",
+                 "--json", str(out))
+    assert bench.run(args) == 0
+    assert "decoding (one query row per sequence)" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert len(data["results"]) == 2 * 2  # GQA groups x batches
+    for r in data["results"]:
+        assert r["seqlen_q"] == 1 and r["decode"] and r["kv_bytes"] > 0
+        assert r["backends"]["cudaflash"]["median_ms"] > 0
 
 
 @pytest.mark.requires_gpu

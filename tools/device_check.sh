@@ -2,7 +2,7 @@
 # One call on the GPU machine: build every cubin (-j16), run the whole pytest suite (GPU tests
 # included) and the benchmark; full logs under $OUT (default /tmp/cudaflash-out).
 #
-#   tools/device_check.sh [test] [bench] [tune]     (no argument: test and bench)
+#   tools/device_check.sh [test] [bench] [decode] [tune]     (no argument: test and bench)
 #
 # Extra pytest arguments go in PYTEST_ARGS, extra bench arguments in BENCH_ARGS.
 set -uo pipefail
@@ -27,6 +27,10 @@ for step in $steps; do
         python3 -m cudaflash bench --dtype bf16,fp16 --json "$OUT/bench.json" \
             --plot "$OUT/bench.png" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1 || rc=1
         cat "$OUT/bench.log" ;;
+    decode)
+        python3 -m cudaflash bench --decode --dtype bf16 --json "$OUT/decode.json" \
+            --plot "$OUT/decode.png" --no-host ${BENCH_ARGS:-} > "$OUT/decode.log" 2>&1 || rc=1
+        cat "$OUT/decode.log" ;;
     tune)
         python3 -m cudaflash tune --out "$OUT/tuned-sm90.yaml" > "$OUT/tune.log" 2>&1 || rc=1
         cat "$OUT/tune.log" ;;
