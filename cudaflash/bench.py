@@ -401,12 +401,13 @@ def print_results(results: list[CaseResult], backends) -> None:
         print("TFLOP/s per backend; cf/X = cudaflash TFLOP/s / X TFLOP/s")
     print(format_table(header, rows))
 
-    failures: dict = {}  # (backend, reason) -> number of sizes
+    failures: dict = {}  # backend -> [number of sizes, the first size's reason]
     for r in results:
         for backend, why in r.errors.items():
-            failures[(backend, why)] = failures.get((backend, why), 0) + 1
-    for (backend, why), n in failures.items():
-        print(f"n/a: {backend} on {n} size(s): {why}")
+            failures.setdefault(backend, [0, why])[0] += 1
+    for backend, (n, why) in failures.items():
+        # SDPA's reasons name the tensor sizes, so every size has its own: show the first.
+        print(f"n/a: {backend} on {n} size(s); the first: {why}")
     configs: dict = {}  # config -> number of sizes it ran
     for r in results:
         if r.config is not None:
