@@ -254,9 +254,13 @@ def test_side_stream():
     check_attention(out, None, q, k, v, causal=True)
 
 
-def test_cuda_graph_capture_and_replay():
+# (2, 300, 300, 4, 2): one kernel; (1, 1, 4096, 8, 2): GQA decoding, split into two kernels
+# and a workspace from the graph's memory pool.
+@pytest.mark.parametrize("dims", [(2, 300, 300, 4, 2), (1, 1, 4096, 8, 2)],
+                         ids=["whole", "decode_split"])
+def test_cuda_graph_capture_and_replay(dims):
     dtype, d = _pick_combo(("bf16", 128), *COMBOS)
-    shape = (2, 300, 300, 4, 2, d, DTYPES[dtype])
+    shape = (*dims, d, DTYPES[dtype])
     static = make_qkv(*shape, seed=0)
     # Warm up on a side stream: the module load and kernel choice must happen before capture.
     stream = torch.cuda.Stream()
@@ -277,9 +281,11 @@ def test_cuda_graph_capture_and_replay():
         check_attention(static_out, None, *fresh, causal=True)
 
 
-def test_torch_compile_fullgraph():
+@pytest.mark.parametrize("dims", [(2, 257, 300, 4, 2), (1, 1, 4096, 8, 2)],
+                         ids=["whole", "decode_split"])
+def test_torch_compile_fullgraph(dims):
     dtype, d = _pick_combo(("bf16", 128), *COMBOS)
-    q, k, v = make_qkv(2, 257, 300, 4, 2, d, DTYPES[dtype])
+    q, k, v = make_qkv(*dims, d, DTYPES[dtype])
 
     def attention(q, k, v):
         out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
