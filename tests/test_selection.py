@@ -141,10 +141,11 @@ def test_configs_yaml_rules_serve_every_built_kernel_family():
             fits = {c.name: c for c in SPEC.configs if built_for in SPEC.cubin_archs(c)}
         for dtype, d_head in {(c.dtype, c.d_head) for c in fits.values()}:
             for causal in (False, True):
-                for seqlen in (512, 2048, 8192):  # one length per bucket of the rules
+                # One length per bucket of the rules, and decoding (one query row).
+                for seqlen_q, seqlen_k in ((512, 512), (2048, 2048), (8192, 8192), (1, 8192)):
                     name, reason = call(SPEC.rules, fits, arch=arch, dtype=dtype,
-                                        d_head=d_head, causal=causal, seqlen_q=seqlen,
-                                        seqlen_k=seqlen)
+                                        d_head=d_head, causal=causal, seqlen_q=seqlen_q,
+                                        seqlen_k=seqlen_k)
                     assert (fits[name].dtype, fits[name].d_head) == (dtype, d_head)
                     chosen.add(reason)
     unused = {f"rule {r.index} of configs.yaml" for r in SPEC.rules} - chosen
