@@ -3,7 +3,8 @@
 For each (dtype, head dim, causal, seqlen bucket) it times every config built for this GPU
 (the manifest's kernels usable here with that dtype and head dim) through
 ``cudaflash.forward`` at both ends of the bucket (FlashAttention convention: batch =
-16384 / S, nheads = 2048 / d), with the timing method of ``bench``. The config with the best
+16384 / S, nheads = 2048 / d), with the timing method of ``bench``; and per (dtype, head dim)
+a decoding bucket (at most DECODE_MAX_ROWS query rows, timed on DECODE_CASES). The config with the best
 mean time relative to the fastest at each size wins the bucket and becomes a selection rule; the rules go to ``_env.tuned_table_path(arch)`` (or
 ``--out``) as yaml with a top-level ``selection:`` list, the format of configs.yaml's. The
 runtime picks that file up by itself: its rules come after CUDAFLASH_CONFIG's and before the
@@ -43,29 +44,42 @@ BUCKETS = (
 )
 QUICK_ITERS, QUICK_WARMUP = 5, 1
 
+# Decoding: calls with at most this many query rows (GQA decoding counts the query heads of a
+# K/V head as rows) get their own rule, placed before the others. Timed on one sequence with
+# four query heads per K/V head and on a batch of 8 without GQA, one query row each:
+# (batch, query heads per K/V head, keys).
+DECODE_MAX_ROWS = 16
+DECODE_CASES = ((1, 4, 16384), (8, 1, 4096))
+
 
 class Winner(NamedTuple):
     """The config that won one bucket."""
 
     dtype: str
     d_head: int
-    causal: bool
+    causal: Optional[bool]  # None: the decoding bucket (either mask)
     max_seqlen_k: Optional[int]
     config: str  # canonical name
+    max_seqlen_q: Optional[int] = None  # DECODE_MAX_ROWS for the decoding bucket
 
 
 def selection_rules(arch: int, winners) -> list[dict]:
-    """One selection rule per winner, ordered for first-match semantics: within a (dtype,
-    d_head, causal), the smaller max_seqlen_k first and the unbounded bucket last (a rule
-    without a bound matches every length, so anything after it would never be reached)."""
+    """One selection rule per winner, ordered for first-match semantics: the decoding rules
+    (bounded seqlen_q) first; then within a (dtype, d_head, causal), the smaller max_seqlen_k
+    first and the unbounded bucket last (a rule without a bound matches every length, so
+    anything after it would never be reached)."""
 
     def order(w: Winner):
-        return (w.dtype, w.d_head, w.causal,
+        return (w.max_seqlen_q is None, w.dtype, w.d_head, bool(w.causal),
                 math.inf if w.max_seqlen_k is None else w.max_seqlen_k)
 
     rules = []
     for w in sorted(winners, key=order):
-        rule = {"arch": [arch], "dtype": w.dtype, "d_head": w.d_head, "causal": w.causal}
+        rule = {"arch": [arch], "dtype": w.dtype, "d_head": w.d_head}
+        if w.causal is not None:
+            rule["causal"] = w.causal
+        if w.max_seqlen_q is not None:
+            rule["max_seqlen_q"] = w.max_seqlen_q
         if w.max_seqlen_k is not None:
             rule["max_seqlen_k"] = w.max_seqlen_k
         rule["config"] = w.config
@@ -123,8 +137,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "tune", help="time every built config on this GPU and write the fastest as selection "
                      "rules",
         description="For each (dtype, head dim, causal, seqlen bucket: <= 1024, <= 4096, "
-                    "longer), time every config built for this GPU and write the fastest as "
-                    "selection rules (yaml, the format of configs.yaml's selection:).")
+                    "longer) and each (dtype, head dim) decoding, time every config built for "
+                    "this GPU and write the fastest as selection rules (yaml, the format of "
+                    "configs.yaml's selection:).")
     p.add_argument("--dtypes", type=comma_list(str, DTYPES), default=list(DTYPES),
                    help="comma-separated dtypes (default %(default)s)")
     p.add_argument("--head-dims", type=comma_list(int, D_HEADS), default=None,
@@ -167,6 +182,12 @@ def run(args) -> int:
                 print(f"no {dtype} d_head={d_head} kernels are built for {gpu} (sm_{arch}); "
                       "skipped")
                 continue
+            nheads = bench.FA_HIDDEN // d_head
+            decode = [bench.Case(dtype=dtype, d_head=d_head, causal=False, seqlen=keys,
+                                 batch=batch, nheads=nheads, decode=True,
+                                 nheads_k=nheads // group)
+                      for batch, group, keys in DECODE_CASES]
+            tasks.append((decode, None, candidates))
             for causal in (False, True):
                 for bucket in BUCKETS:
                     cases = [bench.fa_case(dtype, d_head, causal, seqlen)
@@ -184,13 +205,16 @@ def run(args) -> int:
     with torch.inference_mode():
         for cases, bucket, candidates in tasks:
             case = cases[0]
-            where = f"{case.dtype} d={case.d_head} causal={case.causal} {bucket.label}"
+            where = (f"{case.dtype} d={case.d_head} decode (<= {DECODE_MAX_ROWS} rows)"
+                     if bucket is None else
+                     f"{case.dtype} d={case.d_head} causal={case.causal} {bucket.label}")
             # Score: the mean over the bucket's sizes of (this time / the best time at that
             # size); a config that fails at any size is out.
             score = {cfg.name: 0.0 for cfg in candidates}
             for case in cases:
                 q, k, v = bench.make_qkv(case.batch, case.seqlen, case.nheads, case.d_head,
-                                         case.dtype, device)
+                                         case.dtype, device, seqlen_q=case.seqlen_q,
+                                         nheads_k=case.kv_heads)
                 results = {}  # config name -> Timing, or why it failed
                 for cfg in candidates:  # all on the same tensors
                     progress.step(f"{where} S={case.seqlen} {cfg.name}")
@@ -212,15 +236,20 @@ def run(args) -> int:
                                  f"{fastest / t.median_ms:.2f}", ""))
             shipped, _ = selection.select(shipped_rules, usable, arch=arch, dtype=case.dtype,
                                           d_head=case.d_head, causal=case.causal,
-                                          seqlen_q=cases[-1].seqlen, seqlen_k=cases[-1].seqlen)
+                                          seqlen_q=cases[-1].seqlen_q,
+                                          seqlen_k=cases[-1].seqlen)
             if not score:
                 changes.append(f"{where}: no candidate ran at every size; no rule written")
                 continue
             best = min(score, key=score.get)
             rows.append((where, f"winner: {best}", "-", "-", "-", f"{1 / score[best]:.2f}",
                          "best" + (", shipped" if best == shipped else "")))
-            winners.append(Winner(case.dtype, case.d_head, case.causal, bucket.max_seqlen_k,
-                                  best))
+            if bucket is None:
+                winners.append(Winner(case.dtype, case.d_head, None, None, best,
+                                      max_seqlen_q=DECODE_MAX_ROWS))
+            else:
+                winners.append(Winner(case.dtype, case.d_head, case.causal,
+                                      bucket.max_seqlen_k, best))
             if best == shipped:
                 changes.append(f"{where}: {shipped} (unchanged)")
             elif shipped in score:
@@ -249,7 +278,10 @@ def run(args) -> int:
                                                   else "`"),
         f"winner per (dtype, d_head, causal, seqlen bucket); timing: median of {iters} calls "
         f"at batch = {bench.FA_TOKENS} / S, nheads = {bench.FA_HIDDEN} / d",
-        "the first rule that matches a call wins: shorter max_seqlen_k first",
+        f"and per (dtype, d_head) for decoding (<= {DECODE_MAX_ROWS} query rows), timed at "
+        "(batch, query heads per K/V head, keys) = "
+        + ", ".join(str(c) for c in DECODE_CASES),
+        "the first rule that matches a call wins: decoding first, shorter max_seqlen_k first",
     ]
     write_table(path, render_table(selection_rules(arch, winners), header))
     print(f"\nwrote {len(winners)} rules to {path}"

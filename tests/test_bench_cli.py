@@ -167,6 +167,7 @@ def test_tuned_table_round_trips_in_first_match_order(tmp_path):
         tune.Winner("bf16", 64, True, 4096, D64.format(dtype="bf16")),
         tune.Winner("bf16", 64, False, 4096, D64.format(dtype="bf16")),
         tune.Winner("fp16", 128, True, None, D128_W8.format(dtype="fp16")),
+        tune.Winner("bf16", 64, None, None, D64_W8.format(dtype="bf16"), max_seqlen_q=16),
     ]
     rules = tune.selection_rules(90, winners)
     text = tune.render_table(rules, ["GPU X (sm_90), 2026-01-01, cudaflash 0.1.0"])
@@ -178,9 +179,11 @@ def test_tuned_table_round_trips_in_first_match_order(tmp_path):
     assert yaml.safe_load(text) == {"selection": rules}
     parsed = selection.load_user_rules(path)  # what CUDAFLASH_CONFIG reads
     assert parsed == selection.parse_rules(rules, where=str(path))
-    assert [(r.dtype, r.d_head, r.causal, r.max_seqlen_k) for r in parsed] == [
-        ("bf16", 64, False, 1024), ("bf16", 64, False, 4096), ("bf16", 64, False, None),
-        ("bf16", 64, True, 4096), ("fp16", 128, True, None)]
+    assert [(r.dtype, r.d_head, r.causal, r.max_seqlen_q, r.max_seqlen_k) for r in parsed] == [
+        ("bf16", 64, None, 16, None),  # decoding first: it would never match after the rest
+        ("bf16", 64, False, None, 1024), ("bf16", 64, False, None, 4096),
+        ("bf16", 64, False, None, None), ("bf16", 64, True, None, 4096),
+        ("fp16", 128, True, None, None)]
     assert all(r.arch == (90,) for r in parsed)
 
     available = [D64.format(dtype="bf16"), D64_W8.format(dtype="bf16"),
@@ -189,6 +192,10 @@ def test_tuned_table_round_trips_in_first_match_order(tmp_path):
         name, reason = selection.select(parsed, available, arch=90, dtype="bf16", d_head=64,
                                         causal=False, seqlen_q=seqlen, seqlen_k=seqlen)
         assert name == want.format(dtype="bf16") and reason.startswith("rule ")
+    for causal in (False, True):  # one query row against a long cache: the decoding rule
+        name, reason = selection.select(parsed, available, arch=90, dtype="bf16", d_head=64,
+                                        causal=causal, seqlen_q=1, seqlen_k=100000)
+        assert (name, reason) == (D64_W8.format(dtype="bf16"), "rule 0 of " + str(path))
     # The arch condition keeps the table to the GPU it was tuned on.
     _, reason = selection.select(parsed, available, arch=80, dtype="bf16", d_head=64,
                                  causal=False, seqlen_q=512, seqlen_k=512)
@@ -266,5 +273,7 @@ def test_tune_quick_writes_a_valid_table(tmp_path):
     assert tune.run(parse("tune", "--quick", "--dtypes", "bf16", "--head-dims", "64",
                           "--out", str(out))) == 0
     rules = selection.load_user_rules(out)
-    assert [r.max_seqlen_k for r in rules if not r.causal] == [1024, 4096, None]
+    assert [(r.causal, r.max_seqlen_q, r.max_seqlen_k) for r in rules] == [
+        (None, 16, None), (False, None, 1024), (False, None, 4096), (False, None, None),
+        (True, None, 1024), (True, None, 4096), (True, None, None)]
     assert all(r.dtype == "bf16" and r.d_head == 64 for r in rules)
