@@ -392,15 +392,8 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
     if rows != seqlen_q:  # GQA decoding: row r of head h is query head h * group + r
         q_seq, q_head, o_seq, o_head = qs[2], group * qs[2], os_[2], group * os_[2]
     q_blocks = (rows + kernel.block_rows - 1) // kernel.block_rows
-    kv_blocks = (seqlen_k + kernel.block_cols - 1) // kernel.block_cols
-    if num_splits is None:
-        slots = _device_kernels(index).device.sm_count * kernel.fns.split_ctas_per_sm
-        most = _max_splits(kv_blocks * kernel.block_cols, kv_blocks,
-                           min(rows, kernel.block_rows), batch)
-        num_splits = _split_count(q_blocks * heads * batch, slots, most)
-    num_splits = min(num_splits, kv_blocks, _GRID_YZ_MAX // batch)
-    per_split = (kv_blocks + num_splits - 1) // num_splits
-    num_splits = (kv_blocks + per_split - 1) // per_split  # no split without a block
+    num_splits, per_split = _splits(kernel, index, num_splits, q_blocks=q_blocks, rows=rows,
+                                    heads=heads, batch=batch, seqlen_k=seqlen_k)
     # Params after the pointers: strides, sizes, scales, split counts;
     # exp(s * scale) = exp2(s * scale * log2(e)).
     fixed_params = (qs[0], q_seq, q_head, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
@@ -438,6 +431,21 @@ _MIN_KEYS_PER_ROW = 16
 _MAX_SPLITS = 128
 _COMBINE_ROWS = 4  # query rows per CTA of cudaflash_combine (kCombineRows, flash_fwd.cu)
 _COMBINE_THREADS = 32 * _COMBINE_ROWS  # one warp per row
+
+
+def _splits(kernel: "_Kernel", index: int, asked: Optional[int], *, q_blocks: int, rows: int,
+            heads: int, batch: int, seqlen_k: int) -> tuple[int, int]:
+    """(splits, KV blocks per split) of a call: ``asked`` (forward's num_splits), else the
+    rule below, each split keeping at least one block."""
+    kv_blocks = (seqlen_k + kernel.block_cols - 1) // kernel.block_cols
+    if asked is None:
+        slots = _device_kernels(index).device.sm_count * kernel.fns.split_ctas_per_sm
+        most = _max_splits(kv_blocks * kernel.block_cols, kv_blocks,
+                           min(rows, kernel.block_rows), batch)
+        asked = _split_count(q_blocks * heads * batch, slots, most)
+    splits = min(asked, kv_blocks, _GRID_YZ_MAX // batch)
+    per_split = (kv_blocks + splits - 1) // splits
+    return (kv_blocks + per_split - 1) // per_split, per_split
 
 
 def _max_splits(keys: int, kv_blocks: int, rows_per_cta: int, batch: int) -> int:

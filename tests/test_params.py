@@ -74,3 +74,13 @@ def test_manifest_records_the_same_size():
     # load_manifest rejects a manifest whose params_bytes differs; check the value it read too.
     data = json.loads(m.path.read_text())
     assert data["params_bytes"] == PARAMS_BYTES
+
+
+def test_combine_geometry_matches_the_kernel():
+    """api launches cudaflash_combine with one warp per row, _COMBINE_ROWS rows per CTA: the
+    kernel's kCombineRows must agree."""
+    from cudaflash import api
+
+    source = (PARAMS_CUH.parent / "flash_fwd.cu").read_text()
+    assert f"constexpr int kCombineRows = {api._COMBINE_ROWS};" in source
+    assert api._COMBINE_THREADS == 32 * api._COMBINE_ROWS
