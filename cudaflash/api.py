@@ -88,15 +88,17 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         out, lse = _fwd_op(q, k, v, softmax_scale, causal)
         return (out, lse, None) if return_attn_probs else out
     # No lse unless asked for: the kernel skips it and the call saves an allocation.
-    want_lse = return_attn_probs is True or bool(return_attn_probs)
+    want_lse = True if return_attn_probs else False
 
     # The per-call path: a signature seen before has a plan (what the checked path concluded).
     # Every line here is paid on every attention call, and a tiny attention costs less on the
     # GPU than this on the host, hence inline code and pre-bound functions.
     try:
-        plan = _plans.get((q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
-                           q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(),
-                           v.get_device(), softmax_scale, causal, want_lse))  # = _plan_key()
+        plan = _plans.get((q.shape, q.is_contiguous() or q.stride(), k.shape,
+                           k.is_contiguous() or k.stride(), v.shape,
+                           v.is_contiguous() or v.stride(), q.dtype, k.dtype, v.dtype,
+                           q.get_device(), k.get_device(), v.get_device(), softmax_scale,
+                           causal, want_lse))  # = _plan_key()
     except (AttributeError, TypeError):
         # Not tensors (no isinstance checks: they cost more than this rare fallback), or an
         # unhashable softmax_scale: the checked path explains what is wrong.
@@ -317,11 +319,16 @@ def _softmax_scale(softmax_scale, d_head: int) -> float:
 
 
 def _plan_key(q, k, v, softmax_scale, causal, want_lse):
-    """The argument signature a _Plan is valid for."""
-    # get_device() (-1 on the CPU) is cheaper than building a torch.device per tensor.
-    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
-            v.dtype, q.get_device(), k.get_device(), v.get_device(), softmax_scale, causal,
-            want_lse)
+    """The argument signature a _Plan is valid for.
+
+    A contiguous tensor's layout is given by its shape, up to the strides of size-1 dims,
+    which the kernels only ever multiply by index 0: ``is_contiguous()`` (True) stands for
+    the strides then, and is cheaper than reading them (a new tuple to build and hash).
+    get_device() (-1 on the CPU) is cheaper than building a torch.device per tensor.
+    """
+    return (q.shape, q.is_contiguous() or q.stride(), k.shape, k.is_contiguous() or k.stride(),
+            v.shape, v.is_contiguous() or v.stride(), q.dtype, k.dtype, v.dtype,
+            q.get_device(), k.get_device(), v.get_device(), softmax_scale, causal, want_lse)
 
 
 def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal,

@@ -387,6 +387,20 @@ def test_repeat_calls_recheck_what_the_signature_does_not_fix():
         flash_attn_func(q.clone().requires_grad_(), k, v, causal=True)
 
 
+def test_plan_shared_by_contiguous_tensors_with_other_size1_strides():
+    """The plan key treats contiguous tensors of one shape alike; a size-1 batch dim with
+    another stride (a slice of a larger buffer) must still compute right through it."""
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    q, k, v = make_qkv(1, 300, 200, 4, 2, d, DTYPES[dtype], seed=4)
+    flash_attn_func(q, k, v)  # records the plan
+    buf = torch.empty(2 * q.numel() + 64, device="cuda", dtype=q.dtype)
+    odd = buf[64:].as_strided(q.shape, (q.numel() + 8,) + q.stride()[1:])
+    odd.copy_(make_qkv(1, 300, 200, 4, 2, d, DTYPES[dtype], seed=5)[0])
+    assert odd.is_contiguous() and odd.stride() != q.stride()
+    out, lse, _ = flash_attn_func(odd, k, v, return_attn_probs=True)
+    check_attention(out, lse, odd, k, v, causal=False)
+
+
 def test_corrupt_or_missing_kernel_file(tmp_path, monkeypatch):
     entry = KERNELS[0]
     src = manifest.load_manifest().path.parent

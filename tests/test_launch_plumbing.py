@@ -426,3 +426,26 @@ def test_num_splits_is_checked(fake, bad):
     q, k, v = qkv()
     with pytest.raises(ValueError, match=f"num_splits={bad!r}; it must be None or an int >= 1"):
         api.forward(D64["fp16"], q, k, v, num_splits=bad)
+
+
+def test_plan_key_takes_contiguity_for_strides(fake, monkeypatch):
+    """A contiguous tensor's key holds True instead of its strides: same-shape contiguous
+    tensors share a plan even when a size-1 dim's stride differs (never multiplied by a
+    non-zero index), and a non-contiguous one of the same shape gets its own."""
+    monkeypatch.setattr(api, "_current_device", lambda: 0)
+    q, k, v = qkv(b=1, sq=100, sk=300, h=4, hk=2)
+    api._run(None, 0, q, k, v, None, 0.125, False, False,
+             plan_key=api._plan_key(q, k, v, None, False, False))
+    # Batch dim of size 1 with another stride: still contiguous, the same plan.
+    odd = torch.empty(q.numel() + 8, dtype=q.dtype)[8:].as_strided(q.shape, (3,) + q.stride()[1:])
+    assert odd.is_contiguous() and odd.stride() != q.stride()
+    assert api._plan_key(odd, k, v, None, False, False) == api._plan_key(q, k, v, None, False,
+                                                                          False)
+    out = api.flash_attn_func(odd, k, v)
+    assert len(fake.launches) == 2 and fake.launches[1].params.q == odd.data_ptr()
+    assert out.shape == q.shape
+    # The same shape laid out as (b, h, s, d): not contiguous, so a key of its own.
+    bhsd = q.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not bhsd.is_contiguous()
+    assert api._plan_key(bhsd, k, v, None, False, False) != api._plan_key(q, k, v, None,
+                                                                           False, False)
