@@ -370,14 +370,8 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
          plan_key=None, num_splits=None):
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
-    # The problem the kernel sees: `rows` query rows in each of `heads` heads.
-    rows, heads, group = seqlen_q, n_heads, n_heads // n_heads_k
-    if seqlen_q == 1 and group > 1:
-        # Decoding with GQA/MQA: the `group` query heads that share a K/V head become `group`
-        # rows of one head (their data are consecutive heads of q and out), so each K/V block
-        # is read once for all of them instead of once per query head. One query row sees
-        # every key under the bottom-right causal mask, so the packed rows are not causal.
-        rows, heads, causal = group, n_heads_k, False
+    rows, heads, causal = _kernel_problem(seqlen_q, n_heads, n_heads_k, causal)
+    group = n_heads // n_heads_k
     ctx = _driver.current_context(index)
     if config is None:
         kernel = _auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k)
@@ -422,6 +416,21 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
         _plans[plan_key] = _Plan(device_index=index, launch=launch,
                                  lse_shape=(batch, n_heads, seqlen_q))
     return out, lse
+
+
+def _kernel_problem(seqlen_q: int, n_heads: int, n_heads_k: int,
+                    causal: bool) -> tuple[int, int, bool]:
+    """(query rows per head, heads, causal) of the problem the kernel runs for a call.
+
+    Decoding with GQA/MQA (one query row, several query heads per K/V head): the query heads
+    that share a K/V head become rows of one head (their data are consecutive heads of q and
+    out), so each K/V block is read once for all of them instead of once per query head. One
+    query row sees every key under the bottom-right causal mask, so the rows are not causal.
+    """
+    group = n_heads // n_heads_k
+    if seqlen_q == 1 and group > 1:
+        return group, n_heads_k, False
+    return seqlen_q, n_heads, causal
 
 
 # Split-KV: a grid of fewer CTAs than the GPU holds at once leaves SMs idle for the whole call
@@ -580,12 +589,14 @@ def _rules(arch: int) -> _Rules:
 
 
 def selected_config(device_index: int, dtype: str, d_head: int, causal: bool, seqlen_q: int,
-                    seqlen_k: int) -> tuple[str, str]:
-    """The config ``flash_attn_func`` runs on cuda:``device_index`` for such a call, and the
-    rule that chose it. Raises LookupError when no built config fits."""
+                    seqlen_k: int, n_heads: int = 1, n_heads_k: int = 1) -> tuple[str, str]:
+    """The config ``flash_attn_func`` runs on cuda:``device_index`` for such a call (with
+    ``n_heads`` query heads reading ``n_heads_k`` K/V heads), and the rule that chose it.
+    Raises LookupError when no built config fits."""
     dk = _device_kernels(device_index)
+    rows, _, causal = _kernel_problem(seqlen_q, n_heads, n_heads_k, causal)
     return selection.select(_rules(dk.device.arch).rules, dk.usable, arch=dk.device.arch,
-                            dtype=dtype, d_head=d_head, causal=causal, seqlen_q=seqlen_q,
+                            dtype=dtype, d_head=d_head, causal=causal, seqlen_q=rows,
                             seqlen_k=seqlen_k)
 
 

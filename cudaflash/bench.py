@@ -232,10 +232,11 @@ def time_backend(backend: str, q, k, v, causal: bool, *, config: Optional[Kernel
 
 
 def selected_config(device_index: int, dtype: str, d_head: int, causal: bool, seqlen_q: int,
-                    seqlen_k: int) -> Optional[str]:
+                    seqlen_k: int, n_heads: int = 1, n_heads_k: int = 1) -> Optional[str]:
     """The config ``flash_attn_func`` runs for such a call, or None if there is none."""
     try:
-        return api.selected_config(device_index, dtype, d_head, causal, seqlen_q, seqlen_k)[0]
+        return api.selected_config(device_index, dtype, d_head, causal, seqlen_q, seqlen_k,
+                                   n_heads, n_heads_k)[0]
     except LookupError:
         return None
 
@@ -282,7 +283,8 @@ def measure_case(case: Case, backends, *, device, config: Optional[KernelConfig]
     used = None
     if "cudaflash" in timings:  # a failed cudaflash call may mean there is no manifest at all
         used = config.name if config is not None else selected_config(
-            device.index, case.dtype, case.d_head, case.causal, case.seqlen_q, case.seqlen)
+            device.index, case.dtype, case.d_head, case.causal, case.seqlen_q, case.seqlen,
+            case.nheads, case.kv_heads)
     return CaseResult(case, timings, errors, used)
 
 

@@ -234,10 +234,12 @@ def run(args) -> int:
                     rows.append((where, name, case.seqlen, f"{t.median_ms:.3f}",
                                  f"{case.flops / t.median_ms / 1e9:.1f}",
                                  f"{fastest / t.median_ms:.2f}", ""))
-            shipped, _ = selection.select(shipped_rules, usable, arch=arch, dtype=case.dtype,
-                                          d_head=case.d_head, causal=case.causal,
-                                          seqlen_q=cases[-1].seqlen_q,
-                                          seqlen_k=cases[-1].seqlen)
+            last = cases[-1]
+            rows, _, causal = api._kernel_problem(last.seqlen_q, last.nheads, last.kv_heads,
+                                                  last.causal)
+            shipped, _ = selection.select(shipped_rules, usable, arch=arch, dtype=last.dtype,
+                                          d_head=last.d_head, causal=causal, seqlen_q=rows,
+                                          seqlen_k=last.seqlen)
             if not score:
                 changes.append(f"{where}: no candidate ran at every size; no rule written")
                 continue

@@ -157,8 +157,8 @@ def test_config(entry, shape, splits):
 
 
 def test_split_matches_whole_closely():
-    """Splitting only regroups the sums: out and lse stay within a few ulps of the whole
-    kernel's (not just within the reference's bound)."""
+    """Splitting only regroups the sums: out stays within two ulps of the largest output of
+    the whole kernel's, lse within 1e-4 (not just within the reference's bound)."""
     combo = _pick_combo(("bf16", 128), ("fp16", 64))
     dtype, d = DTYPES[combo[0]], combo[1]
     q, k, v = make_qkv(2, 37, 3000, 4, 2, d, dtype, seed=11)
@@ -166,7 +166,9 @@ def test_split_matches_whole_closely():
     whole, whole_lse = forward(cfg, q, k, v, num_splits=1)
     for splits in (2, 5, 17):
         out, lse = forward(cfg, q, k, v, num_splits=splits)
-        assert (out.float() - whole.float()).abs().max().item() <= 4 * torch.finfo(dtype).eps
+        largest = whole.float().abs().max().item()
+        assert (out.float() - whole.float()).abs().max().item() <= \
+            2 * torch.finfo(dtype).eps * largest
         assert (lse - whole_lse).abs().max().item() <= 1e-4
 
 
@@ -385,6 +387,22 @@ def test_repeat_calls_recheck_what_the_signature_does_not_fix():
         flash_attn_func(shifted, k, v, causal=True)
     with pytest.raises(NotImplementedError, match="requires grad"):
         flash_attn_func(q.clone().requires_grad_(), k, v, causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_gqa_decoding_with_strided_heads(causal):
+    """GQA decoding packs query heads as rows through q's head stride: a q whose heads are
+    not d_head apart (a slice of a wider buffer) must still be read right; out is
+    empty_like(q), here contiguous, so q and out strides differ."""
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    wide = torch.randn(2, 1, 8, 2 * d, generator=g, device="cuda", dtype=DTYPES[dtype])
+    q = wide[..., :d]
+    _, k, v = make_qkv(2, 1, 3000, 8, 2, d, DTYPES[dtype], seed=10)
+    assert q.stride(2) == 2 * d
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert out.stride(2) == d
+    check_attention(out, lse, q, k, v, causal)
 
 
 def test_plan_shared_by_contiguous_tensors_with_other_size1_strides():

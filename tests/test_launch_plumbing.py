@@ -449,3 +449,18 @@ def test_plan_key_takes_contiguity_for_strides(fake, monkeypatch):
     assert not bhsd.is_contiguous()
     assert api._plan_key(bhsd, k, v, None, False, False) != api._plan_key(q, k, v, None,
                                                                            False, False)
+
+
+def test_selected_config_sees_the_packed_problem(fake, monkeypatch):
+    """selected_config reports what the runtime runs: for GQA decoding, the packed rows
+    (4 query heads per K/V head -> 4 rows, not causal)."""
+    picked = []
+
+    def select(rules, usable, **call):
+        picked.append(call)
+        return "cfg", "rule"
+
+    monkeypatch.setattr(api.selection, "select", select)
+    api.selected_config(0, "fp16", 64, True, 1, 5000, n_heads=8, n_heads_k=2)
+    api.selected_config(0, "fp16", 64, True, 1, 5000)  # MHA: unchanged
+    assert [(c["seqlen_q"], c["causal"]) for c in picked] == [(4, False), (1, True)]
