@@ -235,11 +235,11 @@ def run(args) -> int:
                                  f"{case.flops / t.median_ms / 1e9:.1f}",
                                  f"{fastest / t.median_ms:.2f}", ""))
             last = cases[-1]
-            rows, _, causal = api._kernel_problem(last.seqlen_q, last.nheads, last.kv_heads,
-                                                  last.causal)
+            query_rows, _, causal = api._kernel_problem(last.seqlen_q, last.nheads,
+                                                        last.kv_heads, last.causal)
             shipped, _ = selection.select(shipped_rules, usable, arch=arch, dtype=last.dtype,
-                                          d_head=last.d_head, causal=causal, seqlen_q=rows,
-                                          seqlen_k=last.seqlen)
+                                          d_head=last.d_head, causal=causal,
+                                          seqlen_q=query_rows, seqlen_k=last.seqlen)
             if not score:
                 changes.append(f"{where}: no candidate ran at every size; no rule written")
                 continue
