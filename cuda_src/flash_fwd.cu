@@ -156,6 +156,10 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 
     float lse[kM][2];
     softmax.finalize(O, lse);
+    // The CTA row of accumulator element (mi, r): mma's C layout, also wgmma's per warp.
+    auto acc_row = [&](int mi, int r) {
+        return warp * C::kRowsPerWarp + mi * 16 + lane / 4 + 8 * r;
+    };
 
     if constexpr (kSplit) {
         copy_wait_all<C>();  // with no KV block here, the Q copy may still be in flight
@@ -167,7 +171,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
         for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int row = q_row0 + warp * C::kRowsPerWarp + mi * 16 + lane / 4 + 8 * r;
+                const int row = q_row0 + acc_row(mi, r);
                 if (row >= p.seqlen_q) continue;
                 if (lane % 4 == 0) p.lse_accum[split_row0 + row] = lse[mi][r];
                 float* o_row = p.o_accum + (split_row0 + row) * C::kDHead + 2 * (lane % 4);
@@ -185,7 +189,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
         for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int row = q_row0 + warp * C::kRowsPerWarp + mi * 16 + lane / 4 + 8 * r;
+                const int row = q_row0 + acc_row(mi, r);
                 if (row < p.seqlen_q) lse_row[row] = lse[mi][r];
             }
     }
@@ -200,7 +204,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
         for (int nd = 0; nd < C::kOTiles; ++nd)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int row = warp * C::kRowsPerWarp + mi * 16 + lane / 4 + 8 * r;
+                const int row = acc_row(mi, r);
                 elem_t* dst = sQ + SmemTile<C>::template offset<C::kBr>(row, nd) + 2 * (lane % 4);
                 *reinterpret_cast<uint32_t*>(dst) =
                     pack_2<C::kBf16>(O[mi][nd][2 * r], O[mi][nd][2 * r + 1]);
