@@ -371,7 +371,6 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
     rows, heads, causal = _kernel_problem(seqlen_q, n_heads, n_heads_k, causal)
-    group = n_heads // n_heads_k
     ctx = _driver.current_context(index)
     if config is None:
         kernel = _auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k)
@@ -390,8 +389,8 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
 
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
     q_seq, q_head, o_seq, o_head = qs[1], qs[2], os_[1], os_[2]
-    if rows != seqlen_q:  # GQA decoding: row r of head h is query head h * group + r
-        q_seq, q_head, o_seq, o_head = qs[2], group * qs[2], os_[2], group * os_[2]
+    if rows != seqlen_q:  # GQA decoding: row r of head h is query head h * rows + r
+        q_seq, q_head, o_seq, o_head = qs[2], rows * qs[2], os_[2], rows * os_[2]
     q_blocks = (rows + kernel.block_rows - 1) // kernel.block_rows
     num_splits, per_split = _splits(kernel, index, num_splits, q_blocks=q_blocks, rows=rows,
                                     heads=heads, batch=batch, seqlen_k=seqlen_k)
@@ -489,9 +488,9 @@ def _split_count(ctas: int, slots: int, most: int) -> int:
 
 def _split_launch(kernel: "_Kernel", device: torch.device, fixed_params: tuple, *, q_blocks: int,
                   heads: int, batch: int, rows: int, d_head: int, num_splits: int):
-    """The launch function of a split-KV call: allocate the float32 workspace (from torch's
-    allocator, on the current stream: released once both kernels have run), run the split
-    forward, then the combine kernel."""
+    """The launch function of a split-KV call: allocate the float32 workspace (one tensor
+    from torch's allocator, on the current stream: released once both kernels have run), run
+    the split forward, then the combine kernel."""
     forward = _driver.Launcher(
         kernel.fns.split, kernel.label.replace("(", "(split ", 1),
         grid=(q_blocks, heads, batch * num_splits), threads=kernel.threads, smem=kernel.smem,
@@ -501,15 +500,19 @@ def _split_launch(kernel: "_Kernel", device: torch.device, fixed_params: tuple, 
         grid=((rows + _COMBINE_ROWS - 1) // _COMBINE_ROWS, heads, batch),
         threads=_COMBINE_THREADS, smem=0, synchronize=kernel.synchronize,
         fixed_params=fixed_params)
-    o_accum_shape = (num_splits, batch, heads, rows, d_head)
-    lse_accum_shape = (num_splits, batch, heads, rows)
+    # o_accum (num_splits, batch, heads, rows, d_head) then lse_accum (num_splits, batch,
+    # heads, rows), float32, in one allocation.
+    lse_values = num_splits * batch * heads * rows
+    lse_offset = lse_values * d_head * 4  # bytes
 
     def launch(stream: int, q: int, k: int, v: int, o: int, lse: int) -> None:
-        o_accum = torch.empty(o_accum_shape, dtype=_float32, device=device)
-        lse_accum = torch.empty(lse_accum_shape, dtype=_float32, device=device)
-        workspace = (o_accum.data_ptr(), lse_accum.data_ptr())
-        forward.launch_with_workspace(stream, q, k, v, o, lse, *workspace)
-        combine.launch_with_workspace(stream, q, k, v, o, lse, *workspace)
+        # Held until both kernels are enqueued: freed earlier, the block could go to another
+        # allocation whose work is enqueued before ours.
+        workspace = torch.empty(lse_values * (d_head + 1), dtype=_float32, device=device)
+        o_accum = workspace.data_ptr()
+        lse_accum = o_accum + lse_offset
+        forward.launch_with_workspace(stream, q, k, v, o, lse, o_accum, lse_accum)
+        combine.launch_with_workspace(stream, q, k, v, o, lse, o_accum, lse_accum)
 
     return launch
 
