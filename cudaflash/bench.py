@@ -125,12 +125,17 @@ def build_cases(dtypes, head_dims, causals, seqlens) -> list[Case]:
             for seqlen in seqlens]
 
 
+def decode_case(dtype: str, d_head: int, batch: int, group: int, seqlen: int) -> Case:
+    """One decoding step: nheads = 2048 / d query heads, ``group`` of them per K/V head,
+    ``seqlen`` keys. Not causal: one query row sees its whole cache either way."""
+    nheads = FA_HIDDEN // d_head
+    return Case(dtype=dtype, d_head=d_head, causal=False, seqlen=seqlen, batch=batch,
+                nheads=nheads, decode=True, nheads_k=nheads // group)
+
+
 def build_decode_cases(dtypes, head_dims, seqlens) -> list[Case]:
-    """Decoding steps: nheads = 2048 / d query heads, DECODE_GQA_GROUPS of them per K/V head,
-    DECODE_BATCHES sequences. Not causal: one query row sees its whole cache either way."""
-    return [Case(dtype=dtype, d_head=d_head, causal=False, seqlen=seqlen, batch=batch,
-                 nheads=FA_HIDDEN // d_head, decode=True,
-                 nheads_k=FA_HIDDEN // d_head // group)
+    """Decoding steps for DECODE_GQA_GROUPS query heads per K/V head and DECODE_BATCHES."""
+    return [decode_case(dtype, d_head, batch, group, seqlen)
             for dtype in dtypes for d_head in head_dims for group in DECODE_GQA_GROUPS
             for batch in DECODE_BATCHES for seqlen in seqlens]
 

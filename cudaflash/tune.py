@@ -182,10 +182,7 @@ def run(args) -> int:
                 print(f"no {dtype} d_head={d_head} kernels are built for {gpu} (sm_{arch}); "
                       "skipped")
                 continue
-            nheads = bench.FA_HIDDEN // d_head
-            decode = [bench.Case(dtype=dtype, d_head=d_head, causal=False, seqlen=keys,
-                                 batch=batch, nheads=nheads, decode=True,
-                                 nheads_k=nheads // group)
+            decode = [bench.decode_case(dtype, d_head, batch, group, keys)
                       for batch, group, keys in DECODE_CASES]
             tasks.append((decode, None, candidates))
             for causal in (False, True):
