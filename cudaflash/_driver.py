@@ -231,11 +231,12 @@ class _ArgBuffer(threading.local):
 _arg_buffer = _ArgBuffer()
 # One pack per call: the five pointers, then the fixed fields, already packed, as one string
 # (a single pack_into is cheaper than packing the pointers and copying the rest).
+# The split-KV workspace pointers at the end are not part of it: launch_with_workspace packs
+# them first, and the plain forward never reads them (it may see a previous call's).
 _pack_params = struct.Struct(
-    f"{PARAMS_POINTERS_FORMAT}{PARAMS_BYTES - PARAMS_POINTERS_BYTES}s").pack_into
+    f"{PARAMS_POINTERS_FORMAT}{PARAMS_WORKSPACE_OFFSET - PARAMS_POINTERS_BYTES}s").pack_into
 _pack_fixed = struct.Struct(PARAMS_FIXED_FORMAT).pack
 _pack_workspace = struct.Struct(PARAMS_WORKSPACE_FORMAT).pack_into
-_NO_WORKSPACE = struct.pack(PARAMS_WORKSPACE_FORMAT, 0, 0)
 
 # CUstream objects by raw handle: cuLaunchKernel converts an int stream argument to a
 # CUstream on every call (about 1.3 us on the H100 host); a process uses few streams.
@@ -270,9 +271,8 @@ class Launcher:
                  synchronize: bool, fixed_params: tuple) -> None:
         self.fn, self.label, self.grid = fn, label, grid
         self.threads, self.smem, self.synchronize = threads, smem, synchronize
-        # The Params fields after the pointers, in order; the workspace pointers 0 (launch
-        # sets them for each call of launch_with_workspace).
-        self._fixed = _pack_fixed(*fixed_params) + _NO_WORKSPACE
+        # The Params fields between the pointers and the workspace pointers, in order.
+        self._fixed = _pack_fixed(*fixed_params)
         self._cuLaunchKernel = _cu().cuLaunchKernel  # one attribute lookup less per call
 
     def launch(self, stream: int, q: int, k: int, v: int, o: int, lse: int) -> None:
@@ -292,25 +292,14 @@ class Launcher:
         if result[0]:  # check() inline: this is the per-call path
             check(result, self.label)
         if self.synchronize:
-            self._synchronize(stream)
+            cu = _cu()
+            status = check(cu.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
+            if status == cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+                check(cu.cuStreamSynchronize(stream), f"cuStreamSynchronize after {self.label}")
 
     def launch_with_workspace(self, stream: int, q: int, k: int, v: int, o: int, lse: int,
                               o_accum: int, lse_accum: int) -> None:
         """``launch`` with the split-KV workspace pointers set (split and combine kernels)."""
-        params_bytes, extra_address = _arg_buffer.pack_target
-        _pack_params(params_bytes, 0, q, k, v, o, lse, self._fixed)
-        _pack_workspace(params_bytes, PARAMS_WORKSPACE_OFFSET, o_accum, lse_accum)
-        stream_obj = _stream_objects.get(stream)
-        if stream_obj is None:
-            stream_obj = _new_stream_object(stream)
-        gx, gy, gz = self.grid
-        check(self._cuLaunchKernel(self.fn, gx, gy, gz, self.threads, 1, 1, self.smem,
-                                   stream_obj, None, extra_address), self.label)
-        if self.synchronize:
-            self._synchronize(stream)
-
-    def _synchronize(self, stream: int) -> None:
-        cu = _cu()
-        status = check(cu.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
-        if status == cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
-            check(cu.cuStreamSynchronize(stream), f"cuStreamSynchronize after {self.label}")
+        _pack_workspace(_arg_buffer.pack_target[0], PARAMS_WORKSPACE_OFFSET, o_accum,
+                        lse_accum)
+        self.launch(stream, q, k, v, o, lse)
