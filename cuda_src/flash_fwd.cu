@@ -1,7 +1,8 @@
 // cudaflash forward: O = softmax(scale * Q K^T + mask) V, FlashAttention-2 style.
 //
 // q: (batch, seqlen_q, n_heads, d_head), k/v: (batch, seqlen_k, n_heads_k, d_head), any strides
-// with a contiguous last dim; o like q; lse (batch, n_heads, seqlen_q) float32.
+// with a contiguous last dim; o like q; lse (batch, n_heads, seqlen_q) float32. Or a packed
+// batch of sequences of different lengths (Params::cu_seqlens_q), each one batch entry here.
 // One CTA computes B_r query rows of one (batch, head): grid (ceil(seqlen_q / B_r), n_heads,
 // batch). It streams K/V blocks of B_c keys through shared memory, last block first, keeping S,
 // P and the O accumulator in registers. Tails of both sequences are masked here; causal masking
@@ -25,6 +26,22 @@
 
 namespace cudaflash {
 
+// One batch entry's sequence: its query rows and keys, and where they start along the seq
+// dimension of q/o and k/v (0 unless the batch is packed: Params::cu_seqlens_q).
+struct Sequence {
+    int len_q, len_k;
+    int start_q, start_k;
+};
+
+__device__ __forceinline__ Sequence sequence(const Params& p, int batch) {
+    if (p.cu_seqlens_q == nullptr) return {p.seqlen_q, p.seqlen_k, 0, 0};
+    const int q0 = min(max(p.cu_seqlens_q[batch], 0), p.total_q);
+    const int q1 = min(max(p.cu_seqlens_q[batch + 1], q0), p.total_q);
+    const int k0 = min(max(p.cu_seqlens_k[batch], 0), p.total_k);
+    const int k1 = min(max(p.cu_seqlens_k[batch + 1], k0), p.total_k);
+    return {q1 - q0, k1 - k0, q0, k0};
+}
+
 template <class C, bool kSplit>
 __device__ __forceinline__ void flash_fwd(const Params& p) {
     using elem_t = typename C::elem_t;
@@ -46,40 +63,45 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
 
+    const Sequence seq = sequence(p, batch);
     const int q_row0 = q_block * C::kBr;
-    const int q_rows = min(C::kBr, p.seqlen_q - q_row0);
+    // Only in a packed batch: this sequence is shorter than the longest (the grid's extent).
+    if (q_row0 >= seq.len_q) return;
+    const int q_rows = min(C::kBr, seq.len_q - q_row0);
     const elem_t* q = static_cast<const elem_t*>(p.q) + batch * p.q_batch_stride +
-                      head * p.q_head_stride + q_row0 * p.q_seq_stride;
+                      head * p.q_head_stride + int64_t(seq.start_q + q_row0) * p.q_seq_stride;
     const elem_t* k = static_cast<const elem_t*>(p.k) + batch * p.k_batch_stride +
-                      head_k * p.k_head_stride;
+                      head_k * p.k_head_stride + int64_t(seq.start_k) * p.k_seq_stride;
     const elem_t* v = static_cast<const elem_t*>(p.v) + batch * p.v_batch_stride +
-                      head_k * p.v_head_stride;
+                      head_k * p.v_head_stride + int64_t(seq.start_k) * p.v_seq_stride;
 
     // KV blocks [0, n_blocks) are visible to some row of this CTA; blocks >= mask_from hold a
     // key that some row must not see (the seqlen_k tail, or keys right of the causal diagonal).
-    const int causal_shift = p.seqlen_k - p.seqlen_q;
-    const int n_kv = (p.seqlen_k + C::kBc - 1) / C::kBc;
+    const int causal_shift = seq.len_k - seq.len_q;
+    const int n_kv = (seq.len_k + C::kBc - 1) / C::kBc;
     int n_blocks = n_kv;
-    int mask_from = p.seqlen_k % C::kBc ? n_kv - 1 : n_kv;
+    int mask_from = seq.len_k % C::kBc ? n_kv - 1 : n_kv;
     if (p.is_causal) {
         const int last_key = q_row0 + q_rows - 1 + causal_shift;  // of the CTA's last row
         n_blocks = last_key < 0 ? 0 : min(n_kv, last_key / C::kBc + 1);
         const int first_row_keys = q_row0 + causal_shift + 1;  // keys the first row sees
         mask_from = min(mask_from, max(first_row_keys, 0) / C::kBc);
     }
-    // This CTA's KV blocks: [kv_begin, n_blocks). A split past the causal diagonal gets none
-    // and writes O = 0, lse = -inf, which the combine weights by zero.
+    // This CTA's KV blocks: [kv_begin, n_blocks). A split past the causal diagonal (or the
+    // end of a short sequence) gets none and writes O = 0, lse = -inf, which the combine
+    // weights by zero. The last split takes every block left, so a packed sequence longer
+    // than the seqlen_k the splits were sized for still sees all of its keys.
     int kv_begin = 0;
     if constexpr (kSplit) {
         kv_begin = split * p.kv_blocks_per_split;
-        n_blocks = min(n_blocks, kv_begin + p.kv_blocks_per_split);
+        if (split < p.n_splits - 1) n_blocks = min(n_blocks, kv_begin + p.kv_blocks_per_split);
     }
 
     using QCopy = TileCopy<C, C::kBr>;
     using KvCopy = TileCopy<C, C::kBc>;
     auto load_kv = [&](elem_t* dst, const elem_t* head_base, int64_t seq_stride, int block) {
         KvCopy::load(dst, head_base + int64_t(block) * C::kBc * seq_stride, seq_stride,
-                     p.seqlen_k - block * C::kBc);
+                     seq.len_k - block * C::kBc);
     };
 
     QCopy::load(sQ, q, p.q_seq_stride, q_rows);
@@ -142,7 +164,8 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
             __syncthreads();
         }
         if (block >= mask_from)
-            OnlineSoftmax<C>::mask(S, block * C::kBc, q_row0 + warp * C::kRowsPerWarp, p, lane);
+            OnlineSoftmax<C>::mask(S, block * C::kBc, q_row0 + warp * C::kRowsPerWarp,
+                                   seq.len_q, seq.len_k, p.is_causal, lane);
         softmax.template update<kFirst>(S, O, p.scale_log2);
         gemm.pv(O, S);
     };
@@ -164,15 +187,18 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     if constexpr (kSplit) {
         copy_wait_all<C>();  // with no KV block here, the Q copy may still be in flight
         // Partial results straight from registers, float32: each quad writes 8 consecutive
-        // floats of a row per n8 tile. Rows past seqlen_q are not written.
+        // floats of a row per n8 tile. Rows past the sequence are not written, nor rows past
+        // seqlen_q, the workspace's rows per head (a packed sequence longer than the
+        // max_seqlen_q the caller gave).
         const int64_t split_row0 =
             ((int64_t(split) * p.batch + batch) * p.n_heads + head) * p.seqlen_q;
+        const int rows_written = min(seq.len_q, p.seqlen_q);
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int row = q_row0 + acc_row(mi, r);
-                if (row >= p.seqlen_q) continue;
+                if (row >= rows_written) continue;
                 if (lane % 4 == 0) p.lse_accum[split_row0 + row] = lse[mi][r];
                 float* o_row = p.o_accum + (split_row0 + row) * C::kDHead + 2 * (lane % 4);
 #pragma unroll
@@ -184,13 +210,14 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     }
 
     if (p.lse != nullptr && lane % 4 == 0) {
-        float* lse_row = p.lse + (int64_t(batch) * p.n_heads + head) * p.seqlen_q;
+        float* lse_row = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride +
+                         seq.start_q;
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int row = q_row0 + acc_row(mi, r);
-                if (row < p.seqlen_q) lse_row[row] = lse[mi][r];
+                if (row < seq.len_q) lse_row[row] = lse[mi][r];
             }
     }
 
@@ -211,7 +238,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
             }
     __syncthreads();
     elem_t* o = static_cast<elem_t*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
-                q_row0 * p.o_seq_stride;
+                int64_t(seq.start_q + q_row0) * p.o_seq_stride;
     QCopy::store(o, sQ, p.o_seq_stride, q_rows);
 }
 
@@ -229,7 +256,8 @@ __device__ __forceinline__ void combine_splits(const Params& p) {
     const int row = blockIdx.x * kCombineRows + threadIdx.x / 32;
     const int head = blockIdx.y;
     const int batch = blockIdx.z;
-    if (row >= p.seqlen_q) return;
+    const Sequence seq = sequence(p, batch);
+    if (row >= seq.len_q || row >= p.seqlen_q) return;  // seqlen_q: the workspace's rows
 
     const int64_t split_stride = int64_t(p.batch) * p.n_heads * p.seqlen_q;  // rows per split
     const int64_t row_index = (int64_t(batch) * p.n_heads + head) * p.seqlen_q + row;
@@ -260,11 +288,12 @@ __device__ __forceinline__ void combine_splits(const Params& p) {
         }
     }
     elem_t* o = static_cast<elem_t*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
-                row * p.o_seq_stride + lane * kPerLane;
+                int64_t(seq.start_q + row) * p.o_seq_stride + lane * kPerLane;
 #pragma unroll
     for (int i = 0; i < kPerLane; i += 2)
         *reinterpret_cast<uint32_t*>(o + i) = pack_2<C::kBf16>(acc[i], acc[i + 1]);
-    if (p.lse != nullptr && lane == 0) p.lse[row_index] = lse;
+    if (p.lse != nullptr && lane == 0)
+        p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + seq.start_q + row] = lse;
 }
 
 }  // namespace cudaflash

@@ -8,13 +8,22 @@ namespace cudaflash {
 
 struct Params {
     // Pointers. q: (batch, seqlen_q, n_heads, d_head); k, v: (batch, seqlen_k, n_heads_k, d_head);
-    // o: like q; lse: (batch, n_heads, seqlen_q) float32, contiguous, or null when the caller
-    // does not want it (flash_attn_func without return_attn_probs: one allocation less).
+    // o: like q; lse: float32 at lse_batch_stride / lse_head_stride / 1 per (batch, head, row),
+    // or null when the caller does not want it (flash_attn_func without return_attn_probs: one
+    // allocation less).
     const void* q;
     const void* k;
     const void* v;
     void* o;
     float* lse;
+    // Variable-length batches (flash_attn_varlen_func), else null: sequence b is rows
+    // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and o (packed along the seq dimension, batch
+    // strides 0) and keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k and v; seqlen_q and
+    // seqlen_k below are then the longest lengths (the grid's extent), and the offsets are
+    // clamped into [0, total_q] and [0, total_k], so no value can address memory outside q, k,
+    // v, o.
+    const int32_t* cu_seqlens_q;
+    const int32_t* cu_seqlens_k;
 
     // Strides in elements (the last dimension is contiguous). 64-bit: a 131072-token sequence
     // of 16 heads x 128 already needs 2^28 elements per batch entry.
@@ -22,6 +31,7 @@ struct Params {
     int64_t k_batch_stride, k_seq_stride, k_head_stride;
     int64_t v_batch_stride, v_seq_stride, v_head_stride;
     int64_t o_batch_stride, o_seq_stride, o_head_stride;
+    int64_t lse_batch_stride, lse_head_stride;  // (batch, n_heads, seqlen_q) or (n_heads, total_q)
 
     // Sizes. Heads h of q read K/V head h / (n_heads / n_heads_k) (GQA/MQA).
     int32_t batch;
@@ -30,6 +40,8 @@ struct Params {
     int32_t seqlen_q;
     int32_t seqlen_k;
     int32_t is_causal;  // 0 or 1; causal mask aligned bottom-right (flash-attn >= 2.1)
+    int32_t total_q;    // varlen: rows of q and o, keys of k and v (unused otherwise)
+    int32_t total_k;
 
     // Scales. softmax_scale multiplies q.k; scale_log2 = softmax_scale * log2(e) is folded into
     // one FFMA before exp2.
@@ -48,7 +60,7 @@ struct Params {
     float* lse_accum;
 };
 
-constexpr int kParamsBytes = 192;
+constexpr int kParamsBytes = 232;
 static_assert(sizeof(Params) == kParamsBytes, "Params layout changed: update cudaflash/_params.py");
 
 }  // namespace cudaflash

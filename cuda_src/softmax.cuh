@@ -65,14 +65,15 @@ struct OnlineSoftmax {
     // Scores of keys a row must not see become -inf: keys >= seqlen_k (the tail) and, when
     // causal, keys > row + seqlen_k - seqlen_q. `row0` is the warp's first query row.
     __device__ __forceinline__ static void mask(float (&S)[kM][C::kSTiles][4], int kv0, int row0,
-                                                const Params& p, int lane) {
+                                                int seqlen_q, int seqlen_k, int is_causal,
+                                                int lane) {
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int row = row0 + mi * 16 + lane / 4 + 8 * r;
-                const int limit = p.is_causal ? min(p.seqlen_k, row + p.seqlen_k - p.seqlen_q + 1)
-                                              : p.seqlen_k;
+                const int limit =
+                    is_causal ? min(seqlen_k, row + seqlen_k - seqlen_q + 1) : seqlen_k;
 #pragma unroll
                 for (int nj = 0; nj < C::kSTiles; ++nj)
 #pragma unroll

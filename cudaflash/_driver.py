@@ -275,11 +275,13 @@ class Launcher:
         self._fixed = _pack_fixed(*fixed_params)
         self._cuLaunchKernel = _cu().cuLaunchKernel  # one attribute lookup less per call
 
-    def launch(self, stream: int, q: int, k: int, v: int, o: int, lse: int) -> None:
+    def launch(self, stream: int, q: int, k: int, v: int, o: int, lse: int, cu_seqlens_q: int,
+               cu_seqlens_k: int) -> None:
         """Launch on ``stream`` (a raw CUstream handle, 0 for the legacy default stream) with
-        these data pointers (``lse`` 0: the kernel writes no lse)."""
+        these data pointers (``lse`` 0: the kernel writes no lse; ``cu_seqlens_*`` 0: not a
+        packed batch)."""
         params_bytes, extra_address = _arg_buffer.pack_target
-        _pack_params(params_bytes, 0, q, k, v, o, lse, self._fixed)
+        _pack_params(params_bytes, 0, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, self._fixed)
         stream_obj = _stream_objects.get(stream)
         if stream_obj is None:
             stream_obj = _new_stream_object(stream)
@@ -298,8 +300,9 @@ class Launcher:
                 check(cu.cuStreamSynchronize(stream), f"cuStreamSynchronize after {self.label}")
 
     def launch_with_workspace(self, stream: int, q: int, k: int, v: int, o: int, lse: int,
-                              o_accum: int, lse_accum: int) -> None:
+                              cu_seqlens_q: int, cu_seqlens_k: int, o_accum: int,
+                              lse_accum: int) -> None:
         """``launch`` with the split-KV workspace pointers set (split and combine kernels)."""
         _pack_workspace(_arg_buffer.pack_target[0], PARAMS_WORKSPACE_OFFSET, o_accum,
                         lse_accum)
-        self.launch(stream, q, k, v, o, lse)
+        self.launch(stream, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)

@@ -7,7 +7,7 @@ with ``ctypes.sizeof(Params)`` by the tests.
 
 import ctypes
 
-PARAMS_BYTES = 192
+PARAMS_BYTES = 232
 
 
 class Params(ctypes.Structure):
@@ -18,6 +18,8 @@ class Params(ctypes.Structure):
         ("v", ctypes.c_void_p),
         ("o", ctypes.c_void_p),
         ("lse", ctypes.c_void_p),
+        ("cu_seqlens_q", ctypes.c_void_p),  # varlen only, else null
+        ("cu_seqlens_k", ctypes.c_void_p),
         # strides, in elements
         ("q_batch_stride", ctypes.c_int64),
         ("q_seq_stride", ctypes.c_int64),
@@ -31,6 +33,8 @@ class Params(ctypes.Structure):
         ("o_batch_stride", ctypes.c_int64),
         ("o_seq_stride", ctypes.c_int64),
         ("o_head_stride", ctypes.c_int64),
+        ("lse_batch_stride", ctypes.c_int64),
+        ("lse_head_stride", ctypes.c_int64),
         # sizes
         ("batch", ctypes.c_int32),
         ("n_heads", ctypes.c_int32),
@@ -38,6 +42,8 @@ class Params(ctypes.Structure):
         ("seqlen_q", ctypes.c_int32),
         ("seqlen_k", ctypes.c_int32),
         ("is_causal", ctypes.c_int32),
+        ("total_q", ctypes.c_int32),  # varlen only
+        ("total_k", ctypes.c_int32),
         # scales
         ("softmax_scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),
@@ -55,10 +61,10 @@ class Params(ctypes.Structure):
 # call; the middle (strides, sizes, scales, split counts) is fixed for a call signature and
 # packed once per plan; the split-KV workspace pointers at the end change per call of a
 # split launch and are 0 otherwise.
-PARAMS_POINTERS_FORMAT = "=5Q"  # q, k, v, o, lse
-PARAMS_FIXED_FORMAT = "=12q6i2f2i"  # strides, sizes, scales, n_splits, kv_blocks_per_split
+PARAMS_POINTERS_FORMAT = "=7Q"  # q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k
+PARAMS_FIXED_FORMAT = "=14q8i2f2i"  # strides, sizes, scales, n_splits, kv_blocks_per_split
 PARAMS_WORKSPACE_FORMAT = "=2Q"  # o_accum, lse_accum
-PARAMS_POINTERS_BYTES = 40
-PARAMS_WORKSPACE_OFFSET = 176
+PARAMS_POINTERS_BYTES = 56
+PARAMS_WORKSPACE_OFFSET = 216
 PARAMS_STRUCT_FORMAT = (PARAMS_POINTERS_FORMAT + PARAMS_FIXED_FORMAT[1:]
                         + PARAMS_WORKSPACE_FORMAT[1:])

@@ -117,12 +117,69 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             stream = _current_stream(index)
             if want_lse:
                 lse = q.new_empty(plan.lse_shape, dtype=_float32)
-                plan.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(), lse.data_ptr())
+                plan.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(), lse.data_ptr(), 0, 0)
                 return out, lse, None
-            plan.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(), 0)  # 0: no lse
+            # 0: no lse; 0, 0: not a packed (varlen) batch
+            plan.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(), 0, 0, 0)
             return out
 
     out, lse = _forward(None, q, k, v, None, softmax_scale, causal, want_lse)
+    return (out, lse, None) if want_lse else out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None):
+    """Attention over a packed batch of sequences of different lengths, forward only; drop-in
+    for flash-attn 2.x's function of the same name.
+
+    Arguments:
+        q: (total_q, nheads, headdim): the batch's query rows, sequence after sequence.
+        k, v: (total_k, nheads_k, headdim), likewise; dtype, device, head and stride rules as
+            in ``flash_attn_func`` (strides of the first two dims multiples of 8 elements).
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 on q's device, contiguous: sequence b
+            is rows cu_seqlens_q[b] to cu_seqlens_q[b + 1] - 1 of q and keys cu_seqlens_k[b]
+            to cu_seqlens_k[b + 1] - 1 of k and v.
+        max_seqlen_q, max_seqlen_k: ints, the longest query and key lengths of the batch. As in
+            flash-attn they are trusted, not checked against the offsets on the GPU (that
+            would cost a device-to-host copy per call): rows of a sequence longer than
+            max_seqlen_q are not computed. CUDAFLASH_DEBUG=1 checks the offsets and the maxima
+            on every call. Offsets outside [0, total] are clamped: never an out-of-bounds access.
+        causal: the mask of each sequence aligned to its bottom-right corner.
+        block_table: paged K/V is not implemented; only None.
+        Other arguments as in ``flash_attn_func``.
+
+    Returns:
+        out: (total_q, nheads, headdim), q's dtype. With return_attn_probs,
+        ``(out, softmax_lse, None)``: softmax_lse float32 (nheads, total_q), flash-attn's layout.
+    """
+    if not (dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
+            and type(window_size) is tuple and window_size == (-1, -1)):
+        _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    if block_table is not None:
+        raise NotImplementedError(f"block_table is a {type(block_table).__name__}: paged K/V is "
+                                  "not implemented; pass block_table=None")
+    if _is_compiling():
+        out, lse = _varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, softmax_scale, causal)
+        return (out, lse, None) if return_attn_probs else out
+    want_lse = bool(return_attn_probs)
+    _check_qkv(q, k, v, varlen=True)
+    _check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k)
+    max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    scale = _softmax_scale(softmax_scale, q.shape[2])
+    if causal not in (True, False):
+        raise TypeError(f"causal={causal!r}; it must be a bool")
+    _check_on_gpu(q)
+    if _env.debug():
+        _check_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
+                       max_seqlen_k)
+    index = q.get_device()
+    with torch.cuda.device(index):  # the driver calls work in the current context
+        out, lse = _run_varlen(index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                               max_seqlen_k, scale, bool(causal), want_lse)
     return (out, lse, None) if want_lse else out
 
 
@@ -190,14 +247,16 @@ def _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes) -> None:
                                   "not implemented; pass alibi_slopes=None")
 
 
-def _check_qkv(q, k, v):
-    """Raise for anything about q, k, v that the kernels cannot take."""
+def _check_qkv(q, k, v, varlen=False):
+    """Raise for anything about q, k, v that the kernels cannot take. ``varlen``: packed
+    (total_seqlen, nheads, headdim) tensors of flash_attn_varlen_func."""
+    dims, layout = (3, "(total_seqlen, nheads, headdim)") if varlen else (
+        4, "(batch, seqlen, nheads, headdim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected 4 dims "
-                             f"(batch, seqlen, nheads, headdim)")
+        if t.dim() != dims:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {dims} dims {layout}")
     if q.dtype not in _DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; cudaflash supports torch.float16 and "
                         "torch.bfloat16")
@@ -208,13 +267,14 @@ def _check_qkv(q, k, v):
         # Returning an out without a grad_fn would silently drop the gradient.
         raise NotImplementedError("q, k or v requires grad, but cudaflash has no backward "
                                   "yet; call it under torch.no_grad() or torch.inference_mode()")
-    batch, seqlen_q, n_heads, d_head = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must "
                          "be the same")
-    batch_k, seqlen_k, n_heads_k, d_head_k = k.shape
-    if batch_k != batch:
-        raise ValueError(f"q has batch size {batch} but k and v have {batch_k}")
+    seqlen_q, n_heads, d_head = q.shape[-3:]
+    seqlen_k, n_heads_k, d_head_k = k.shape[-3:]
+    batch = 1 if varlen else q.shape[0]
+    if not varlen and k.shape[0] != batch:
+        raise ValueError(f"q has batch size {batch} but k and v have {k.shape[0]}")
     if d_head_k != d_head:
         raise ValueError(f"q has head dim {d_head} but k and v have {d_head_k}")
     if d_head not in D_HEADS:
@@ -228,32 +288,34 @@ def _check_qkv(q, k, v):
         raise ValueError(f"batch={batch}, nheads={n_heads}: each must be <= {_GRID_YZ_MAX} "
                          "(the CUDA grid limit); split the call")
     if seqlen_q > _INT32_MAX or seqlen_k > _INT32_MAX:
-        raise ValueError(f"seqlen_q={seqlen_q}, seqlen_k={seqlen_k}: each must be < 2**31")
+        what = "total_q, total_k" if varlen else "seqlen_q, seqlen_k"
+        raise ValueError(f"{what} = {seqlen_q}, {seqlen_k}: each must be < 2**31")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v are on {q.device}, {k.device}, {v.device}; they must be on "
                          "the same device")
     for name, t in (("q", q), ("k", k), ("v", v)):
         s = t.stride()
-        if s[3] != 1:
+        if s[-1] != 1:
             raise ValueError(f"{name} has strides {s}; its last (head dim) stride must be 1. "
                              f"{name}.contiguous() gives such a copy")
         _check_aligned(name, t, s)
 
 
 def _check_aligned(name: str, t: torch.Tensor, s: tuple) -> None:
-    """16-byte aligned data and batch/seq/head strides (``s``) of whole 16-byte vectors (8
-    elements): the kernels move q/k/v/out in 16-byte vectors."""
-    if t.data_ptr() % 16 == 0 and not (s[0] | s[1] | s[2]) % 8:
+    """16-byte aligned data and (batch,) seq and head strides (``s``) of whole 16-byte
+    vectors (8 elements): the kernels move q/k/v/out in 16-byte vectors."""
+    if t.data_ptr() % 16 == 0 and not any(x % 8 for x in s[:-1]):
         return
     if t.data_ptr() % 16:
         raise ValueError(f"{name} is not 16-byte aligned (data_ptr() % 16 = {t.data_ptr() % 16}"
                          f", storage_offset() = {t.storage_offset()}): cudaflash moves 16-byte "
                          f"vectors; pass a tensor starting on a 16-byte boundary, e.g. "
                          f"{name}.clone()")
-    for dim in range(3):
+    dims = _DIMS[-(len(s) - 1):]  # (batch,) seq, head
+    for dim in range(len(s) - 1):
         # A stride of a size-1 dim is never multiplied by a non-zero index.
         if t.shape[dim] > 1 and s[dim] % 8:
-            raise ValueError(f"{name} has strides {s}: its {_DIMS[dim]} stride {s[dim]} is not a "
+            raise ValueError(f"{name} has strides {s}: its {dims[dim]} stride {s[dim]} is not a "
                              "multiple of 8 elements (16 bytes), which cudaflash needs for its "
                              f"16-byte vector loads; {name}.contiguous() fixes it")
 
@@ -305,6 +367,60 @@ def _internal_overlap(t: torch.Tensor) -> bool:
     return False
 
 
+def _check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k) -> None:
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} has dtype {t.dtype}; it must be torch.int32")
+        if t.dim() != 1 or t.numel() < 2:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; it must be (batch + 1,) with "
+                             "batch >= 1")
+        if t.stride(0) != 1:
+            raise ValueError(f"{name} has stride {t.stride(0)}; it must be contiguous")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must be on "
+                             "the same device")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.numel()} entries and cu_seqlens_k "
+                         f"{cu_seqlens_k.numel()}; both must be batch + 1")
+    if cu_seqlens_q.numel() - 1 > _GRID_YZ_MAX:
+        raise ValueError(f"batch={cu_seqlens_q.numel() - 1} sequences: must be <= "
+                         f"{_GRID_YZ_MAX} (the CUDA grid limit); split the call")
+
+
+def _check_max_seqlen(name: str, value) -> int:
+    if (not isinstance(value, numbers.Integral) or isinstance(value, bool)
+            or not 0 <= value <= _INT32_MAX):
+        raise ValueError(f"{name}={value!r}; it must be an int in [0, 2**31) (the longest "
+                         "sequence of the batch)")
+    return int(value)
+
+
+def _check_offsets(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, max_seqlen_q: int,
+                   max_seqlen_k: int) -> None:
+    """CUDAFLASH_DEBUG: what the kernels trust about the offsets (costs a device-to-host copy)."""
+    for name, t, total, most, most_name in (
+            ("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, "max_seqlen_q"),
+            ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k, "max_seqlen_k")):
+        offsets = t.tolist()
+        lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+        if offsets[0] < 0 or offsets[-1] > total or min(lengths) < 0:
+            raise ValueError(f"{name}={offsets}: offsets must be non-decreasing and within [0, "
+                             f"{total}] (the rows of the packed tensor)")
+        if max(lengths) > most:
+            raise ValueError(f"{name} holds a sequence of {max(lengths)} but {most_name}="
+                             f"{most}; it must be at least the longest")
+
+
+def _check_on_gpu(q) -> None:
+    if not q.is_cuda:
+        why = "" if torch.cuda.is_available() else (
+            f" (torch.cuda.is_available() is False: torch {torch.__version__} sees no CUDA "
+            "GPU or driver)")
+        raise ValueError(f"q, k, v are on {q.device}; cudaflash runs on CUDA GPUs only{why}")
+
+
 def _softmax_scale(softmax_scale, d_head: int) -> float:
     if softmax_scale is None:
         return d_head ** -0.5
@@ -351,11 +467,7 @@ def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal
         raise TypeError(f"causal={causal!r}; it must be a bool")
     if out is not None:
         _check_out(out, q, k, v)
-    if not q.is_cuda:
-        why = "" if torch.cuda.is_available() else (
-            f" (torch.cuda.is_available() is False: torch {torch.__version__} sees no CUDA "
-            "GPU or driver)")
-        raise ValueError(f"q, k, v are on {q.device}; cudaflash runs on CUDA GPUs only{why}")
+    _check_on_gpu(q)
     index = q.get_device()
     if index != torch.cuda.current_device():
         # The driver calls work in the current context: make q's device current.
@@ -391,30 +503,74 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
     q_seq, q_head, o_seq, o_head = qs[1], qs[2], os_[1], os_[2]
     if rows != seqlen_q:  # GQA decoding: row r of head h is query head h * rows + r
         q_seq, q_head, o_seq, o_head = qs[2], rows * qs[2], os_[2], rows * os_[2]
-    q_blocks = (rows + kernel.block_rows - 1) // kernel.block_rows
-    num_splits, per_split = _splits(kernel, index, num_splits, q_blocks=q_blocks, rows=rows,
-                                    heads=heads, batch=batch, seqlen_k=seqlen_k)
-    # Params after the pointers: strides, sizes, scales, split counts;
+    # Params after the pointers, up to the split counts: strides (the lse's: (batch, n_heads,
+    # seqlen_q), which is (batch, heads, rows) for the kernel), sizes, scales;
     # exp(s * scale) = exp2(s * scale * log2(e)).
     fixed_params = (qs[0], q_seq, q_head, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-                    os_[0], o_seq, o_head, batch, heads, n_heads_k, rows, seqlen_k,
-                    int(causal), scale, scale * _LOG2E, num_splits, per_split)
-    if num_splits == 1:
-        launch = _driver.Launcher(
-            kernel.fns.forward, kernel.label, grid=(q_blocks, heads, batch),
-            threads=kernel.threads, smem=kernel.smem, synchronize=kernel.synchronize,
-            fixed_params=fixed_params).launch
-    else:
-        launch = _split_launch(kernel, q.device, fixed_params, q_blocks=q_blocks, heads=heads,
-                               batch=batch, rows=rows, d_head=d_head, num_splits=num_splits)
+                    os_[0], o_seq, o_head, n_heads * seqlen_q, rows, batch, heads, n_heads_k,
+                    rows, seqlen_k, int(causal), 0, 0, scale, scale * _LOG2E)
+    launch = _launch_function(kernel, index, q.device, fixed_params, num_splits, rows=rows,
+                              heads=heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head)
     launch(_current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-           0 if lse is None else lse.data_ptr())  # 0: writes no lse
+           0 if lse is None else lse.data_ptr(), 0, 0)  # 0: writes no lse; not packed
     if plan_key is not None:
         if len(_plans) >= _MAX_PLANS:  # many distinct shapes (varying lengths): start over
             _plans.clear()
         _plans[plan_key] = _Plan(device_index=index, launch=launch,
                                  lse_shape=(batch, n_heads, seqlen_q))
     return out, lse
+
+
+def _run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                max_seqlen_k: int, scale: float, causal: bool, want_lse: bool):
+    total_q, n_heads, d_head = q.shape
+    total_k, n_heads_k = k.shape[0], k.shape[1]
+    batch = cu_seqlens_q.numel() - 1
+    out = torch.empty_like(q)
+    lse = q.new_empty((n_heads, total_q), dtype=torch.float32) if want_lse else None
+    # No sequence is longer than its packed tensor (the kernel clamps offsets into it).
+    rows, seqlen_k = min(max_seqlen_q, total_q), min(max_seqlen_k, total_k)
+    if rows == 0:
+        return out, lse
+    if total_k == 0:  # every row sees no key
+        out.zero_()
+        if lse is not None:
+            lse.fill_(-math.inf)
+        return out, lse
+    # The kernel reads each sequence's key count from cu_seqlens_k; seqlen_k only sizes the
+    # split-KV runs (the last one takes every block left), so a 0 here is not trusted.
+    seqlen_k = max(seqlen_k, 1)
+    ctx = _driver.current_context(index)
+    kernel = _auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k)
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
+    # Batch strides 0: a sequence's place comes from its offsets. lse: (n_heads, total_q).
+    fixed_params = (0, qs[0], qs[1], 0, ks[0], ks[1], 0, vs[0], vs[1], 0, os_[0], os_[1],
+                    0, total_q, batch, n_heads, n_heads_k, rows, seqlen_k, int(causal),
+                    total_q, total_k, scale, scale * _LOG2E)
+    launch = _launch_function(kernel, index, q.device, fixed_params, None, rows=rows,
+                              heads=n_heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head)
+    launch(_current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+           0 if lse is None else lse.data_ptr(), cu_seqlens_q.data_ptr(),
+           cu_seqlens_k.data_ptr())
+    return out, lse
+
+
+def _launch_function(kernel: "_Kernel", index: int, device: torch.device, fixed_params: tuple,
+                     num_splits: Optional[int], *, rows: int, heads: int, batch: int,
+                     seqlen_k: int, d_head: int):
+    """The launch of a call: ``fixed_params`` (every Params field between the pointers and
+    the split counts) plus the split counts, as one Launcher, or a split-KV pair."""
+    q_blocks = (rows + kernel.block_rows - 1) // kernel.block_rows
+    num_splits, per_split = _splits(kernel, index, num_splits, q_blocks=q_blocks, rows=rows,
+                                    heads=heads, batch=batch, seqlen_k=seqlen_k)
+    fixed_params = fixed_params + (num_splits, per_split)
+    if num_splits == 1:
+        return _driver.Launcher(
+            kernel.fns.forward, kernel.label, grid=(q_blocks, heads, batch),
+            threads=kernel.threads, smem=kernel.smem, synchronize=kernel.synchronize,
+            fixed_params=fixed_params).launch
+    return _split_launch(kernel, device, fixed_params, q_blocks=q_blocks, heads=heads,
+                         batch=batch, rows=rows, d_head=d_head, num_splits=num_splits)
 
 
 def _kernel_problem(seqlen_q: int, n_heads: int, n_heads_k: int,
@@ -505,14 +661,17 @@ def _split_launch(kernel: "_Kernel", device: torch.device, fixed_params: tuple, 
     lse_values = num_splits * batch * heads * rows
     lse_offset = lse_values * d_head * 4  # bytes
 
-    def launch(stream: int, q: int, k: int, v: int, o: int, lse: int) -> None:
+    def launch(stream: int, q: int, k: int, v: int, o: int, lse: int, cu_seqlens_q: int,
+               cu_seqlens_k: int) -> None:
         # Held until both kernels are enqueued: freed earlier, the block could go to another
         # allocation whose work is enqueued before ours.
         workspace = torch.empty(lse_values * (d_head + 1), dtype=_float32, device=device)
         o_accum = workspace.data_ptr()
         lse_accum = o_accum + lse_offset
-        forward.launch_with_workspace(stream, q, k, v, o, lse, o_accum, lse_accum)
-        combine.launch_with_workspace(stream, q, k, v, o, lse, o_accum, lse_accum)
+        forward.launch_with_workspace(stream, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
+                                      o_accum, lse_accum)
+        combine.launch_with_workspace(stream, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
+                                      o_accum, lse_accum)
 
     return launch
 
@@ -677,3 +836,20 @@ def _fwd_op(q, k, v, softmax_scale, causal):
 def _(q, k, v, softmax_scale, causal):
     batch, seqlen_q, n_heads, _ = q.shape
     return torch.empty_like(q), q.new_empty((batch, n_heads, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("cudaflash::varlen_fwd", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+                                "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
+                                "float? softmax_scale, bool causal) -> (Tensor, Tensor)")
+def _varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   softmax_scale, causal):
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, softmax_scale=softmax_scale,
+                                         causal=causal, return_attn_probs=True)
+    return out, lse
+
+
+@_varlen_fwd_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)

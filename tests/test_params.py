@@ -16,12 +16,13 @@ from cudaflash._params import (PARAMS_BYTES, PARAMS_FIXED_FORMAT, PARAMS_POINTER
 
 PARAMS_CUH = Path(__file__).resolve().parents[1] / "cuda_src" / "params.cuh"
 _CUDA_TYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p,
-               "float*": ctypes.c_void_p, "int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32,
+               "float*": ctypes.c_void_p, "const int32_t*": ctypes.c_void_p,
+               "int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32,
                "float": ctypes.c_float}
 
 
 def test_sizes_agree():
-    assert ctypes.sizeof(Params) == PARAMS_BYTES == 192
+    assert ctypes.sizeof(Params) == PARAMS_BYTES == 232
     assert struct.calcsize(PARAMS_STRUCT_FORMAT) == PARAMS_BYTES
 
 
@@ -40,7 +41,7 @@ def test_pointers_fixed_fields_and_workspace_split_the_struct():
     workspace pointers per split call: the three formats must cover the struct, back to back,
     in field order."""
     assert struct.calcsize(PARAMS_POINTERS_FORMAT) == PARAMS_POINTERS_BYTES
-    assert PARAMS_POINTERS_BYTES == Params.lse.offset + Params.lse.size == \
+    assert PARAMS_POINTERS_BYTES == Params.cu_seqlens_k.offset + Params.cu_seqlens_k.size == \
         Params.q_batch_stride.offset
     assert PARAMS_POINTERS_BYTES + struct.calcsize(PARAMS_FIXED_FORMAT) == \
         PARAMS_WORKSPACE_OFFSET == Params.o_accum.offset
