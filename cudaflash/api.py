@@ -164,7 +164,33 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out, lse = _varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale, causal)
         return (out, lse, None) if return_attn_probs else out
-    want_lse = bool(return_attn_probs)
+    want_lse = True if return_attn_probs else False
+
+    # A repeat signature takes its plan, as in flash_attn_func; the offsets' values are data
+    # (the kernel reads them), so only their tensors' shape, dtype, layout and device are in it.
+    try:
+        plan = _varlen_plans.get((
+            q.shape, q.is_contiguous() or q.stride(), k.shape, k.is_contiguous() or k.stride(),
+            v.shape, v.is_contiguous() or v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
+            k.get_device(), v.get_device(), cu_seqlens_q.shape, cu_seqlens_k.shape,
+            cu_seqlens_q.is_contiguous(), cu_seqlens_k.is_contiguous(), cu_seqlens_q.dtype,
+            cu_seqlens_k.dtype, cu_seqlens_q.get_device(), cu_seqlens_k.get_device(),
+            max_seqlen_q, max_seqlen_k, softmax_scale, causal, want_lse))  # = _varlen_plan_key()
+    except (AttributeError, TypeError):
+        plan = None
+    if plan is not None:
+        q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        index = plan.device_index
+        if not ((q_ptr | k_ptr | v_ptr) & 15 or _current_device() != index
+                or (_is_grad_enabled()
+                    and (q.requires_grad or k.requires_grad or v.requires_grad))):
+            out = _empty_like(q)
+            lse = q.new_empty(plan.lse_shape, dtype=_float32) if want_lse else None
+            plan.launch(_current_stream(index), q_ptr, k_ptr, v_ptr, out.data_ptr(),
+                        0 if lse is None else lse.data_ptr(), cu_seqlens_q.data_ptr(),
+                        cu_seqlens_k.data_ptr())
+            return (out, lse, None) if want_lse else out
+
     _check_qkv(q, k, v, varlen=True)
     _check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k)
     max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
@@ -173,13 +199,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if causal not in (True, False):
         raise TypeError(f"causal={causal!r}; it must be a bool")
     _check_on_gpu(q)
-    if _env.debug():
+    debug = _env.debug()
+    if debug:
         _check_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
                        max_seqlen_k)
+    # Plans skip the offset check, so none are recorded while CUDAFLASH_DEBUG is on.
+    plan_key = None if debug else _varlen_plan_key(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+        want_lse)
     index = q.get_device()
     with torch.cuda.device(index):  # the driver calls work in the current context
         out, lse = _run_varlen(index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                               max_seqlen_k, scale, bool(causal), want_lse)
+                               max_seqlen_k, scale, bool(causal), want_lse, plan_key)
     return (out, lse, None) if want_lse else out
 
 
@@ -227,6 +258,7 @@ def clear_caches() -> None:
     _auto_kernels.clear()
     _config_kernels.clear()
     _plans.clear()
+    _varlen_plans.clear()
 
 
 # ---- argument checks (host only: no GPU state is touched) --------------------------------
@@ -521,8 +553,19 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
     return out, lse
 
 
+def _varlen_plan_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, causal, want_lse):
+    """The argument signature a varlen _Plan is valid for (see _plan_key)."""
+    return (q.shape, q.is_contiguous() or q.stride(), k.shape, k.is_contiguous() or k.stride(),
+            v.shape, v.is_contiguous() or v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
+            k.get_device(), v.get_device(), cu_seqlens_q.shape, cu_seqlens_k.shape,
+            cu_seqlens_q.is_contiguous(), cu_seqlens_k.is_contiguous(), cu_seqlens_q.dtype,
+            cu_seqlens_k.dtype, cu_seqlens_q.get_device(), cu_seqlens_k.get_device(),
+            max_seqlen_q, max_seqlen_k, softmax_scale, causal, want_lse)
+
+
 def _run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
-                max_seqlen_k: int, scale: float, causal: bool, want_lse: bool):
+                max_seqlen_k: int, scale: float, causal: bool, want_lse: bool, plan_key=None):
     total_q, n_heads, d_head = q.shape
     total_k, n_heads_k = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.numel() - 1
@@ -552,6 +595,11 @@ def _run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
     launch(_current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
            0 if lse is None else lse.data_ptr(), cu_seqlens_q.data_ptr(),
            cu_seqlens_k.data_ptr())
+    if plan_key is not None:
+        if len(_varlen_plans) >= _MAX_PLANS:
+            _varlen_plans.clear()
+        _varlen_plans[plan_key] = _Plan(device_index=index, launch=launch,
+                                        lse_shape=(n_heads, total_q))
     return out, lse
 
 
@@ -723,11 +771,12 @@ class _Plan:
     # Launcher.launch, bound once: the kernel, geometry and fixed Params fields (out laid out
     # like q) are in its Launcher.
     launch: object
-    lse_shape: tuple[int, int, int]
+    lse_shape: tuple[int, ...]
 
 
 _MAX_PLANS = 4096
 _plans: dict[tuple, _Plan] = {}
+_varlen_plans: dict[tuple, _Plan] = {}  # flash_attn_varlen_func's
 _devices: dict[int, _DeviceKernels] = {}
 _auto_kernels: dict[tuple, _Kernel] = {}
 _config_kernels: dict[tuple, _Kernel] = {}

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from cudaflash import flash_attn_func, flash_attn_varlen_func
+from cudaflash import api, flash_attn_func, flash_attn_varlen_func
 from test_gpu_correctness import (COMBOS, DTYPES, _combo_id, _pick_combo, check_attention,
                                   fp32_reference_without_tf32)  # noqa: F401 (autouse fixture)
 
@@ -120,8 +120,17 @@ def test_offsets_out_of_range_are_clamped_not_a_fault():
     check_varlen(out, lse, q, k, v, cu, cu, False)
 
 
-def test_debug_checks_the_offsets(monkeypatch):
+@pytest.fixture
+def debug_mode(monkeypatch):
+    """CUDAFLASH_DEBUG=1 for one test; caches cleared around it (they hold the debug flag)."""
     monkeypatch.setenv("CUDAFLASH_DEBUG", "1")
+    api.clear_caches()
+    yield
+    monkeypatch.delenv("CUDAFLASH_DEBUG")
+    api.clear_caches()
+
+
+def test_debug_checks_the_offsets(debug_mode):
     dtype, d = _pick_combo(("bf16", 128), *COMBOS)
     q, k, v, cu_q, cu_k = packed([10, 20], [10, 20], 2, 2, d, DTYPES[dtype])
     with pytest.raises(ValueError, match="max_seqlen_q=19; it must be at least the longest"):
@@ -157,3 +166,27 @@ def test_torch_compile_fullgraph():
     check_varlen(out, lse, q, k, v, cu_q, cu_k, True)
     eager_out, eager_lse = attention(q, k, v, cu_q, cu_k)
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+
+
+def test_repeat_calls_take_the_plan_and_read_new_offsets(monkeypatch):
+    """The second call of a signature skips the checked path; the offsets are data, so new
+    values (same shapes) must be honoured; a tensor that requires grad is still refused."""
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    q, k, v, cu_q, cu_k = packed([100, 156], [300, 20], 4, 2, d, DTYPES[dtype])
+    flash_attn_varlen_func(q, k, v, cu_q, cu_k, 200, 300, causal=True)
+    flash_attn_varlen_func(q, k, v, cu_q, cu_k, 200, 300, causal=True, return_attn_probs=True)
+    assert api._varlen_plan_key(q, k, v, cu_q, cu_k, 200, 300, None, True, False) in \
+        api._varlen_plans
+
+    def checked_path(*args, **kwargs):
+        raise AssertionError("the repeat call took the checked path")
+
+    monkeypatch.setattr(api, "_run_varlen", checked_path)
+    cu_q2, cu_k2 = offsets([200, 56]), offsets([20, 300])
+    out = flash_attn_varlen_func(q, k, v, cu_q2, cu_k2, 200, 300, causal=True)
+    lse = flash_attn_varlen_func(q, k, v, cu_q2, cu_k2, 200, 300, causal=True,
+                                 return_attn_probs=True)[1]
+    check_varlen(out, lse, q, k, v, cu_q2, cu_k2, True)
+    monkeypatch.undo()
+    with pytest.raises(NotImplementedError, match="requires grad"):
+        flash_attn_varlen_func(q.clone().requires_grad_(), k, v, cu_q, cu_k, 200, 300)
