@@ -64,6 +64,7 @@ L2_FLUSH_BYTES = 256 * 2**20
 # Host overhead probe: a problem so small that the GPU finishes each call before the host has
 # issued the next, so the loop time is the time the host spends per call.
 HOST_BATCH, HOST_HEADS, HOST_SEQLEN, HOST_D_HEAD, HOST_DTYPE = 1, 1, 128, 64, "bf16"
+CASE_ROUNDS = 3  # timed calls per case are taken in this many rounds, backends taking turns
 HOST_CALLS = 400  # per round: few enough that the GPU queue never fills and throttles the host
 HOST_ROUNDS = 7  # backends take turns, round by round: host-speed drift hits them all alike
 HOST_WARMUP = 100
@@ -167,7 +168,8 @@ def flush_buffer(device) -> torch.Tensor:
 
 def method_text(iters: int, warmup: int) -> str:
     return (f"CUDA events around each single call, after {warmup} warm-up calls; median of "
-            f"{iters} calls (min and max kept in --json); L2 flushed before every timed call "
+            f"{iters} calls, taken in {CASE_ROUNDS} rounds with the backends taking turns "
+            f"(min and max kept in --json); L2 flushed before every timed call "
             f"by zeroing a {L2_FLUSH_BYTES // 2**20} MiB buffer, outside the events; inputs "
             "torch.randn (BSHD for cudaflash, transpose(1, 2) views of the same tensors for "
             "SDPA); torch.inference_mode()")
@@ -177,6 +179,13 @@ def time_gpu(fn: Callable[[], object], *, iters: int, warmup: int,
              flush: torch.Tensor) -> Timing:
     """Device time of ``fn()``: events around each call, L2 flushed before each (see
     ``method_text``)."""
+    times = time_calls(fn, iters=iters, warmup=warmup, flush=flush)
+    return Timing(statistics.median(times), min(times), max(times), iters)
+
+
+def time_calls(fn: Callable[[], object], *, iters: int, warmup: int,
+               flush: torch.Tensor) -> list:
+    """Milliseconds of each of ``iters`` calls of ``fn()`` after ``warmup`` untimed ones."""
     for _ in range(warmup):  # module loads, kernel selection, cuDNN plan building
         fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
@@ -187,8 +196,7 @@ def time_gpu(fn: Callable[[], object], *, iters: int, warmup: int,
         fn()
         end.record()
     torch.cuda.synchronize()
-    times = [start.elapsed_time(end) for start, end in zip(starts, ends)]
-    return Timing(statistics.median(times), min(times), max(times), iters)
+    return [start.elapsed_time(end) for start, end in zip(starts, ends)]
 
 
 def backend_call(backend: str, q, k, v, causal: bool,
@@ -277,14 +285,30 @@ def measure_case(case: Case, backends, *, device, config: Optional[KernelConfig]
     """Time every backend on one set of random tensors."""
     q, k, v = make_qkv(case.batch, case.seqlen, case.nheads, case.d_head, case.dtype, device,
                        seqlen_q=case.seqlen_q, nheads_k=case.kv_heads)
-    timings, errors = {}, {}
-    for backend in backends:
-        what = (f"decode B={case.batch} H={case.nheads} Hk={case.kv_heads}" if case.decode
-                else f"causal={case.causal}")
-        progress.step(f"{case.dtype} d={case.d_head} {what} S={case.seqlen} {backend}")
-        result = time_backend(backend, q, k, v, case.causal, config=config, iters=iters,
-                              warmup=warmup, flush=flush)
-        (errors if isinstance(result, str) else timings)[backend] = result
+    # The backends take turns in CASE_ROUNDS rounds: this H100 has slow spells of some tens of
+    # ms (perf log, "Final run at the varlen HEAD"); timed in one block, a backend could spend
+    # all of its calls in one. Taking turns, a spell reaches one round of one backend, which
+    # the median over all rounds outvotes.
+    calls = {backend: backend_call(backend, q, k, v, case.causal, config)
+             for backend in backends}
+    samples, errors = {backend: [] for backend in backends}, {}
+    what = (f"decode B={case.batch} H={case.nheads} Hk={case.kv_heads}" if case.decode
+            else f"causal={case.causal}")
+    for round_index in range(CASE_ROUNDS):
+        n = iters // CASE_ROUNDS + (round_index < iters % CASE_ROUNDS)
+        for backend, (fn, context) in calls.items():
+            if backend in errors:
+                continue
+            if round_index == 0:
+                progress.step(f"{case.dtype} d={case.d_head} {what} S={case.seqlen} {backend}")
+            got = _attempt(lambda: time_calls(fn, iters=n, warmup=warmup if round_index == 0
+                                              else 1, flush=flush), context)
+            if isinstance(got, str):
+                errors[backend] = got
+            else:
+                samples[backend] += got
+    timings = {backend: Timing(statistics.median(t), min(t), max(t), len(t))
+               for backend, t in samples.items() if backend not in errors}
     used = None
     if "cudaflash" in timings:  # a failed cudaflash call may mean there is no manifest at all
         used = config.name if config is not None else selected_config(
