@@ -166,17 +166,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return (out, lse, None) if return_attn_probs else out
     want_lse = True if return_attn_probs else False
 
-    # A repeat signature takes its plan, as in flash_attn_func; the offsets' values are data
-    # (the kernel reads them), so only their tensors' shape, dtype, layout and device are in it.
+    # A repeat signature takes its plan, as in flash_attn_func (the key through its function
+    # here: this path is not tuned for tiny calls the way flash_attn_func's is).
     try:
-        plan = _varlen_plans.get((
-            q.shape, q.is_contiguous() or q.stride(), k.shape, k.is_contiguous() or k.stride(),
-            v.shape, v.is_contiguous() or v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
-            k.get_device(), v.get_device(), cu_seqlens_q.shape, cu_seqlens_k.shape,
-            cu_seqlens_q.is_contiguous(), cu_seqlens_k.is_contiguous(), cu_seqlens_q.dtype,
-            cu_seqlens_k.dtype, cu_seqlens_q.get_device(), cu_seqlens_k.get_device(),
-            max_seqlen_q, max_seqlen_k, softmax_scale, causal, want_lse))  # = _varlen_plan_key()
-    except (AttributeError, TypeError):
+        plan = _varlen_plans.get(_varlen_plan_key(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+            causal, want_lse))
+    except (AttributeError, TypeError):  # not tensors, or unhashable: the checks explain
         plan = None
     if plan is not None:
         q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
@@ -199,16 +195,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if causal not in (True, False):
         raise TypeError(f"causal={causal!r}; it must be a bool")
     _check_on_gpu(q)
-    debug = _env.debug()
-    if debug:
-        _check_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
-                       max_seqlen_k)
-    # Plans skip the offset check, so none are recorded while CUDAFLASH_DEBUG is on.
-    plan_key = None if debug else _varlen_plan_key(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-        want_lse)
     index = q.get_device()
     with torch.cuda.device(index):  # the driver calls work in the current context
+        debug = _device_kernels(index).debug  # CUDAFLASH_DEBUG, as the kernels saw it
+        if debug:
+            _check_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
+                           max_seqlen_k)
+        # Plans skip the offset check, so none are recorded while CUDAFLASH_DEBUG is on.
+        plan_key = None if debug else _varlen_plan_key(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+            causal, want_lse)
         out, lse = _run_varlen(index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                max_seqlen_k, scale, bool(causal), want_lse, plan_key)
     return (out, lse, None) if want_lse else out
@@ -555,7 +551,9 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
 
 def _varlen_plan_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal, want_lse):
-    """The argument signature a varlen _Plan is valid for (see _plan_key)."""
+    """The argument signature a varlen _Plan is valid for (see _plan_key). The offsets'
+    values are data (the kernel reads them): only their tensors' shape, layout, dtype and
+    device are in it."""
     return (q.shape, q.is_contiguous() or q.stride(), k.shape, k.is_contiguous() or k.stride(),
             v.shape, v.is_contiguous() or v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
             k.get_device(), v.get_device(), cu_seqlens_q.shape, cu_seqlens_k.shape,
