@@ -53,17 +53,15 @@ ROOT = Path(__file__).resolve().parent
 # no ptxas and ignore it).
 NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas", "-v")
 
-KERNEL_SOURCE = "flash_fwd.cu"  # the single translation unit, under the source dir
+# Each kernel family is one translation unit under the source dir (config.SOURCE) exporting a
+# fixed set of extern "C" entries (config.ENTRIES): the forward (flash_fwd.cu: the forward,
+# its split-KV variant and the kernel that combines the splits) and the backward
+# (flash_bwd.cu: preprocess, dK/dV, dQ).
 PARAMS_HEADER = "params.cuh"  # holds `constexpr int kParamsBytes = N;`
-# The extern "C" entries every cubin and PTX exports: the forward, its split-KV variant and
-# the kernel that combines the splits (cuda_src/flash_fwd.cu).
-ENTRY = "cudaflash_fwd"
-SPLIT_ENTRY = "cudaflash_fwd_split"
-COMBINE_ENTRY = "cudaflash_combine"
-ENTRIES = (ENTRY, SPLIT_ENTRY, COMBINE_ENTRY)
+BWD_PARAMS_HEADER = "bwd_params.cuh"  # holds `constexpr int kBwdParamsBytes = N;`
 MANIFEST_NAME = "manifest.json"
-MANIFEST_SCHEMA = 2
-YAML_KEYS = ("archs", "ptx_arch", "defaults", "configs", "selection")
+MANIFEST_SCHEMA = 3
+YAML_KEYS = ("archs", "ptx_arch", "defaults", "configs", "selection", "backward")
 
 
 def _load_cudaflash_modules():
@@ -85,6 +83,8 @@ def _load_cudaflash_modules():
 
 config, selection = _load_cudaflash_modules()
 ConfigError = config.ConfigError
+ENTRY, SPLIT_ENTRY, COMBINE_ENTRY = config.KernelConfig.ENTRIES
+PREPROCESS_ENTRY, DKDV_ENTRY, DQ_ENTRY = config.BackwardConfig.ENTRIES
 
 
 class BuildError(RuntimeError):
@@ -102,6 +102,7 @@ class Spec:
     ptx_arch: int
     configs: tuple  # KernelConfig, in file order
     rules: tuple  # selection.Rule
+    backward_configs: tuple = ()  # BackwardConfig, in file order
     # Configs whose entry names its own `archs` (a subset of the file's), e.g. to keep a config
     # off an arch where ptxas spills its registers; every other config gets all archs.
     config_archs: dict = field(default_factory=dict)
@@ -146,7 +147,7 @@ def nvcc_argv(cfg, arch: int, kind: str, *, nvcc: str, src_dir: Path, out: Path)
         raise ValueError(f"kind={kind!r}; allowed: 'cubin', 'ptx'")
     defines = [f"-D{macro}={value}" for macro, value in cfg.nvcc_defines().items()]
     return [nvcc, *target, *NVCC_FLAGS, "-I", str(src_dir), *defines,
-            str(src_dir / KERNEL_SOURCE), "-o", str(out)]
+            str(src_dir / cfg.SOURCE), "-o", str(out)]
 
 
 def load_spec(path: Path) -> Spec:
@@ -194,9 +195,14 @@ def load_spec(path: Path) -> Spec:
     duplicates = sorted({c.name for c in configs if configs.count(c) > 1})
     if duplicates:
         raise ConfigError(f"{where}: configs listed more than once: {duplicates}")
+    backward = data.get("backward") or []
+    if not isinstance(backward, list):
+        raise ConfigError(f"{where}: backward must be a list of backward config entries")
+    backward_configs = config.expand_config_entries(backward, where=f"{where} backward",
+                                                    cls=config.BackwardConfig)
     spec = Spec(archs=tuple(sorted(archs)), ptx_arch=ptx_arch, configs=tuple(configs),
                 rules=selection.parse_rules(data.get("selection") or [], where=where),
-                config_archs=config_archs)
+                backward_configs=tuple(backward_configs), config_archs=config_archs)
     _check_rules_built(spec, where)
     return spec
 
@@ -206,7 +212,8 @@ def _check_rules_built(spec: Spec, where: str) -> None:
     by_name = {cfg.name: cfg for cfg in spec.configs}
     jobs = {cfg: [] for cfg in spec.configs}
     for job in plan_jobs(spec):
-        jobs[job.cfg].append(job)
+        if job.cfg in jobs:  # forward configs: the rules' targets
+            jobs[job.cfg].append(job)
     for rule in spec.rules:
         for dtype in rule.dtypes():
             name = rule.config_name(dtype)
@@ -237,7 +244,7 @@ def plan_jobs(spec: Spec, only: Optional[str] = None,
     """
     wanted = set(spec.archs) | {spec.ptx_arch} if archs is None else set(archs)
     jobs = []
-    for cfg in spec.configs:
+    for cfg in spec.configs + spec.backward_configs:
         if only and only not in cfg.name:
             continue
         for arch in spec.cubin_archs(cfg):
@@ -304,16 +311,19 @@ def job_stamp(digest: str, argv: Sequence[str], version: str) -> str:
     return hashlib.sha256("\0".join([digest, version, *argv[1:]]).encode()).hexdigest()
 
 
-def params_bytes(src_dir: Path) -> int:
-    header = src_dir / PARAMS_HEADER
+def params_bytes(src_dir: Path, header_name: str = PARAMS_HEADER,
+                 constant: str = "kParamsBytes") -> int:
+    """The size of a kernel argument struct as its header declares it (``constexpr int
+    <constant> = N;``, static_asserted against sizeof there), for the manifest."""
+    header = src_dir / header_name
     try:
-        m = re.search(r"kParamsBytes\s*=\s*(\d+)", header.read_text())
+        m = re.search(rf"{constant}\s*=\s*(\d+)", header.read_text())
     except OSError as e:
-        raise BuildError(f"{header}: cannot read it ({e}); the manifest records "
-                         "sizeof(Params) from its kParamsBytes") from None
+        raise BuildError(f"{header}: cannot read it ({e}); the manifest records the struct "
+                         f"size from its {constant}") from None
     if not m:
-        raise BuildError(f"{header}: no 'constexpr int kParamsBytes = N;' found; the manifest "
-                         "records sizeof(Params) from it")
+        raise BuildError(f"{header}: no 'constexpr int {constant} = N;' found; the manifest "
+                         "records the struct size from it")
     return int(m.group(1))
 
 
@@ -338,21 +348,24 @@ def write_atomic(path: Path, text: str) -> None:
 # ---- ptxas report ------------------------------------------------------------------------
 
 
-def parse_ptxas(log: str) -> dict:
-    """From ptxas's report: registers and static_smem of ENTRY, split_registers of
-    SPLIT_ENTRY, spill_bytes (stores + loads, summed over all entries: none may spill),
+def parse_ptxas(log: str, cfg=None) -> dict:
+    """From ptxas's report of one module of ``cfg``'s family (default: the forward's):
+    registers (the forward entry's; for the backward, the most any entry uses) and
+    static_smem of the main entry, split_registers of the split-KV forward (None for the
+    backward), spill_bytes (stores + loads, summed over all entries: none may spill),
     stack_bytes (the largest frame), and wgmma_serialized: ptxas's note that it had to
     serialize the wgmma instructions (it could not prove the accumulator registers untouched
     while they run), which costs their overlap.
 
-    Raises BuildError unless ptxas compiled exactly the ENTRIES.
+    Raises BuildError unless ptxas compiled exactly the family's entries.
     """
+    expected = cfg.ENTRIES if cfg is not None else config.KernelConfig.ENTRIES
     entries = re.findall(r"Compiling entry function '([^']+)'", log)
-    if sorted(entries) != sorted(ENTRIES):
-        raise BuildError(f"ptxas compiled entries {entries}; every cubin must export exactly "
-                         f"{list(ENTRIES)} (docs/contracts.md)")
+    if sorted(entries) != sorted(expected):
+        raise BuildError(f"ptxas compiled entries {entries}; this module must export exactly "
+                         f"{list(expected)} (docs/contracts.md)")
     stats = {}
-    for name in ENTRIES:
+    for name in expected:
         section = log.split(f"Compiling entry function '{name}'", 1)[1]
         section = section.split("Compiling entry function", 1)[0]
         props = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
@@ -364,11 +377,12 @@ def parse_ptxas(log: str) -> dict:
         smem = re.search(r"Used \d+ registers[^\n]*?(\d+) bytes smem", section)
         stats[name] = (int(used.group(1)), int(props.group(2)) + int(props.group(3)),
                        int(props.group(1)), int(smem.group(1)) if smem else 0)
-    return {"registers": stats[ENTRY][0],
-            "split_registers": stats[SPLIT_ENTRY][0],
+    forward = expected == config.KernelConfig.ENTRIES
+    return {"registers": stats[ENTRY][0] if forward else max(s[0] for s in stats.values()),
+            "split_registers": stats[SPLIT_ENTRY][0] if forward else None,
             "spill_bytes": sum(s[1] for s in stats.values()),
             "stack_bytes": max(s[2] for s in stats.values()),
-            "static_smem": stats[ENTRY][3],
+            "static_smem": max(s[3] for s in stats.values()),
             "wgmma_serialized": "wgmma.mma_async instructions are serialized" in log}
 
 
@@ -434,12 +448,12 @@ class Builder:
             raise JobFailed(job, argv, f"nvcc exited with status {proc.returncode}", proc.stdout)
         try:
             if job.kind == "cubin":
-                stats = parse_ptxas(proc.stdout)
+                stats = parse_ptxas(proc.stdout, job.cfg)
             else:
                 entries = ptx_entries(out.read_text())
-                if sorted(entries) != sorted(ENTRIES):
+                if sorted(entries) != sorted(job.cfg.ENTRIES):
                     raise BuildError(f"the PTX defines entries {entries}; it must define "
-                                     f"exactly {list(ENTRIES)} (docs/contracts.md)")
+                                     f"exactly {list(job.cfg.ENTRIES)} (docs/contracts.md)")
                 stats = {"registers": None, "split_registers": None, "spill_bytes": None,
                          "stack_bytes": None, "static_smem": 0, "wgmma_serialized": False}
         except BuildError as e:
@@ -520,10 +534,34 @@ def remove_stale(out_dir: Path, keep: set) -> list:
 
 
 def manifest_dict(spec: Spec, jobs: Sequence[Job], stats: dict, *, out_dir: Path,
-                  version: str, src_hash: str, params_size: int) -> dict:
-    kernels = []
+                  version: str, src_hash: str, params_size: int,
+                  bwd_params_size: int) -> dict:
+    kernels, backward = [], []
     for job in jobs:
         s = stats[job]
+        if isinstance(job.cfg, config.BackwardConfig):
+            backward.append({
+                "name": job.cfg.name,
+                "config": job.cfg.to_dict(),
+                "arch": job.arch,
+                "kind": job.kind,
+                "file": job.file,
+                "preprocess_entry": PREPROCESS_ENTRY,
+                "dkdv_entry": DKDV_ENTRY,
+                "dq_entry": DQ_ENTRY,
+                "threads": job.cfg.threads,
+                "preprocess_threads": job.cfg.PREPROCESS_THREADS,
+                "preprocess_rows": job.cfg.PREPROCESS_ROWS,
+                "cta_rows": job.cfg.cta_rows,
+                "dkdv_smem_bytes": job.cfg.dkdv_smem_bytes,
+                "dq_smem_bytes": job.cfg.dq_smem_bytes,
+                "registers": s["registers"],
+                "spill_bytes": s["spill_bytes"],
+                "sha256": sha256_file(out_dir / job.file),
+                "nvcc_version": version,
+                "source_hash": src_hash,
+            })
+            continue
         kernels.append({
             "name": job.cfg.name,
             "config": job.cfg.to_dict(),
@@ -546,11 +584,14 @@ def manifest_dict(spec: Spec, jobs: Sequence[Job], stats: dict, *, out_dir: Path
         "nvcc_version": version,
         "source_hash": src_hash,
         "params_bytes": params_size,
-        "entries": list(ENTRIES),
+        "bwd_params_bytes": bwd_params_size,
+        "entries": list(config.KernelConfig.ENTRIES),
+        "backward_entries": list(config.BackwardConfig.ENTRIES),
         "archs": sorted({job.arch for job in jobs if job.kind == "cubin"}),
         "ptx_arch": spec.ptx_arch,
         "selection": [rule.to_dict() for rule in spec.rules],
         "kernels": kernels,
+        "backward_kernels": backward,
     }
 
 
@@ -601,8 +642,6 @@ def build(*, configs_path: Path = ROOT / "configs.yaml",
         src_dir = Path(os.environ.get("CUDAFLASH_SRC_DIR") or ROOT / "cuda_src")
     configs_path, out_dir, src_dir = (Path(p).resolve() for p in (configs_path, out_dir,
                                                                   src_dir))
-    if not (src_dir / KERNEL_SOURCE).is_file():
-        raise BuildError(f"kernel source {src_dir / KERNEL_SOURCE} not found")
     spec = load_spec(configs_path)
     if archs is not None:
         allowed = sorted(set(spec.archs) | {spec.ptx_arch})
@@ -613,12 +652,16 @@ def build(*, configs_path: Path = ROOT / "configs.yaml",
     if not plan:
         raise ConfigError(f"no kernel to build: no config name contains only={only!r} "
                           f"(for archs {list(archs) if archs else list(spec.archs)})")
+    for source in sorted({job.cfg.SOURCE for job in plan}):
+        if not (src_dir / source).is_file():
+            raise BuildError(f"kernel source {src_dir / source} not found")
 
     nvcc = find_nvcc(nvcc)
     version = nvcc_version(nvcc)
     digest = source_digest(src_dir)
     src_hash = hashlib.sha256("\0".join([digest, *NVCC_FLAGS]).encode()).hexdigest()
     params_size = params_bytes(src_dir)
+    bwd_params_size = params_bytes(src_dir, BWD_PARAMS_HEADER, "kBwdParamsBytes")
     print(f"nvcc {version} ({nvcc}); sources {src_dir}; output {out_dir}", flush=True)
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -629,7 +672,8 @@ def build(*, configs_path: Path = ROOT / "configs.yaml",
     stats = builder.run(plan, jobs or default_jobs())
 
     manifest = manifest_dict(spec, plan, stats, out_dir=out_dir, version=version,
-                             src_hash=src_hash, params_size=params_size)
+                             src_hash=src_hash, params_size=params_size,
+                             bwd_params_size=bwd_params_size)
     write_atomic(out_dir / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
 
     print(summary(plan, stats))

@@ -4,7 +4,6 @@
 // Rows at or past `valid_rows` are zero-filled (loads) or skipped (stores), so the caller
 // never pads sequences to a block multiple.
 #pragma once
-#include "kernel_config.cuh"
 #include "ptx.cuh"
 #include "smem_layout.cuh"
 

@@ -2,6 +2,9 @@
 // cp.async (global -> shared without registers), ldmatrix (shared -> mma fragments),
 // mma.sync m16n8k16 with fp32 accumulators, and ex2.approx.
 #pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cstdint>
 
 namespace cudaflash {

@@ -3,7 +3,6 @@
 // stored at chunk c ^ (r % 8): the 8 rows an ldmatrix or a 16-byte copy touches at once then
 // fall into 8 different bank groups instead of one (8-way conflict without it).
 #pragma once
-#include "kernel_config.cuh"
 
 namespace cudaflash {
 

@@ -20,7 +20,7 @@ from ._env import log
 from ._params import (PARAMS_BYTES, PARAMS_FIXED_FORMAT, PARAMS_POINTERS_BYTES,
                       PARAMS_POINTERS_FORMAT, PARAMS_WORKSPACE_FORMAT, PARAMS_WORKSPACE_OFFSET,
                       Params)
-from .manifest import KernelEntry
+from .manifest import BackwardEntry, KernelEntry
 
 
 class CudaError(RuntimeError):
@@ -134,11 +134,21 @@ class Functions:
     split_ctas_per_sm: int  # how many CTAs of ``split`` fit on one SM (the driver's count)
 
 
-_functions: dict[tuple[int, int, str], Functions] = {}
+@dataclass(frozen=True)
+class BackwardFunctions:
+    """The CUfunctions of one backward module (manifest backward entry) in one context."""
+
+    preprocess: object  # cudaflash_bwd_preprocess: delta = rowsum(dO * O)
+    dkdv: object  # cudaflash_bwd_dkdv
+    dq: object  # cudaflash_bwd_dq
+
+
+_functions: dict[tuple[int, int, str], Functions | BackwardFunctions] = {}
 _functions_lock = threading.Lock()
 
 
-def get_functions(entry: KernelEntry, device_index: int, ctx: int) -> Functions:
+def get_functions(entry: KernelEntry | BackwardEntry, device_index: int,
+                  ctx: int) -> Functions | BackwardFunctions:
     """The functions of ``entry`` in context ``ctx`` (which must be current), loaded once."""
     key = (device_index, ctx, entry.name)
     with _functions_lock:
@@ -156,7 +166,7 @@ def clear_cache() -> None:
     _stream_objects.clear()
 
 
-def _load(entry: KernelEntry):
+def _load(entry: KernelEntry | BackwardEntry):
     cu = _cu()
     try:
         image = entry.path.read_bytes()
@@ -187,6 +197,13 @@ def _load(entry: KernelEntry):
                        f"{entry.name})")
         return fn
 
+    if isinstance(entry, BackwardEntry):
+        fns = BackwardFunctions(preprocess=function(entry.preprocess_entry, 0),
+                                dkdv=function(entry.dkdv_entry, entry.dkdv_smem_bytes),
+                                dq=function(entry.dq_entry, entry.dq_smem_bytes))
+        log.debug("loaded %s (%s sm_%d) from %s", entry.name, entry.kind, entry.arch,
+                  entry.path)
+        return fns
     split = function(entry.split_entry, entry.smem_bytes)
     ctas = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(split, entry.threads,
                                                                 entry.smem_bytes),
@@ -306,3 +323,26 @@ class Launcher:
         _pack_workspace(_arg_buffer.pack_target[0], PARAMS_WORKSPACE_OFFSET, o_accum,
                         lse_accum)
         self.launch(stream, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+
+
+def launch_packed(fn, label: str, grid: tuple[int, int, int], threads: int, smem: int,
+                  stream: int, params: bytes, synchronize: bool) -> None:
+    """One launch with an already packed argument struct (the backward's: its launches are
+    few per step and heavy, so they skip the Launcher's per-call economies). ``synchronize``
+    as in Launcher."""
+    cu = _cu()
+    buffer = ctypes.create_string_buffer(params, len(params))
+    size = ctypes.c_size_t(len(params))
+    extra = (ctypes.c_void_p * 5)(_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(buffer),
+                                  _LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size),
+                                  _LAUNCH_PARAM_END)
+    stream_obj = _stream_objects.get(stream)
+    if stream_obj is None:
+        stream_obj = _new_stream_object(stream)
+    # The driver copies the parameters before cuLaunchKernel returns: the buffers may go.
+    check(cu.cuLaunchKernel(fn, *grid, threads, 1, 1, smem, stream_obj, None,
+                            ctypes.addressof(extra)), label)
+    if synchronize:
+        status = check(cu.cuStreamIsCapturing(stream_obj), "cuStreamIsCapturing")
+        if status == cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+            check(cu.cuStreamSynchronize(stream_obj), f"cuStreamSynchronize after {label}")

@@ -68,3 +68,28 @@ PARAMS_POINTERS_BYTES = 56
 PARAMS_WORKSPACE_OFFSET = 216
 PARAMS_STRUCT_FORMAT = (PARAMS_POINTERS_FORMAT + PARAMS_FIXED_FORMAT[1:]
                         + PARAMS_WORKSPACE_FORMAT[1:])
+
+
+BWD_PARAMS_BYTES = 320
+
+
+class BwdParams(ctypes.Structure):
+    """Mirror of ``cuda_src/bwd_params.cuh``: the backward kernels' single argument."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in ("q", "k", "v", "o", "dout", "lse", "delta", "dq", "dk", "dv")
+    ] + [
+        (f"{tensor}_{dim}_stride", ctypes.c_int64)
+        for tensor in ("q", "k", "v", "o", "do", "dq", "dk", "dv")
+        for dim in ("batch", "seq", "head")
+    ] + [
+        ("lse_batch_stride", ctypes.c_int64),
+        ("lse_head_stride", ctypes.c_int64),
+    ] + [
+        (name, ctypes.c_int32)
+        for name in ("batch", "n_heads", "n_heads_k", "seqlen_q", "seqlen_k", "is_causal")
+    ] + [
+        ("softmax_scale", ctypes.c_float),
+        ("scale_log2", ctypes.c_float),
+    ]

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from . import _driver, _env, manifest as _manifest, selection
+from . import _driver, _env, backward as _backward, manifest as _manifest, selection
 from ._env import log
 from .config import D_HEADS, KernelConfig
 from .manifest import KernelEntry
@@ -70,6 +70,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             j <= i + seqlen_k - seqlen_q); query rows that see no key give out = 0.
         deterministic: accepted; the forward is always deterministic.
         return_attn_probs: also return the softmax log-sum-exp.
+        Gradients: when q, k or v requires grad (and grad mode is on), out has a grad_fn and
+            its backward computes dq, dk, dv (head dims 64 and 128; deterministic, no atomics).
         dropout_p, window_size, softcap, alibi_slopes: only their defaults (no dropout, no
             sliding window, no softcapping, no ALiBi); anything else raises NotImplementedError.
 
@@ -123,8 +125,44 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             plan.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(), 0, 0, 0)
             return out
 
+    if _is_grad_enabled() and (getattr(q, "requires_grad", False)
+                               or getattr(k, "requires_grad", False)
+                               or getattr(v, "requires_grad", False)):
+        out, lse = _FlashAttnFunction.apply(q, k, v, softmax_scale, causal)
+        return (out, lse, None) if want_lse else out
     out, lse = _forward(None, q, k, v, None, softmax_scale, causal, want_lse)
     return (out, lse, None) if want_lse else out
+
+
+class _FlashAttnFunction(torch.autograd.Function):
+    """flash_attn_func with gradients: the forward also keeps the lse, the backward runs
+    backward.run. Inside forward grad mode is off, so _forward takes its usual path."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal):
+        out, lse = _forward(None, q, k, v, None, softmax_scale, causal, True)
+        # Fail now, not in the backward after a whole forward pass of work.
+        _backward.check_supported(q.get_device(), q.dtype, q.shape[3])
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = _softmax_scale(softmax_scale, q.shape[3])
+        ctx.causal = bool(causal)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _run_backward(dout, q, k, v, out, lse, ctx.scale, ctx.causal)
+        return dq, dk, dv, None, None
+
+
+def _run_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
+    index = q.get_device()
+    if index != torch.cuda.current_device():
+        with torch.cuda.device(index):
+            return _backward.run(dout, q, k, v, out, lse, scale, causal)
+    return _backward.run(dout, q, k, v, out, lse, scale, causal)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -255,6 +293,7 @@ def clear_caches() -> None:
     _config_kernels.clear()
     _plans.clear()
     _varlen_plans.clear()
+    _backward.clear_cache()
 
 
 # ---- argument checks (host only: no GPU state is touched) --------------------------------
@@ -293,8 +332,10 @@ def _check_qkv(q, k, v, varlen=False):
                         "the same")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         # Returning an out without a grad_fn would silently drop the gradient.
-        raise NotImplementedError("q, k or v requires grad, but cudaflash has no backward "
-                                  "yet; call it under torch.no_grad() or torch.inference_mode()")
+        raise NotImplementedError(
+            "q, k or v requires grad, but only flash_attn_func has a backward in cudaflash "
+            "(not flash_attn_varlen_func or cudaflash.forward); call this under "
+            "torch.no_grad() or torch.inference_mode()")
     if k.shape != v.shape:
         raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must "
                          "be the same")
@@ -874,8 +915,10 @@ def _make_kernel(dk: _DeviceKernels, entry: KernelEntry, ctx: int) -> _Kernel:
 def _fwd_op(q, k, v, softmax_scale, causal):
     # The compiled graph runs this body eagerly (is_compiling() is False here), so the call
     # takes flash_attn_func's plans like any eager call instead of re-checking every time.
-    out, lse, _ = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                  return_attn_probs=True)
+    # Gradients are the op's registered autograd (below), not flash_attn_func's own.
+    with torch.no_grad():
+        out, lse, _ = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                      return_attn_probs=True)
     return out, lse
 
 
@@ -883,6 +926,36 @@ def _fwd_op(q, k, v, softmax_scale, causal):
 def _(q, k, v, softmax_scale, causal):
     batch, seqlen_q, n_heads, _ = q.shape
     return torch.empty_like(q), q.new_empty((batch, n_heads, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("cudaflash::bwd", mutates_args=(),
+                         schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
+                                "Tensor lse, float? softmax_scale, bool causal) "
+                                "-> (Tensor, Tensor, Tensor)")
+def _bwd_op(dout, q, k, v, out, lse, softmax_scale, causal):
+    return _run_backward(dout, q, k, v, out, lse, _softmax_scale(softmax_scale, q.shape[3]),
+                         causal)
+
+
+@_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, softmax_scale, causal):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fwd_op_setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.softmax_scale, ctx.causal = softmax_scale, causal
+
+
+def _fwd_op_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
+    return dq, dk, dv, None, None
+
+
+_fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup_context)
 
 
 @torch.library.custom_op("cudaflash::varlen_fwd", mutates_args=(),

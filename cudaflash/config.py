@@ -55,6 +55,18 @@ ELEMENT_BYTES = 2  # fp16 and bf16
 WGMMA_ARCH = 90  # wgmma exists on sm_90a only (Hopper); Blackwell has tcgen05 instead
 
 
+def runs_on(kind: str, built_arch: int, device_arch: int, arch_specific: bool) -> bool:
+    """Whether a module compiled as ``kind`` ("cubin" or "ptx") for ``built_arch`` runs on a
+    GPU of compute capability ``device_arch``: SASS for sm_XY runs on sm_XZ with Z >= Y
+    (arch-specific SASS, sm_90a, on sm_XY only); PTX for compute_N JITs for any arch >= N.
+    The one compatibility rule of the build and the runtime, for every kernel family."""
+    if kind == "ptx":
+        return device_arch >= built_arch
+    if arch_specific:
+        return device_arch == built_arch
+    return built_arch // 10 == device_arch // 10 and built_arch <= device_arch
+
+
 class ConfigError(ValueError):
     """A kernel config that cannot be built; the message names the config and the field."""
 
@@ -90,6 +102,11 @@ class KernelConfig:
     optimized_softmax: bool
     min_ctas_per_sm: int
     wgmma: bool
+
+    # The translation unit under cuda_src/ and the extern "C" entries every module of this
+    # family exports (build_cubins.py checks the ptxas report and the PTX against them).
+    SOURCE = "flash_fwd.cu"
+    ENTRIES = ("cudaflash_fwd", "cudaflash_fwd_split", "cudaflash_combine")
 
     # ---- derived quantities ---------------------------------------------------------------
 
@@ -131,14 +148,8 @@ class KernelConfig:
 
     def runs_on(self, kind: str, built_arch: int, device_arch: int) -> bool:
         """Whether this config compiled as ``kind`` ("cubin" or "ptx") for ``built_arch``
-        runs on a GPU of compute capability ``device_arch``: SASS for sm_XY runs on sm_XZ
-        with Z >= Y (arch-specific SASS on sm_XY only); PTX for compute_N JITs for any
-        arch >= N. The one compatibility rule of the build and the runtime."""
-        if kind == "ptx":
-            return device_arch >= built_arch
-        if self.arch_specific:
-            return device_arch == built_arch
-        return built_arch // 10 == device_arch // 10 and built_arch <= device_arch
+        runs on a GPU of compute capability ``device_arch`` (``runs_on``)."""
+        return runs_on(kind, built_arch, device_arch, self.arch_specific)
 
     def nvcc_defines(self) -> dict[str, int]:
         """The -D macros that instantiate this config in cuda_src/flash_fwd.cu."""
@@ -255,25 +266,7 @@ class KernelConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "config") -> "KernelConfig":
         """Build and validate a config from a mapping with exactly the dataclass fields."""
-        fields = {f.name: f.type for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - set(fields))
-        missing = sorted(set(fields) - set(data))
-        if unknown:
-            raise ConfigError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(fields)}")
-        if missing:
-            raise ConfigError(f"{where}: missing field(s) {missing}")
-        values = {}
-        for key, typ in fields.items():
-            value = data[key]
-            want = {"str": str, "int": int, "bool": bool}[typ]
-            if want is int and isinstance(value, bool) or not isinstance(value, want):
-                raise ConfigError(f"{where}: field {key}={value!r} must be a {typ}")
-            values[key] = value
-        cfg = cls(**values)
-        errs = cfg.errors()
-        if errs:
-            raise ConfigError(f"{where} ({cfg._label()}): " + "; ".join(errs))
-        return cfg
+        return _from_dict(cls, data, where)
 
     @classmethod
     def from_name(cls, name: str) -> "KernelConfig":
@@ -299,9 +292,141 @@ _NAME_RE = re.compile(
     r"_ctas(?P<min_ctas_per_sm>\d+)_wgmma(?P<wgmma>[01])")
 
 
+BWD_D_HEADS = (64, 128)
+BWD_TILE_ROWS = (16, 32, 64, 128)
+
+
+@dataclass(frozen=True, order=True)
+class BackwardConfig:
+    """One backward module (cuda_src/flash_bwd.cu): its three kernels share these fields.
+
+    - ``dtype``, ``d_head``: as in KernelConfig; d_head 64 or 128 (at 256 the dK and dV
+      accumulators alone would fill a warp's registers).
+    - ``n_warps``: warps per CTA of the dK/dV and dQ kernels; each warp owns 16 rows of the
+      CTA's own tile (keys in dK/dV, query rows in dQ), so a CTA owns 16 * n_warps of them.
+    - ``B_r``: query rows per tile the dK/dV kernel streams past its keys.
+    - ``B_c``: keys per tile the dQ kernel streams past its query rows.
+    """
+
+    dtype: str
+    d_head: int
+    B_r: int
+    B_c: int
+    n_warps: int
+
+    SOURCE = "flash_bwd.cu"
+    ENTRIES = ("cudaflash_bwd_preprocess", "cudaflash_bwd_dkdv", "cudaflash_bwd_dq")
+    PREPROCESS_THREADS = 128  # kPreprocessThreads: one warp per query row, 4 rows per CTA
+    PREPROCESS_ROWS = 4
+
+    @property
+    def name(self) -> str:
+        return (f"bwd_{self.dtype}_d{self.d_head}_br{self.B_r}_bc{self.B_c}"
+                f"_w{self.n_warps}")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.n_warps
+
+    @property
+    def cta_rows(self) -> int:
+        """Keys per dK/dV CTA and query rows per dQ CTA."""
+        return 16 * self.n_warps
+
+    @property
+    def dkdv_smem_bytes(self) -> int:
+        """K and V of the CTA, Q and dO double-buffered, lse and delta (float32) per buffer."""
+        return (2 * self.cta_rows + 4 * self.B_r) * self.d_head * ELEMENT_BYTES + 4 * self.B_r * 4
+
+    @property
+    def dq_smem_bytes(self) -> int:
+        """Q and dO of the CTA, K and V double-buffered."""
+        return (2 * self.cta_rows + 4 * self.B_c) * self.d_head * ELEMENT_BYTES
+
+    @property
+    def smem_bytes(self) -> int:
+        return max(self.dkdv_smem_bytes, self.dq_smem_bytes)
+
+    def fits_arch(self, arch: int) -> bool:
+        return self.smem_bytes <= ARCH_SMEM_LIMIT[arch]
+
+    arch_specific = False  # mma.sync: SASS for sm_8x runs on later 8.x, PTX JITs anywhere
+
+    def builds_for(self, arch: int) -> bool:
+        return self.fits_arch(arch)
+
+    def runs_on(self, kind: str, built_arch: int, device_arch: int) -> bool:
+        return runs_on(kind, built_arch, device_arch, False)
+
+    def nvcc_defines(self) -> dict[str, int]:
+        """The -D macros of cuda_src/bwd_config.cuh."""
+        return {"CF_DTYPE_BF16": int(self.dtype == "bf16"), "CF_D_HEAD": self.d_head,
+                "CF_B_R": self.B_r, "CF_B_C": self.B_c, "CF_N_WARPS": self.n_warps}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def errors(self) -> list[str]:
+        """Every rule this config breaks (mirrors the static_asserts in bwd_config.cuh)."""
+        errs: list[str] = []
+
+        def bad(field: str, msg: str) -> None:
+            errs.append(f"{field}={getattr(self, field)!r}: {msg}")
+
+        if self.dtype not in DTYPES:
+            bad("dtype", f"must be one of {list(DTYPES)}")
+        if self.d_head not in BWD_D_HEADS:
+            bad("d_head", f"must be one of {list(BWD_D_HEADS)} for the backward")
+        if self.n_warps not in N_WARPS:
+            bad("n_warps", f"must be one of {list(N_WARPS)}")
+        rows_per_pass = 4 * self.n_warps  # threads / 8: one cooperative copy pass
+        for field in ("B_r", "B_c"):
+            value = getattr(self, field)
+            if value not in BWD_TILE_ROWS or value % rows_per_pass:
+                bad(field, f"must be one of {list(BWD_TILE_ROWS)} and a multiple of "
+                           f"{rows_per_pass} rows (one copy pass of {self.n_warps} warps)")
+        if self.B_r > self.threads:
+            bad("B_r", f"must be at most the {self.threads} threads (one per query row "
+                       "loads its lse and delta)")
+        if not errs and not any(self.fits_arch(a) for a in ARCH_SMEM_LIMIT):
+            bad("B_c", f"shared memory {self.smem_bytes} bytes exceeds every arch's limit")
+        return errs
+
+    def validate(self) -> "BackwardConfig":
+        errs = self.errors()
+        if errs:
+            raise ConfigError(f"invalid backward config {self.name}: " + "; ".join(errs))
+        return self
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "config") -> "BackwardConfig":
+        return _from_dict(cls, data, where)
+
+
+def _from_dict(cls, data: Mapping[str, Any], where: str):
+    """Build and validate a ``cls`` config from a mapping with exactly its fields."""
+    fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    missing = sorted(set(fields) - set(data))
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(fields)}")
+    if missing:
+        raise ConfigError(f"{where}: missing field(s) {missing}")
+    for key, typ in fields.items():
+        value = data[key]
+        want = {"str": str, "int": int, "bool": bool}[typ]
+        if want is int and isinstance(value, bool) or not isinstance(value, want):
+            raise ConfigError(f"{where}: field {key}={value!r} must be a {typ}")
+    cfg = cls(**{key: data[key] for key in fields})
+    errs = cfg.errors()
+    if errs:
+        raise ConfigError(f"{where} ({cfg.name}): " + "; ".join(errs))
+    return cfg
+
+
 def expand_config_entries(entries: Iterable[Mapping[str, Any]],
                           defaults: Mapping[str, Any] | None = None,
-                          where: str = "configs") -> list[KernelConfig]:
+                          where: str = "configs", cls=KernelConfig) -> list:
     """Expand yaml config entries into validated configs.
 
     Each entry is merged over ``defaults``; any field given as a list expands into the
@@ -318,7 +443,7 @@ def expand_config_entries(entries: Iterable[Mapping[str, Any]],
         choices = [v if isinstance(v, list) else [v] for v in merged.values()]
         for combo in itertools.product(*choices):
             label = f"{where}[{i}]"
-            cfg = KernelConfig.from_dict(dict(zip(keys, combo)), where=label)
+            cfg = cls.from_dict(dict(zip(keys, combo)), where=label)
             if cfg in seen:
                 raise ConfigError(f"{label}: {cfg.name} is already listed by {seen[cfg]}")
             seen[cfg] = label

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import _env
-from ._params import PARAMS_BYTES
-from .config import KernelConfig
+from ._params import BWD_PARAMS_BYTES, PARAMS_BYTES
+from .config import BackwardConfig, KernelConfig
 from .selection import Rule, parse_rules
 
-SCHEMA = 2
+SCHEMA = 3
 KINDS = ("cubin", "ptx")
 
 
@@ -42,6 +42,33 @@ class KernelEntry:
 
 
 @dataclass(frozen=True)
+class BackwardEntry:
+    """One compiled backward module (BackwardConfig) for one arch, as the manifest lists it."""
+
+    name: str  # BackwardConfig.name
+    config: BackwardConfig
+    arch: int
+    kind: str  # "cubin" or "ptx"
+    path: Path  # absolute
+    preprocess_entry: str  # delta = rowsum(dO * O)
+    dkdv_entry: str
+    dq_entry: str
+    threads: int  # per block of the dK/dV and dQ kernels
+    preprocess_threads: int
+    preprocess_rows: int  # query rows per preprocess block
+    cta_rows: int  # keys per dK/dV block, query rows per dQ block
+    dkdv_smem_bytes: int
+    dq_smem_bytes: int
+    registers: int | None
+    spill_bytes: int | None
+    sha256: str
+
+    @property
+    def smem_bytes(self) -> int:
+        return max(self.dkdv_smem_bytes, self.dq_smem_bytes)
+
+
+@dataclass(frozen=True)
 class Manifest:
     path: Path
     nvcc_version: str
@@ -49,6 +76,11 @@ class Manifest:
     ptx_arch: int | None
     selection: tuple[Rule, ...]
     kernels: tuple[KernelEntry, ...]
+    backward: tuple[BackwardEntry, ...] = ()
+
+    def usable_backward(self, arch: int, smem_limit: int) -> dict[str, BackwardEntry]:
+        """``usable`` for the backward modules."""
+        return _usable(self.backward, arch, smem_limit)
 
     def usable(self, arch: int, smem_limit: int) -> dict[str, KernelEntry]:
         """The kernels that run on a device of compute capability ``arch``, by config name.
@@ -58,17 +90,21 @@ class Manifest:
         device's opt-in maximum per block) are left out. Manifest order is kept: selection
         falls back to the first usable config of a (dtype, d_head).
         """
-        best: dict[str, KernelEntry] = {}
-        for e in self.kernels:
-            if e.smem_bytes > smem_limit or not runs_on(e, arch):
-                continue
-            held = best.get(e.name)
-            if held is None or _preference(e) > _preference(held):
-                best[e.name] = e
-        return best
+        return _usable(self.kernels, arch, smem_limit)
 
 
-def runs_on(entry: KernelEntry, arch: int) -> bool:
+def _usable(entries, arch: int, smem_limit: int) -> dict:
+    best: dict = {}
+    for e in entries:
+        if e.smem_bytes > smem_limit or not runs_on(e, arch):
+            continue
+        held = best.get(e.name)
+        if held is None or _preference(e) > _preference(held):
+            best[e.name] = e
+    return best
+
+
+def runs_on(entry: KernelEntry | BackwardEntry, arch: int) -> bool:
     """Whether ``entry`` runs on a GPU of compute capability ``arch`` (KernelConfig.runs_on)."""
     return entry.config.runs_on(entry.kind, entry.arch, arch)
 
@@ -127,7 +163,28 @@ def _parse(data: dict, path: Path) -> Manifest:
             combine_entry=k["combine_entry"], threads=int(k["threads"]),
             smem_bytes=int(k["smem_bytes"]), registers=k["registers"],
             spill_bytes=k["spill_bytes"], sha256=k["sha256"]))
+    if data["bwd_params_bytes"] != BWD_PARAMS_BYTES:
+        raise ValueError(f"bwd_params_bytes={data['bwd_params_bytes']} but cudaflash/_params.py "
+                         f"packs {BWD_PARAMS_BYTES} bytes: kernels and runtime come from "
+                         "different sources")
+    backward = []
+    for i, k in enumerate(data["backward_kernels"]):
+        config = BackwardConfig.from_dict(k["config"], where=f"backward_kernels[{i}].config")
+        if k["name"] != config.name:
+            raise ValueError(f"backward_kernels[{i}]: name {k['name']!r} is not the canonical "
+                             f"name {config.name!r} of its config")
+        if k["kind"] not in KINDS:
+            raise ValueError(f"backward_kernels[{i}]: kind {k['kind']!r}, expected one of "
+                             f"{KINDS}")
+        backward.append(BackwardEntry(
+            name=k["name"], config=config, arch=int(k["arch"]), kind=k["kind"],
+            path=path.parent / k["file"], preprocess_entry=k["preprocess_entry"],
+            dkdv_entry=k["dkdv_entry"], dq_entry=k["dq_entry"], threads=int(k["threads"]),
+            preprocess_threads=int(k["preprocess_threads"]),
+            preprocess_rows=int(k["preprocess_rows"]), cta_rows=int(k["cta_rows"]),
+            dkdv_smem_bytes=int(k["dkdv_smem_bytes"]), dq_smem_bytes=int(k["dq_smem_bytes"]),
+            registers=k["registers"], spill_bytes=k["spill_bytes"], sha256=k["sha256"]))
     selection = parse_rules(data["selection"], where=path.name)
     return Manifest(path=path, nvcc_version=data["nvcc_version"],
                     source_hash=data["source_hash"], ptx_arch=data.get("ptx_arch"),
-                    selection=selection, kernels=tuple(kernels))
+                    selection=selection, kernels=tuple(kernels), backward=tuple(backward))

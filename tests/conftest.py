@@ -15,8 +15,8 @@ import json
 
 import pytest
 
-from cudaflash._params import PARAMS_BYTES
-from cudaflash.config import KernelConfig
+from cudaflash._params import BWD_PARAMS_BYTES, PARAMS_BYTES
+from cudaflash.config import BackwardConfig, KernelConfig
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,6 +80,8 @@ FAKE_KERNELS = [
     (D128, "cubin", 90),
     (D256_BIG, "cubin", 80), (D256_BIG, "cubin", 90),
 ]
+BWD_D64 = BackwardConfig(dtype="fp16", d_head=64, B_r=64, B_c=64, n_warps=4)
+FAKE_BACKWARD = [(BWD_D64, "cubin", 80), (BWD_D64, "ptx", 90)]
 FAKE_SELECTION = [
     {"d_head": 64, "dtype": "fp16", "max_seqlen_q": 256, "config": D64_WIDE.name},
     {"d_head": 64, "config": D64["fp16"].name.replace("fp16", "{dtype}")},
@@ -105,11 +107,31 @@ def write_fake_kernel_dir(root, kernels=FAKE_KERNELS, selection=FAKE_SELECTION,
             "spill_bytes": 0 if kind == "cubin" else None,
             "sha256": hashlib.sha256(data).hexdigest(), "nvcc_version": "13.0.88",
             "source_hash": "f" * 64})
-    manifest = {"schema": 2, "nvcc_version": "13.0.88", "source_hash": "f" * 64,
-                "params_bytes": params_bytes,
+    backward = []
+    for i, (cfg, kind, arch) in enumerate(FAKE_BACKWARD):
+        rel = f"sm_{arch}/{cfg.name}.cubin" if kind == "cubin" else \
+            f"ptx/compute_{arch}/{cfg.name}.ptx"
+        data = f"fake backward {kind} {i} {cfg.name}".encode()
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+        backward.append({
+            "name": cfg.name, "config": cfg.to_dict(), "arch": arch, "kind": kind, "file": rel,
+            "preprocess_entry": "cudaflash_bwd_preprocess", "dkdv_entry": "cudaflash_bwd_dkdv",
+            "dq_entry": "cudaflash_bwd_dq", "threads": cfg.threads, "preprocess_threads": 128,
+            "preprocess_rows": 4, "cta_rows": cfg.cta_rows,
+            "dkdv_smem_bytes": cfg.dkdv_smem_bytes, "dq_smem_bytes": cfg.dq_smem_bytes,
+            "registers": 200 if kind == "cubin" else None,
+            "spill_bytes": 0 if kind == "cubin" else None,
+            "sha256": hashlib.sha256(data).hexdigest(), "nvcc_version": "13.0.88",
+            "source_hash": "f" * 64})
+    manifest = {"schema": 3, "nvcc_version": "13.0.88", "source_hash": "f" * 64,
+                "params_bytes": params_bytes, "bwd_params_bytes": BWD_PARAMS_BYTES,
                 "entries": ["cudaflash_fwd", "cudaflash_fwd_split", "cudaflash_combine"],
+                "backward_entries": ["cudaflash_bwd_preprocess", "cudaflash_bwd_dkdv",
+                                     "cudaflash_bwd_dq"],
                 "archs": [80, 86, 90],
-                "ptx_arch": 90, "selection": selection, "kernels": entries}
+                "ptx_arch": 90, "selection": selection, "kernels": entries,
+                "backward_kernels": backward}
     (root / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return root
 

@@ -166,10 +166,15 @@ def test_causal_must_be_bool():
         flash_attn_func(*qkv(), causal="yes")
 
 
-def test_requires_grad_is_refused_until_there_is_a_backward():
+def test_requires_grad_goes_through_the_checks_and_only_flash_attn_func_has_a_backward():
     q, k, v = qkv()
-    with pytest.raises(NotImplementedError, match=r"no backward yet.*torch.no_grad\(\)"):
-        flash_attn_func(q.requires_grad_(), k, v)
+    q.requires_grad_()
+    # flash_attn_func takes the autograd path, which runs the same checks first.
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        flash_attn_func(q, k, v)
+    with pytest.raises(NotImplementedError, match=r"only flash_attn_func has a backward.*"
+                                                  r"torch.no_grad\(\)"):
+        forward(D64_NAME, q, k, v)
     with torch.no_grad(), pytest.raises(ValueError, match=CPU_ERROR):
         flash_attn_func(q, k, v)
 

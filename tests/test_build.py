@@ -25,6 +25,7 @@ import build_cubins
 ROOT = Path(build_cubins.__file__).resolve().parent
 SPEC = build_cubins.load_spec(ROOT / "configs.yaml")
 KernelConfig = build_cubins.config.KernelConfig
+BackwardConfig = build_cubins.config.BackwardConfig
 MANIFEST = ROOT / "cudaflash" / "kernels" / "manifest.json"
 
 CFG = KernelConfig(dtype="bf16", d_head=128, B_r=128, B_c=64, n_warps=4, async_copy=True,
@@ -88,6 +89,11 @@ def test_plan_covers_every_config_and_fitting_arch():
             and a in SPEC.config_archs.get(c, SPEC.archs) and (not c.wgmma or a == 90)}
     # wgmma kernels are sm_90a SASS only: no PTX, which no other GPU could JIT.
     want |= {(c, "ptx", SPEC.ptx_arch) for c in SPEC.configs if not c.wgmma}
+    # Backward modules (mma.sync): every arch they fit, plus PTX.
+    assert SPEC.backward_configs
+    want |= {(c, "cubin", a) for c in SPEC.backward_configs for a in SPEC.archs
+             if c.fits_arch(a)}
+    want |= {(c, "ptx", SPEC.ptx_arch) for c in SPEC.backward_configs}
     assert got == want and len(jobs) == len(want)
     assert {j.file for j in jobs} == build_cubins.expected_files(SPEC)
 
@@ -280,8 +286,14 @@ def test_rule_whose_config_cannot_fit_its_arch(tmp_path):
 
 # ---- manifest schema (docs/contracts.md) ------------------------------------------------
 
-TOP_KEYS = {"schema", "nvcc_version", "source_hash", "params_bytes", "entries", "archs",
-            "ptx_arch", "selection", "kernels"}
+TOP_KEYS = {"schema", "nvcc_version", "source_hash", "params_bytes", "bwd_params_bytes",
+            "entries", "backward_entries", "archs", "ptx_arch", "selection", "kernels",
+            "backward_kernels"}
+BACKWARD_KEYS = {"name", "config", "arch", "kind", "file", "preprocess_entry", "dkdv_entry",
+                 "dq_entry", "threads", "preprocess_threads", "preprocess_rows", "cta_rows",
+                 "dkdv_smem_bytes", "dq_smem_bytes", "registers", "spill_bytes", "sha256",
+                 "nvcc_version", "source_hash"}
+BACKWARD_ENTRIES = ["cudaflash_bwd_preprocess", "cudaflash_bwd_dkdv", "cudaflash_bwd_dq"]
 KERNEL_KEYS = {"name", "config", "arch", "kind", "file", "entry", "split_entry",
                "combine_entry", "threads", "smem_bytes", "registers", "spill_bytes", "sha256",
                "nvcc_version", "source_hash"}
@@ -290,7 +302,8 @@ ENTRIES = ["cudaflash_fwd", "cudaflash_fwd_split", "cudaflash_combine"]
 
 def check_manifest(m: dict, out_dir: Path) -> None:
     assert set(m) == TOP_KEYS
-    assert m["schema"] == 2 and m["entries"] == ENTRIES
+    assert m["schema"] == 3 and m["entries"] == ENTRIES
+    assert m["backward_entries"] == BACKWARD_ENTRIES
     assert re.fullmatch(r"\d+\.\d+\.\d+", m["nvcc_version"])
     assert re.fullmatch(r"[0-9a-f]{64}", m["source_hash"])
     assert m["archs"] == sorted(m["archs"]) and all(isinstance(a, int) for a in m["archs"])
@@ -317,6 +330,22 @@ def check_manifest(m: dict, out_dir: Path) -> None:
         key = (k["name"], k["kind"], k["arch"])
         assert key not in seen, key
         seen.add(key)
+    for k in m["backward_kernels"]:
+        assert set(k) == BACKWARD_KEYS, k.get("name")
+        cfg = BackwardConfig.from_dict(k["config"], where=k["name"])
+        assert k["name"] == cfg.name
+        assert [k["preprocess_entry"], k["dkdv_entry"], k["dq_entry"]] == BACKWARD_ENTRIES
+        assert (k["threads"], k["cta_rows"], k["dkdv_smem_bytes"], k["dq_smem_bytes"]) == (
+            cfg.threads, cfg.cta_rows, cfg.dkdv_smem_bytes, cfg.dq_smem_bytes)
+        if k["kind"] == "cubin":
+            assert k["file"] == f"sm_{k['arch']}/{cfg.name}.cubin" and cfg.builds_for(k["arch"])
+            assert isinstance(k["registers"], int) and 0 < k["registers"] <= 255
+        else:
+            assert k["file"] == f"ptx/compute_{k['arch']}/{cfg.name}.ptx"
+        assert k["sha256"] == hashlib.sha256((out_dir / k["file"]).read_bytes()).hexdigest()
+        key = (k["name"], k["kind"], k["arch"])
+        assert key not in seen, key
+        seen.add(key)
 
 
 @pytest.fixture(scope="module")
@@ -333,7 +362,8 @@ def test_built_manifest_schema(built_manifest):
 
 def test_built_manifest_has_every_config_for_every_arch_it_fits(built_manifest):
     want = {(j.cfg.name, j.kind, j.arch) for j in build_cubins.plan_jobs(SPEC)}
-    got = {(k["name"], k["kind"], k["arch"]) for k in built_manifest["kernels"]}
+    got = {(k["name"], k["kind"], k["arch"])
+           for k in built_manifest["kernels"] + built_manifest["backward_kernels"]}
     missing, extra = sorted(want - got), sorted(got - want)
     assert not missing and not extra, (
         f"manifest.json is out of date with configs.yaml (rebuild with `python build_cubins.py`):"
@@ -342,13 +372,16 @@ def test_built_manifest_has_every_config_for_every_arch_it_fits(built_manifest):
 
 
 def test_no_shipped_cubin_spills(built_manifest):
-    spilling = [(k["name"], k["arch"], k["spill_bytes"]) for k in built_manifest["kernels"]
+    spilling = [(k["name"], k["arch"], k["spill_bytes"])
+                for k in built_manifest["kernels"] + built_manifest["backward_kernels"]
                 if k["kind"] == "cubin" and k["spill_bytes"]]
     assert not spilling, f"cubins that spill registers (bytes): {spilling}"
 
 
 def test_built_manifest_params_bytes(built_manifest):
-    assert built_manifest["params_bytes"] == ctypes.sizeof(load_params_module().Params)
+    params = load_params_module()
+    assert built_manifest["params_bytes"] == ctypes.sizeof(params.Params)
+    assert built_manifest["bwd_params_bytes"] == ctypes.sizeof(params.BwdParams)
 
 
 # ---- real nvcc runs on a stand-in kernel -------------------------------------------------
@@ -392,6 +425,7 @@ def fake_tree(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     shutil.copy(ROOT / "cuda_src" / "params.cuh", src / "params.cuh")
+    shutil.copy(ROOT / "cuda_src" / "bwd_params.cuh", src / "bwd_params.cuh")
     (src / "flash_fwd.cu").write_text(FAKE_KERNEL)
     (tmp_path / "configs.yaml").write_text(FAKE_YAML)
     return tmp_path

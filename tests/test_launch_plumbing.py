@@ -175,7 +175,12 @@ def test_repeat_call_takes_the_plan(fake, monkeypatch):
     assert falls_back("q", k2, v2, causal=True)  # not a tensor
     shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
     assert falls_back(shifted, k2, v2, causal=True)  # misaligned
-    assert falls_back(q2.requires_grad_(), k2, v2, causal=True)
+    # Gradients wanted: the autograd function, never the plan's launch.
+    to_autograd = []
+    monkeypatch.setattr(api._FlashAttnFunction, "apply",
+                        lambda *args: to_autograd.append(args) or ("out", "lse"))
+    assert api.flash_attn_func(q2.requires_grad_(), k2, v2, causal=True) == "out"
+    assert [a[3:] for a in to_autograd] == [(None, True)]
     with torch.no_grad():
         assert not falls_back(q2, k2, v2, causal=True)
     monkeypatch.setattr(api, "_current_device", lambda: 1)

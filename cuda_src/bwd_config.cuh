@@ -1,0 +1,50 @@
+// BwdConfig: the compile-time config of one backward module (cuda_src/flash_bwd.cu), from
+// the -D macros that cudaflash.config.BackwardConfig.nvcc_defines() produces. The validity
+// rules repeat BackwardConfig.errors().
+//
+// Build one config by hand (what build_cubins.py does):
+//   nvcc -cubin -gencode arch=compute_90,code=sm_90 -O3 -std=c++17 -I cuda_src \
+//        -DCF_DTYPE_BF16=1 -DCF_D_HEAD=128 -DCF_B_R=64 -DCF_B_C=64 -DCF_N_WARPS=4 \
+//        cuda_src/flash_bwd.cu -o bwd.cubin
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <type_traits>
+
+#if !defined(CF_DTYPE_BF16) || !defined(CF_D_HEAD) || !defined(CF_B_R) || !defined(CF_B_C) || \
+    !defined(CF_N_WARPS)
+#error "define every CF_* macro: see cudaflash.config.BackwardConfig.nvcc_defines()"
+#endif
+
+namespace cudaflash {
+
+struct BwdConfig {
+    static constexpr bool kBf16 = CF_DTYPE_BF16;
+    static constexpr int kDHead = CF_D_HEAD;
+    static constexpr int kWarps = CF_N_WARPS;
+    static constexpr int kThreads = 32 * kWarps;
+    // Each warp owns 16 rows of its CTA's own tile: keys in cudaflash_bwd_dkdv, query rows in
+    // cudaflash_bwd_dq. Each kernel streams tiles of the other kind past them:
+    static constexpr int kCtaRows = 16 * kWarps;
+    static constexpr int kBr = CF_B_R;  // query rows per tile streamed by the dK/dV kernel
+    static constexpr int kBc = CF_B_C;  // keys per tile streamed by the dQ kernel
+
+    using elem_t = std::conditional_t<kBf16, __nv_bfloat16, __half>;
+
+    // What the shared tile and copy helpers (smem_layout.cuh, copy.cuh) read.
+    static constexpr int kSlab = 64;
+    static constexpr int kSlabs = kDHead / kSlab;
+    static constexpr int kRowsPerCopyPass = kThreads / 8;
+    static constexpr bool kSwizzled = true;
+    static constexpr bool kAsyncCopy = true;
+    static constexpr bool kWgmma = false;
+
+    static_assert(kDHead == 64 || kDHead == 128, "backward: d_head must be 64 or 128");
+    static_assert(kWarps == 4 || kWarps == 8, "n_warps must be 4 or 8");
+    static_assert(kBr % 16 == 0 && kBr % kRowsPerCopyPass == 0 && kBr <= 128,
+                  "B_r must be a multiple of 16 and of threads / 8, at most 128");
+    static_assert(kBc % 16 == 0 && kBc % kRowsPerCopyPass == 0 && kBc <= 128,
+                  "B_c must be a multiple of 16 and of threads / 8, at most 128");
+};
+
+}  // namespace cudaflash

@@ -1,0 +1,462 @@
+// cudaflash backward: dQ, dK, dV of O = softmax(scale * Q K^T + mask) V, FlashAttention-2's
+// recomputation scheme (P is rebuilt from Q, K and the forward's log-sum-exp, never stored).
+//
+// Three entries per module (one module per BwdConfig: dtype, d_head, tile sizes):
+//   cudaflash_bwd_preprocess  delta = rowsum(dO * O), one warp per query row.
+//   cudaflash_bwd_dkdv        one CTA per (16 * n_warps keys, K/V head, batch entry); it streams
+//                             the query tiles (of every query head of its GQA group) past its
+//                             keys: S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T,
+//                             dS^T = P^T (dP^T - delta), dK += dS^T Q.
+//   cudaflash_bwd_dq          one CTA per (16 * n_warps query rows, head, batch entry); it
+//                             streams the K/V tiles: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
+// Splitting dQ from dK/dV recomputes S and dP once more (7 GEMMs against FlashAttention-2's 5),
+// and buys what the single-kernel scheme pays for with float32 atomics: every gradient is
+// written once, by one CTA, in a fixed order, so the result is deterministic, and no dQ
+// accumulator buffer or conversion pass is needed.
+//
+// Layouts, masking and causal alignment are the forward's (flash_fwd.cu): bottom-right causal
+// mask, sequence tails masked here, query rows whose lse is -inf (they saw no key) give zero
+// gradients. All GEMMs are mma.sync m16n8k16 with fp32 accumulators (sm_80+).
+#include "bwd_config.cuh"
+#include "bwd_params.cuh"
+#include "copy.cuh"
+#include "ptx.cuh"
+#include "smem_layout.cuh"
+
+#include <cmath>
+
+namespace cudaflash {
+
+using C = BwdConfig;
+using elem_t = C::elem_t;
+constexpr int kD = C::kDHead;
+constexpr int kDSlices = kD / 16;  // k16 slices of a reduction over d_head
+constexpr float kLog2e = 1.4426950408889634f;
+
+// ---- fragments from swizzled (rows, d_head) shared tiles ------------------------------------
+// Each ldmatrix.x4 reads four 8x8 matrices; lane l supplies the address of row l % 8 of matrix
+// l / 8. Two lane patterns cover every operand here:
+//   kA: matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15):
+//       an A fragment of a row-major tile, or (with .trans) the B fragments of two n8 tiles of
+//       an operand whose k index runs along the tile's rows (V in P V).
+//   kB: matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15): the B
+//       fragments of two n8 tiles of an operand whose n index runs along the tile's rows (K in
+//       Q K^T).
+// The lane's byte offsets are computed once per kernel (row part, and the swizzled column
+// part of the four k16 slices of a 64-column slab, as in the forward's SliceOffsets), so an
+// address in the unrolled loops is a register plus an immediate.
+struct LaneOffsets {
+    uint32_t a_row, b_row;     // lane row * 128 bytes
+    uint32_t a_col[4], b_col[4];  // slice s of a slab: chunk (2 s + half) ^ (row % 8), bytes
+
+    __device__ __forceinline__ LaneOffsets() {
+        const int lane = threadIdx.x % 32;
+        const int a_half = lane / 16, b_half = lane / 8 % 2;
+        a_row = (lane % 8 + 8 * (lane / 8 % 2)) * 128;
+        b_row = (lane % 8 + 8 * (lane / 16)) * 128;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            a_col[s] = ((2 * s) ^ a_half ^ (lane % 8)) * 16;
+            b_col[s] = ((2 * s) ^ b_half ^ (lane % 8)) * 16;
+        }
+    }
+};
+
+// Byte address in a (kRows, d_head) tile at `base` of 16-row group row0 (a multiple of 16) and
+// k16 slice (column / 16) ks, for a lane whose row and column offsets are given.
+template <int kRows>
+__device__ __forceinline__ uint32_t frag_addr(uint32_t base, int row0, int ks, uint32_t row,
+                                              const uint32_t (&col)[4]) {
+    static_assert(C::kSwizzled, "the lane offsets assume the swizzled layout");
+    return base + (ks / 4) * kRows * 128 + row0 * 128 + row + col[ks % 4];
+}
+
+// A operand (16 x 16, row-major): rows row0..row0+15, columns 16 * ks ... + 15.
+template <int kRows>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const LaneOffsets& lo, uint32_t base,
+                                       int row0, int ks) {
+    ldmatrix_x4(a, frag_addr<kRows>(base, row0, ks, lo.a_row, lo.a_col));
+}
+
+// B operand (k16 x n8, "col") of two n8 tiles whose n index runs along the tile's rows:
+// rows n0..n0+15, columns 16 * ks ... + 15. {b[0], b[1]} serve n8 tile n0 / 8, {b[2], b[3]}
+// tile n0 / 8 + 1.
+template <int kRows>
+__device__ __forceinline__ void load_b(uint32_t (&b)[4], const LaneOffsets& lo, uint32_t base,
+                                       int n0, int ks) {
+    ldmatrix_x4(b, frag_addr<kRows>(base, n0, ks, lo.b_row, lo.b_col));
+}
+
+// B operand whose k index runs along the tile's rows (transposed by ldmatrix): rows
+// k0..k0+15, columns 16 * nd2 ... + 15. {b[0], b[1]} serve n8 tile 2 * nd2, {b[2], b[3]} tile
+// 2 * nd2 + 1.
+template <int kRows>
+__device__ __forceinline__ void load_b_trans(uint32_t (&b)[4], const LaneOffsets& lo,
+                                             uint32_t base, int k0, int nd2) {
+    ldmatrix_x4_trans(b, frag_addr<kRows>(base, k0, nd2, lo.a_row, lo.a_col));
+}
+
+// acc (16 x 8 * kN) += A (16 x d_head, warp rows row0.. of tile `a`) * B^T (B: kN * 8 rows of
+// tile `b`, all d_head columns): the reduction over d_head of S = Q K^T and dP = dO V^T.
+template <int kRowsA, int kRowsB, int kN>
+__device__ __forceinline__ void gemm_rows_rows(float (&acc)[1][kN][4], const LaneOffsets& lo,
+                                               uint32_t a_tile, int row0, uint32_t b_tile) {
+#pragma unroll
+    for (int nj = 0; nj < kN; ++nj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[0][nj][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kDSlices; ++ks) {
+        uint32_t a[4];
+        load_a<kRowsA>(a, lo, a_tile, row0, ks);
+#pragma unroll
+        for (int nj2 = 0; nj2 < kN / 2; ++nj2) {
+            uint32_t b[4];
+            load_b<kRowsB>(b, lo, b_tile, nj2 * 16, ks);
+            mma_m16n8k16<C::kBf16>(acc[0][2 * nj2], a, b[0], b[1]);
+            mma_m16n8k16<C::kBf16>(acc[0][2 * nj2 + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// acc (16 x d_head) += A (16 x 16 * kK, from registers: accumulators of a previous GEMM) *
+// B (tile `b`: kK * 16 rows, d_head columns): dV += P^T dO, dK += dS^T Q, dQ += dS K.
+template <int kRowsB, int kK>
+__device__ __forceinline__ void gemm_regs_tile(float (&acc)[kD / 8][4],
+                                               const float (&a_acc)[1][2 * kK][4],
+                                               const LaneOffsets& lo, uint32_t b_tile) {
+    uint32_t a[1][kK][4];
+    pack_a_fragments<C::kBf16>(a, a_acc);
+#pragma unroll
+    for (int kk = 0; kk < kK; ++kk)
+#pragma unroll
+        for (int nd2 = 0; nd2 < kD / 16; ++nd2) {
+            uint32_t b[4];
+            load_b_trans<kRowsB>(b, lo, b_tile, kk * 16, nd2);
+            mma_m16n8k16<C::kBf16>(acc[2 * nd2], a[0][kk], b[0], b[1]);
+            mma_m16n8k16<C::kBf16>(acc[2 * nd2 + 1], a[0][kk], b[2], b[3]);
+        }
+}
+
+// The lse of one query row as the exponent offset in log2 units. A row that saw no key in the
+// forward (lse = -inf) and rows past the sequence get +inf, so its P = exp2(s - inf) = 0.
+__device__ __forceinline__ float lse_log2(const BwdParams& p, int64_t row_index, bool valid) {
+    if (!valid) return INFINITY;
+    const float lse = p.lse[row_index];
+    return lse == -INFINITY ? INFINITY : lse * kLog2e;
+}
+
+// Accumulators (16 x d_head per warp, times `scale`) -> the warp's rows of a shared tile, as
+// 16-bit values, for a coalesced copy to global memory.
+template <int kRows>
+__device__ __forceinline__ void acc_to_tile(elem_t* tile, const float (&acc)[kD / 8][4],
+                                            float scale, int row0) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int nd = 0; nd < kD / 8; ++nd)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + lane / 4 + 8 * r;
+            elem_t* dst = tile + SmemTile<C>::template offset<kRows>(row, nd) + 2 * (lane % 4);
+            *reinterpret_cast<uint32_t*>(dst) =
+                pack_2<C::kBf16>(acc[nd][2 * r] * scale, acc[nd][2 * r + 1] * scale);
+        }
+}
+
+// ---- delta = rowsum(dO * O) -----------------------------------------------------------------
+
+constexpr int kPreprocessRows = 4;  // one warp per row
+constexpr int kPreprocessThreads = 32 * kPreprocessRows;
+
+__device__ __forceinline__ float2 to_float2(uint32_t bits) {
+    if constexpr (C::kBf16) {
+        return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+    } else {
+        return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+    }
+}
+
+__device__ __forceinline__ void bwd_preprocess(const BwdParams& p) {
+    const int lane = threadIdx.x % 32;
+    const int row = blockIdx.x * kPreprocessRows + threadIdx.x / 32;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    if (row >= p.seqlen_q) return;
+    const elem_t* o = static_cast<const elem_t*>(p.o) + batch * p.o_batch_stride +
+                      head * p.o_head_stride + int64_t(row) * p.o_seq_stride;
+    const elem_t* dout = static_cast<const elem_t*>(p.dout) + batch * p.do_batch_stride +
+                         head * p.do_head_stride + int64_t(row) * p.do_seq_stride;
+    float sum = 0.f;
+#pragma unroll
+    for (int c = 2 * lane; c < kD; c += 64) {  // a warp reads 128 contiguous bytes per step
+        const float2 x = to_float2(*reinterpret_cast<const uint32_t*>(o + c));
+        const float2 y = to_float2(*reinterpret_cast<const uint32_t*>(dout + c));
+        sum += x.x * y.x + x.y * y.y;
+    }
+#pragma unroll
+    for (int m = 16; m > 0; m /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, m);
+    if (lane == 0) p.delta[batch * p.lse_batch_stride + head * p.lse_head_stride + row] = sum;
+}
+
+// ---- dK, dV ---------------------------------------------------------------------------------
+
+__device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
+    constexpr int kKeys = C::kCtaRows;
+    constexpr int kQ = C::kBr;
+    extern __shared__ __align__(128) unsigned char smem[];
+    elem_t* sK = reinterpret_cast<elem_t*>(smem);  // (kKeys, d); holds dK at the end
+    elem_t* sV = sK + kKeys * kD;                  // (kKeys, d); holds dV at the end
+    elem_t* sQ = sV + kKeys * kD;                  // 2 x (kQ, d): double-buffered
+    elem_t* sdO = sQ + 2 * kQ * kD;                // 2 x (kQ, d)
+    float* sLse = reinterpret_cast<float*>(sdO + 2 * kQ * kD);  // 2 x kQ, log2 units
+    float* sDelta = sLse + 2 * kQ;                               // 2 x kQ
+
+    const int head_k = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int key0 = blockIdx.x * kKeys;
+    const int key_rows = min(kKeys, p.seqlen_k - key0);
+    const int group = p.n_heads / p.n_heads_k;
+    const int shift = p.seqlen_k - p.seqlen_q;  // query i sees keys j <= i + shift (causal)
+
+    // Query tiles that see some key of this CTA: causal, from the one holding row key0 - shift.
+    const int n_q_tiles = (p.seqlen_q + kQ - 1) / kQ;
+    const int first_tile = p.is_causal ? min(max(key0 - shift, 0) / kQ, n_q_tiles) : 0;
+    const int tiles_per_head = n_q_tiles - first_tile;
+    const int n_steps = group * tiles_per_head;  // (query head, query tile) pairs, in order
+
+    using KeyCopy = TileCopy<C, kKeys>;
+    using QCopy = TileCopy<C, kQ>;
+    KeyCopy::load(sK, static_cast<const elem_t*>(p.k) + batch * p.k_batch_stride +
+                          head_k * p.k_head_stride + int64_t(key0) * p.k_seq_stride,
+                  p.k_seq_stride, key_rows);
+    KeyCopy::load(sV, static_cast<const elem_t*>(p.v) + batch * p.v_batch_stride +
+                          head_k * p.v_head_stride + int64_t(key0) * p.v_seq_stride,
+                  p.v_seq_stride, key_rows);
+
+    auto load_step = [&](int step, int buf) {
+        const int head = head_k * group + step / tiles_per_head;
+        const int q0 = (first_tile + step % tiles_per_head) * kQ;
+        const int rows = min(kQ, p.seqlen_q - q0);
+        QCopy::load(sQ + buf * kQ * kD,
+                    static_cast<const elem_t*>(p.q) + batch * p.q_batch_stride +
+                        head * p.q_head_stride + int64_t(q0) * p.q_seq_stride,
+                    p.q_seq_stride, rows);
+        QCopy::load(sdO + buf * kQ * kD,
+                    static_cast<const elem_t*>(p.dout) + batch * p.do_batch_stride +
+                        head * p.do_head_stride + int64_t(q0) * p.do_seq_stride,
+                    p.do_seq_stride, rows);
+        const int64_t stats = batch * p.lse_batch_stride + head * p.lse_head_stride + q0;
+        static_assert(kQ <= C::kThreads, "one thread per query row of a tile");
+        const int i = threadIdx.x;
+        if (i < kQ) {
+            sLse[buf * kQ + i] = lse_log2(p, stats + i, i < rows);
+            sDelta[buf * kQ + i] = i < rows ? p.delta[stats + i] : 0.f;
+        }
+    };
+    if (n_steps > 0) load_step(0, 0);
+    copy_commit<C>();
+
+    float dK[kD / 8][4], dV[kD / 8][4];
+#pragma unroll
+    for (int nd = 0; nd < kD / 8; ++nd)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dK[nd][e] = dV[nd][e] = 0.f;
+
+    const int row0 = warp * 16;  // the warp's keys within the CTA's tile
+    const uint32_t k_tile = smem_addr(sK), v_tile = smem_addr(sV);
+    const LaneOffsets lo;
+    for (int step = 0; step < n_steps; ++step) {
+        const int buf = step % 2;
+        // This step's tiles have landed; every warp is done with the other buffer.
+        copy_wait_all<C>();
+        __syncthreads();
+        if (step + 1 < n_steps) load_step(step + 1, buf ^ 1);  // overlaps this step's GEMMs
+        copy_commit<C>();
+
+        const int q0 = (first_tile + step % tiles_per_head) * kQ;
+        const uint32_t q_tile = smem_addr(sQ + buf * kQ * kD);
+        const uint32_t do_tile = smem_addr(sdO + buf * kQ * kD);
+        const float* lse = sLse + buf * kQ;
+        const float* delta = sDelta + buf * kQ;
+
+        // P^T = exp(scale * K Q^T - lse): element (key, query) of the warp's 16 keys.
+        float P[1][kQ / 8][4];
+        gemm_rows_rows<kKeys, kQ>(P, lo, k_tile, row0, q_tile);
+        // Keys right of some row's diagonal, only in tiles that reach below it.
+        const bool mask = p.is_causal && q0 + shift < key0 + kKeys - 1;
+#pragma unroll
+        for (int nj = 0; nj < kQ / 8; ++nj)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = nj * 8 + 2 * (lane % 4) + e % 2;
+                float x = ex2(fmaf(P[0][nj][e], p.scale_log2, -lse[col]));
+                const int key = key0 + row0 + lane / 4 + 8 * (e / 2);
+                if (mask && key > q0 + col + shift) x = 0.f;
+                P[0][nj][e] = x;
+            }
+        gemm_regs_tile<kQ, kQ / 16>(dV, P, lo, do_tile);
+
+        // dS^T = P^T * (V dO^T - delta).
+        float dS[1][kQ / 8][4];
+        gemm_rows_rows<kKeys, kQ>(dS, lo, v_tile, row0, do_tile);
+#pragma unroll
+        for (int nj = 0; nj < kQ / 8; ++nj)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = nj * 8 + 2 * (lane % 4) + e % 2;
+                dS[0][nj][e] = P[0][nj][e] * (dS[0][nj][e] - delta[col]);
+            }
+        gemm_regs_tile<kQ, kQ / 16>(dK, dS, lo, q_tile);
+    }
+
+    // dK = scale * dS^T Q; both through shared memory (over K and V) for coalesced stores.
+    copy_wait_all<C>();
+    __syncthreads();
+    acc_to_tile<kKeys>(sK, dK, p.softmax_scale, row0);
+    acc_to_tile<kKeys>(sV, dV, 1.f, row0);
+    __syncthreads();
+    KeyCopy::store(static_cast<elem_t*>(p.dk) + batch * p.dk_batch_stride +
+                       head_k * p.dk_head_stride + int64_t(key0) * p.dk_seq_stride,
+                   sK, p.dk_seq_stride, key_rows);
+    KeyCopy::store(static_cast<elem_t*>(p.dv) + batch * p.dv_batch_stride +
+                       head_k * p.dv_head_stride + int64_t(key0) * p.dv_seq_stride,
+                   sV, p.dv_seq_stride, key_rows);
+}
+
+// ---- dQ -------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void bwd_dq(const BwdParams& p) {
+    constexpr int kRows = C::kCtaRows;
+    constexpr int kKv = C::kBc;
+    extern __shared__ __align__(128) unsigned char smem[];
+    elem_t* sQ = reinterpret_cast<elem_t*>(smem);  // (kRows, d); holds dQ at the end
+    elem_t* sdO = sQ + kRows * kD;                 // (kRows, d)
+    elem_t* sK = sdO + kRows * kD;                 // 2 x (kKv, d): double-buffered
+    elem_t* sV = sK + 2 * kKv * kD;                // 2 x (kKv, d)
+
+    // Causal CTAs with more KV tiles start first, as in the forward.
+    const int q_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int head_k = head / (p.n_heads / p.n_heads_k);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int q0 = q_block * kRows;
+    const int q_rows = min(kRows, p.seqlen_q - q0);
+    const int shift = p.seqlen_k - p.seqlen_q;
+
+    // KV tiles [0, n_tiles) are visible to some row; tiles >= mask_from hold a key some row
+    // must not see (the seqlen_k tail, or keys right of the causal diagonal).
+    const int n_kv = (p.seqlen_k + kKv - 1) / kKv;
+    int n_tiles = n_kv;
+    int mask_from = p.seqlen_k % kKv ? n_kv - 1 : n_kv;
+    if (p.is_causal) {
+        const int last_key = q0 + q_rows - 1 + shift;
+        n_tiles = last_key < 0 ? 0 : min(n_kv, last_key / kKv + 1);
+        mask_from = min(mask_from, max(q0 + shift + 1, 0) / kKv);
+    }
+
+    using RowCopy = TileCopy<C, kRows>;
+    using KvCopy = TileCopy<C, kKv>;
+    RowCopy::load(sQ, static_cast<const elem_t*>(p.q) + batch * p.q_batch_stride +
+                          head * p.q_head_stride + int64_t(q0) * p.q_seq_stride,
+                  p.q_seq_stride, q_rows);
+    RowCopy::load(sdO, static_cast<const elem_t*>(p.dout) + batch * p.do_batch_stride +
+                           head * p.do_head_stride + int64_t(q0) * p.do_seq_stride,
+                  p.do_seq_stride, q_rows);
+    const elem_t* k = static_cast<const elem_t*>(p.k) + batch * p.k_batch_stride +
+                      head_k * p.k_head_stride;
+    const elem_t* v = static_cast<const elem_t*>(p.v) + batch * p.v_batch_stride +
+                      head_k * p.v_head_stride;
+    auto load_tile = [&](int tile, int buf) {
+        const int rows = p.seqlen_k - tile * kKv;
+        KvCopy::load(sK + buf * kKv * kD, k + int64_t(tile) * kKv * p.k_seq_stride,
+                     p.k_seq_stride, rows);
+        KvCopy::load(sV + buf * kKv * kD, v + int64_t(tile) * kKv * p.v_seq_stride,
+                     p.v_seq_stride, rows);
+    };
+    if (n_tiles > 0) load_tile(0, 0);
+    copy_commit<C>();
+
+    // This thread's two query rows (of each m16 tile: lane / 4 and lane / 4 + 8).
+    const int row0 = warp * 16;
+    float lse[2], delta[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = q0 + row0 + lane / 4 + 8 * r;
+        const int64_t index = batch * p.lse_batch_stride + head * p.lse_head_stride + row;
+        const bool valid = row < p.seqlen_q;
+        lse[r] = lse_log2(p, index, valid);
+        delta[r] = valid ? p.delta[index] : 0.f;
+    }
+
+    float dQ[kD / 8][4];
+#pragma unroll
+    for (int nd = 0; nd < kD / 8; ++nd)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dQ[nd][e] = 0.f;
+
+    const uint32_t q_tile = smem_addr(sQ), do_tile = smem_addr(sdO);
+    const LaneOffsets lo;
+    for (int tile = 0; tile < n_tiles; ++tile) {
+        const int buf = tile % 2;
+        copy_wait_all<C>();
+        __syncthreads();
+        if (tile + 1 < n_tiles) load_tile(tile + 1, buf ^ 1);
+        copy_commit<C>();
+        const uint32_t k_tile = smem_addr(sK + buf * kKv * kD);
+        const uint32_t v_tile = smem_addr(sV + buf * kKv * kD);
+
+        float P[1][kKv / 8][4];
+        gemm_rows_rows<kRows, kKv>(P, lo, q_tile, row0, k_tile);
+        const bool mask = tile >= mask_from;
+#pragma unroll
+        for (int nj = 0; nj < kKv / 8; ++nj)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = ex2(fmaf(P[0][nj][e], p.scale_log2, -lse[e / 2]));
+                if (mask) {
+                    const int key = tile * kKv + nj * 8 + 2 * (lane % 4) + e % 2;
+                    const int row = q0 + row0 + lane / 4 + 8 * (e / 2);
+                    if (key >= p.seqlen_k || (p.is_causal && key > row + shift)) x = 0.f;
+                }
+                P[0][nj][e] = x;
+            }
+
+        float dS[1][kKv / 8][4];
+        gemm_rows_rows<kRows, kKv>(dS, lo, do_tile, row0, v_tile);
+#pragma unroll
+        for (int nj = 0; nj < kKv / 8; ++nj)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                dS[0][nj][e] = P[0][nj][e] * (dS[0][nj][e] - delta[e / 2]);
+        gemm_regs_tile<kKv, kKv / 16>(dQ, dS, lo, k_tile);
+    }
+
+    copy_wait_all<C>();  // with no visible KV tile the Q copy may still be in flight
+    __syncthreads();
+    acc_to_tile<kRows>(sQ, dQ, p.softmax_scale, row0);
+    __syncthreads();
+    RowCopy::store(static_cast<elem_t*>(p.dq) + batch * p.dq_batch_stride +
+                       head * p.dq_head_stride + int64_t(q0) * p.dq_seq_stride,
+                   sQ, p.dq_seq_stride, q_rows);
+}
+
+}  // namespace cudaflash
+
+extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
+    cudaflash_bwd_preprocess(const __grid_constant__ cudaflash::BwdParams p) {
+    cudaflash::bwd_preprocess(p);
+}
+
+extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
+    cudaflash_bwd_dkdv(const __grid_constant__ cudaflash::BwdParams p) {
+    cudaflash::bwd_dkdv(p);
+}
+
+extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
+    cudaflash_bwd_dq(const __grid_constant__ cudaflash::BwdParams p) {
+    cudaflash::bwd_dq(p);
+}

@@ -1,0 +1,146 @@
+"""The backward pass of flash_attn_func: dq, dk, dv from dout and what the forward saved.
+
+Three launches on torch's current stream (cuda_src/flash_bwd.cu): delta = rowsum(dout * out),
+then dK/dV (one CTA per key tile and K/V head, summing over the query heads of its GQA
+group), then dQ (one CTA per query tile and head). Every gradient is written once, with no
+atomics: the result is deterministic. The module for a call is the first backward config the
+manifest has for the GPU, dtype and head dim (configs.yaml, ``backward``).
+
+Only flash_attn_func's autograd function (api.py) calls this; it has already checked q, k, v
+(the forward's checks) and made q's device current.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from . import _driver, _env, manifest as _manifest
+from ._env import log
+from ._params import BWD_PARAMS_BYTES
+from .config import BWD_D_HEADS
+from .manifest import BackwardEntry
+
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_LOG2E = math.log2(math.e)
+
+# cuda_src/bwd_params.cuh: 10 pointers, 8 x 3 tensor strides + 2 lse strides, 6 sizes, 2 scales.
+_PACK = struct.Struct("=10Q26q6i2f")
+assert _PACK.size == BWD_PARAMS_BYTES
+
+
+@dataclass(frozen=True)
+class _BackwardKernel:
+    entry: BackwardEntry
+    fns: "_driver.BackwardFunctions"
+    synchronize: bool  # CUDAFLASH_DEBUG
+
+
+_kernels: dict[tuple, _BackwardKernel | None] = {}
+
+
+def clear_cache() -> None:
+    _kernels.clear()
+
+
+def head_dims() -> tuple[int, ...]:
+    """The head dims the backward kernels exist for."""
+    return BWD_D_HEADS
+
+
+def find_entry(index: int, dtype: torch.dtype, d_head: int) -> BackwardEntry | None:
+    """The backward module for (dtype, d_head) that runs on cuda:``index``, or None."""
+    device = _driver.device(index)
+    usable = _manifest.load_manifest().usable_backward(device.arch, device.smem_optin)
+    for entry in usable.values():  # manifest order: configs.yaml's
+        if entry.config.dtype == _DTYPES[dtype] and entry.config.d_head == d_head:
+            return entry
+    return None
+
+
+def check_supported(index: int, dtype: torch.dtype, d_head: int) -> None:
+    """Raise NotImplementedError unless a backward module serves this call: checked when the
+    forward runs, so an unsupported training call fails before any work is done."""
+    if find_entry(index, dtype, d_head) is None:
+        device = _driver.device(index)
+        raise NotImplementedError(
+            f"no backward kernel for {_DTYPES[dtype]} with head dim {d_head} runs on cuda:"
+            f"{index} ({device.name}, sm_{device.arch}); the backward supports head dims "
+            f"{list(BWD_D_HEADS)}. Call flash_attn_func under torch.no_grad() for inference")
+
+
+def _kernel(ctx: int, index: int, dtype: torch.dtype, d_head: int) -> _BackwardKernel:
+    key = (ctx, index, dtype, d_head)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        entry = find_entry(index, dtype, d_head)
+        if entry is None:
+            check_supported(index, dtype, d_head)  # raises
+        debug = _env.debug()
+        if debug:
+            log.debug("cuda:%d backward %s d_head=%d -> %s", index, _DTYPES[dtype], d_head,
+                      entry.name)
+        kernel = _kernels[key] = _BackwardKernel(
+            entry, _driver.get_functions(entry, index, ctx), debug)
+    return kernel
+
+
+def _kernel_ready(t: torch.Tensor) -> bool:
+    """What the kernels need of a gradient input: unit last stride, 16-byte aligned data and
+    strides of whole 16-byte vectors."""
+    s = t.stride()
+    return s[-1] == 1 and t.data_ptr() % 16 == 0 and not any(x % 8 for x in s[:-1])
+
+
+def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        out: torch.Tensor, lse: torch.Tensor, scale: float,
+        causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) laid out like q, k, v. ``lse`` is the forward's (batch, nheads, seqlen_q)
+    float32 log-sum-exp; q's device must be current."""
+    batch, seqlen_q, n_heads, d_head = q.shape
+    seqlen_k, n_heads_k = k.shape[1], k.shape[2]
+    if dout.dtype != q.dtype or dout.shape != q.shape:
+        raise ValueError(f"the gradient of out has dtype {dout.dtype} and shape "
+                         f"{tuple(dout.shape)}; expected {q.dtype} and {tuple(q.shape)}")
+    if not _kernel_ready(dout):  # e.g. the expanded gradient of out.sum(): strides 0
+        dout = torch.empty_like(dout, memory_format=torch.contiguous_format).copy_(dout)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if batch == 0 or seqlen_q == 0 or seqlen_k == 0:
+        # No query row or no key: every gradient is zero (out was zero-filled).
+        return dq.zero_(), dk.zero_(), dv.zero_()
+
+    index = q.get_device()
+    kernel = _kernel(_driver.current_context(index), index, q.dtype, d_head)
+    entry = kernel.entry
+    delta = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device)
+    lse = lse.contiguous()  # the forward's own: already (batch, nheads, seqlen_q), contiguous
+
+    strides = []
+    for t in (q, k, v, out, dout, dq, dk, dv):
+        s = t.stride()
+        strides += [s[0], s[1], s[2]]
+    params = _PACK.pack(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
+        lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+        *strides, n_heads * seqlen_q, seqlen_q,
+        batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal), scale, scale * _LOG2E)
+
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    fns, sync = kernel.fns, kernel.synchronize
+    rows = entry.cta_rows
+    _driver.launch_packed(
+        fns.preprocess, f"cuLaunchKernel({entry.name} preprocess)",
+        ((seqlen_q + entry.preprocess_rows - 1) // entry.preprocess_rows, n_heads, batch),
+        entry.preprocess_threads, 0, stream, params, sync)
+    _driver.launch_packed(
+        fns.dkdv, f"cuLaunchKernel({entry.name} dkdv)",
+        ((seqlen_k + rows - 1) // rows, n_heads_k, batch), entry.threads,
+        entry.dkdv_smem_bytes, stream, params, sync)
+    _driver.launch_packed(
+        fns.dq, f"cuLaunchKernel({entry.name} dq)",
+        ((seqlen_q + rows - 1) // rows, n_heads, batch), entry.threads, entry.dq_smem_bytes,
+        stream, params, sync)
+    return dq, dk, dv

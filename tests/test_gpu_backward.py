@@ -1,0 +1,180 @@
+"""flash_attn_func's backward on a GPU: dq, dk, dv against autograd through the attention
+math in PyTorch, with FlashAttention's accuracy rule (test_gpu_correctness): the error
+against the float32 math at most twice that of the same math in q's dtype, plus 1e-5."""
+
+import pytest
+import torch
+
+from cudaflash import api, flash_attn_func
+from cudaflash.config import BWD_D_HEADS
+from test_gpu_correctness import (COMBOS, DTYPES, _assert_within, _combo_id, attention_ref,
+                                  check_attention, fp32_reference_without_tf32,  # noqa: F401
+                                  make_qkv)
+
+pytestmark = pytest.mark.requires_gpu
+
+BWD_COMBOS = [c for c in COMBOS if c[1] in BWD_D_HEADS]
+
+
+def reference_grads(q, k, v, dout, causal, scale, upcast):
+    """(dq, dk, dv) of attention_ref by autograd, in float32 (upcast) or in q's dtype."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, _ = attention_ref(*leaves, causal, scale, upcast)
+    out.backward(dout.float() if upcast else dout)
+    return [t.grad for t in leaves]
+
+
+def check_grads(grads, q, k, v, dout, causal, scale=None):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    ref = reference_grads(q, k, v, dout, causal, scale, True)
+    lowp = reference_grads(q, k, v, dout, causal, scale, False)
+    for name, ours, r, lp, t in zip(("dq", "dk", "dv"), grads, ref, lowp, (q, k, v)):
+        assert ours is not None, f"{name} was not computed"
+        assert ours.shape == t.shape and ours.dtype == t.dtype, name
+        bad = (~torch.isfinite(ours)).sum().item()
+        assert bad == 0, f"{name} has {bad} NaN/inf elements"
+        _assert_within(name, ours.float(), r, lp.float())
+
+
+def run_with_grad(q, k, v, dout, **kwargs):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_func(*leaves, **kwargs)
+    assert out.grad_fn is not None
+    out.backward(dout)
+    return out.detach(), [t.grad for t in leaves]
+
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k)
+SHAPES = [
+    (2, 113, 113, 3, 3),  # tails of both sequences, odd head count
+    (1, 17, 1000, 4, 2),  # seqlen_q < seqlen_k, GQA
+    (1, 1000, 17, 2, 1),  # seqlen_q > seqlen_k: causal rows that see no key; MQA
+    (2, 1, 300, 2, 2),  # one query row
+    (1, 1000, 2049, 2, 2),
+    (1, 512, 512, 2, 2),  # whole tiles only
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}_hk{}".format(*s))
+@pytest.mark.parametrize("combo", BWD_COMBOS, ids=_combo_id)
+def test_gradients(combo, shape, causal):
+    dtype, d = combo
+    b, sq, sk, h, hk = shape
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, DTYPES[dtype], seed=sq + sk)
+    dout = torch.randn_like(q)
+    out, grads = run_with_grad(q, k, v, dout, causal=causal)
+    check_attention(out, None, q, k, v, causal)  # the forward under autograd is the same
+    check_grads(grads, q, k, v, dout, causal)
+
+
+@pytest.mark.parametrize("combo", BWD_COMBOS, ids=_combo_id)
+def test_gradients_with_softmax_scale_and_lse(combo):
+    dtype, d = combo
+    q, k, v = make_qkv(2, 200, 300, 4, 1, d, DTYPES[dtype], seed=3)
+    dout = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse, _ = flash_attn_func(*leaves, softmax_scale=0.3, causal=True,
+                                  return_attn_probs=True)
+    assert not lse.requires_grad  # the lse is not differentiable, as in flash-attn
+    out.backward(dout)
+    check_grads([t.grad for t in leaves], q, k, v, dout, True, scale=0.3)
+
+
+def test_gradients_of_views_reach_their_base():
+    """Packed qkv (b, s, 3, h, d) unbound into strided views, and (b, h, s, d) tensors seen
+    through transpose(1, 2): the kernels read the strides, autograd sums into the bases."""
+    dtype, d = BWD_COMBOS[0]
+    b, s, h = 2, 300, 4
+    g = torch.Generator(device="cuda").manual_seed(5)
+    qkv = torch.randn((b, s, 3, h, d), generator=g, device="cuda", dtype=DTYPES[dtype])
+    dout = torch.randn((b, s, h, d), generator=g, device="cuda", dtype=DTYPES[dtype])
+    packed = qkv.clone().requires_grad_()
+    flash_attn_func(*packed.unbind(2), causal=True).backward(dout)
+    grads = packed.grad.unbind(2)
+    check_grads(grads, *qkv.unbind(2), dout, True)
+
+    bhsd = [t.transpose(1, 2).contiguous().requires_grad_() for t in qkv.unbind(2)]
+    flash_attn_func(*[t.transpose(1, 2) for t in bhsd], causal=True).backward(dout)
+    for ours, ref in zip(bhsd, grads):
+        assert torch.equal(ours.grad.transpose(1, 2), ref), "strides change the gradient"
+
+
+def test_expanded_output_gradient():
+    """out.sum() hands the backward an expanded dout (all strides 0): copied, not misread."""
+    dtype, d = BWD_COMBOS[-1]
+    q, k, v = make_qkv(1, 100, 100, 2, 2, d, DTYPES[dtype], seed=7)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    flash_attn_func(*leaves).sum().backward()
+    check_grads([t.grad for t in leaves], q, k, v, torch.ones_like(q), False)
+
+
+def test_only_some_inputs_require_grad():
+    dtype, d = BWD_COMBOS[0]
+    q, k, v = make_qkv(1, 64, 64, 2, 2, d, DTYPES[dtype], seed=8)
+    dout = torch.randn_like(q)
+    kk = k.clone().requires_grad_()
+    flash_attn_func(q, kk, v, causal=True).backward(dout)
+    ref = reference_grads(q, k, v, dout, True, d ** -0.5, True)
+    lowp = reference_grads(q, k, v, dout, True, d ** -0.5, False)
+    _assert_within("dk", kk.grad.float(), ref[1], lowp[1].float())
+
+
+def test_backward_is_deterministic():
+    dtype, d = BWD_COMBOS[-1]
+    q, k, v = make_qkv(2, 777, 1500, 8, 2, d, DTYPES[dtype], seed=9)
+    dout = torch.randn_like(q)
+    first = run_with_grad(q, k, v, dout, causal=True)[1]
+    second = run_with_grad(q, k, v, dout, causal=True)[1]
+    for a, b in zip(first, second):
+        assert torch.equal(a, b), "two backward passes differ"
+
+
+def test_empty_sequences_give_zero_gradients():
+    dtype, d = BWD_COMBOS[0]
+    for sq, sk in ((0, 10), (10, 0)):
+        q, k, v = make_qkv(1, sq, sk, 2, 2, d, DTYPES[dtype])
+        out, grads = run_with_grad(q, k, v, torch.randn_like(q), causal=True)
+        for g, t in zip(grads, (q, k, v)):
+            assert g.shape == t.shape and not g.any()
+
+
+def test_unsupported_head_dim_fails_at_the_forward():
+    dtype = BWD_COMBOS[0][0]
+    unsupported = [d for dt, d in COMBOS if dt == dtype and d not in BWD_D_HEADS]
+    if not unsupported:
+        pytest.skip("no forward kernel with a head dim the backward lacks is built")
+    q, k, v = make_qkv(1, 64, 64, 2, 2, unsupported[0], DTYPES[dtype])
+    with pytest.raises(NotImplementedError, match=r"no backward kernel .* head dim "
+                                                  rf"{unsupported[0]}.*torch.no_grad"):
+        flash_attn_func(q.requires_grad_(), k, v)
+    with torch.no_grad():
+        flash_attn_func(q, k, v)  # inference still works
+
+
+def test_torch_compile_backward_matches_eager():
+    dtype, d = BWD_COMBOS[-1]
+    q, k, v = make_qkv(2, 256, 256, 4, 2, d, DTYPES[dtype], seed=11)
+    dout = torch.randn_like(q)
+    eager = run_with_grad(q, k, v, dout, causal=True)[1]
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True) * 2,
+                             fullgraph=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    compiled(*leaves).backward(dout / 2)
+    for ours, ref in zip((t.grad for t in leaves), eager):
+        assert torch.equal(ours, ref)
+
+
+def test_debug_mode_synchronizes_and_passes(monkeypatch):
+    monkeypatch.setenv("CUDAFLASH_DEBUG", "1")
+    api.clear_caches()
+    try:
+        dtype, d = BWD_COMBOS[0]
+        q, k, v = make_qkv(1, 100, 100, 2, 2, d, DTYPES[dtype], seed=12)
+        dout = torch.randn_like(q)
+        _, grads = run_with_grad(q, k, v, dout)
+        check_grads(grads, q, k, v, dout, False)
+    finally:
+        monkeypatch.delenv("CUDAFLASH_DEBUG")
+        api.clear_caches()
