@@ -158,10 +158,11 @@ def test_torch_compile_backward_matches_eager():
     dout = torch.randn_like(q)
     eager = run_with_grad(q, k, v, dout, causal=True)[1]
     torch._dynamo.reset()
-    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True) * 2,
+    # (No arithmetic around the call: dout / 2 * 2 is not exact for fp16 subnormals.)
+    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True),
                              fullgraph=True)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    compiled(*leaves).backward(dout / 2)
+    compiled(*leaves).backward(dout)
     for ours, ref in zip((t.grad for t in leaves), eager):
         assert torch.equal(ours, ref)
 

@@ -370,7 +370,8 @@ def test_misaligned_view_is_refused():
 
 def test_repeat_calls_recheck_what_the_signature_does_not_fix():
     """A repeat signature takes the recorded plan: new data must still be computed right, and
-    a misaligned pointer or a tensor that requires grad must still be refused."""
+    a misaligned pointer must still be refused, and a tensor that requires grad must take
+    the autograd path (an out with a grad_fn), not the plan's bare launch."""
     dtype, d = _pick_combo(("bf16", 128), *COMBOS)
     q, k, v = make_qkv(2, 300, 200, 4, 2, d, DTYPES[dtype], seed=1)
     flash_attn_func(q, k, v, causal=True)  # records the plan
@@ -385,8 +386,9 @@ def test_repeat_calls_recheck_what_the_signature_does_not_fix():
     assert shifted.stride() == q.stride()  # the same signature, a misaligned pointer
     with pytest.raises(ValueError, match="q is not 16-byte aligned"):
         flash_attn_func(shifted, k, v, causal=True)
-    with pytest.raises(NotImplementedError, match="requires grad"):
-        flash_attn_func(q.clone().requires_grad_(), k, v, causal=True)
+    with_grad = flash_attn_func(q.clone().requires_grad_(), k, v, causal=True)
+    assert with_grad.grad_fn is not None
+    assert torch.equal(with_grad.detach(), flash_attn_func(q, k, v, causal=True))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])

@@ -5,6 +5,7 @@ time, halved when causal; the time is autograd.grad of out with a fixed random d
 forward is not in it), CUDA events, the median of rounds where the backends take turns.
 
     PYTHONPATH=. python3 tools/bwd_bench.py [--dtype bf16] [--seqlens 1024,4096] [--head-dims 64,128]
+        [--backward-config NAME,...]   # time these backward configs instead of the shipped choice
 """
 
 import argparse
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cudaflash import flash_attn_func
+from cudaflash import backward, flash_attn_func, manifest
 
 ROUNDS, CALLS = 5, 10
 
@@ -54,7 +55,30 @@ def main():
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--backward-config", default=None,
+                        help="comma-separated backward config names to use (one per dtype and "
+                             "head dim) instead of the first built one")
     args = parser.parse_args()
+    if args.backward_config:
+        wanted = args.backward_config.split(",")
+        entries = {e.name: e for e in manifest.load_manifest().backward}
+        missing = [n for n in wanted if n not in entries]
+        if missing:
+            raise SystemExit(f"not in the manifest: {missing}; built: {sorted(entries)}")
+        shipped = backward.find_entry
+
+        def find_entry(index, dtype, d_head):
+            for name in wanted:
+                e = entries[name]
+                if (e.config.dtype, e.config.d_head) == (backward._DTYPES[dtype], d_head):
+                    usable = manifest.load_manifest().usable_backward(
+                        *[getattr(backward._driver.device(index), a)
+                          for a in ("arch", "smem_optin")])
+                    return usable[name]
+            return shipped(index, dtype, d_head)
+
+        backward.find_entry = find_entry
+        print(f"backward configs: {wanted}")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}; "
           "backward TFLOP/s (ratio = cudaflash / backend)")
