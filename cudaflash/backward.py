@@ -46,11 +46,6 @@ def clear_cache() -> None:
     _kernels.clear()
 
 
-def head_dims() -> tuple[int, ...]:
-    """The head dims the backward kernels exist for."""
-    return BWD_D_HEADS
-
-
 def find_entry(index: int, dtype: torch.dtype, d_head: int) -> BackwardEntry | None:
     """The backward module for (dtype, d_head) that runs on cuda:``index``, or None."""
     device = _driver.device(index)
@@ -77,8 +72,9 @@ def _kernel(ctx: int, index: int, dtype: torch.dtype, d_head: int) -> _BackwardK
     kernel = _kernels.get(key)
     if kernel is None:
         entry = find_entry(index, dtype, d_head)
-        if entry is None:
-            check_supported(index, dtype, d_head)  # raises
+        if entry is None:  # the forward checked; only a changed manifest gets here
+            check_supported(index, dtype, d_head)
+            raise AssertionError("check_supported did not raise")
         debug = _env.debug()
         if debug:
             log.debug("cuda:%d backward %s d_head=%d -> %s", index, _DTYPES[dtype], d_head,
