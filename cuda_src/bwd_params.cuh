@@ -6,6 +6,17 @@
 
 namespace cudaflash {
 
+// The strides of a (batch, seqlen, nheads, d_head) tensor, in elements.
+struct Strides {
+    int64_t batch, seq, head;
+};
+
+// Element (batch, row, head, 0) of such a tensor.
+template <class T>
+__device__ __forceinline__ T* row_of(T* base, const Strides& s, int batch, int row, int head) {
+    return base + batch * s.batch + int64_t(row) * s.seq + head * s.head;
+}
+
 struct BwdParams {
     // Pointers. q, o, dout, dq: (batch, seqlen_q, n_heads, d_head); k, v, dk, dv: (batch,
     // seqlen_k, n_heads_k, d_head); lse (the forward's, natural log) and delta (written by
@@ -23,14 +34,8 @@ struct BwdParams {
     void* dv;
 
     // Strides in elements (the last dimension is contiguous).
-    int64_t q_batch_stride, q_seq_stride, q_head_stride;
-    int64_t k_batch_stride, k_seq_stride, k_head_stride;
-    int64_t v_batch_stride, v_seq_stride, v_head_stride;
-    int64_t o_batch_stride, o_seq_stride, o_head_stride;
-    int64_t do_batch_stride, do_seq_stride, do_head_stride;
-    int64_t dq_batch_stride, dq_seq_stride, dq_head_stride;
-    int64_t dk_batch_stride, dk_seq_stride, dk_head_stride;
-    int64_t dv_batch_stride, dv_seq_stride, dv_head_stride;
+    Strides q_strides, k_strides, v_strides, o_strides, do_strides;
+    Strides dq_strides, dk_strides, dv_strides;
     int64_t lse_batch_stride, lse_head_stride;
 
     // Sizes, as in Params.

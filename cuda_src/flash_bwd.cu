@@ -182,10 +182,9 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& p) {
     const int head = blockIdx.y;
     const int batch = blockIdx.z;
     if (row >= p.seqlen_q) return;
-    const elem_t* o = static_cast<const elem_t*>(p.o) + batch * p.o_batch_stride +
-                      head * p.o_head_stride + int64_t(row) * p.o_seq_stride;
-    const elem_t* dout = static_cast<const elem_t*>(p.dout) + batch * p.do_batch_stride +
-                         head * p.do_head_stride + int64_t(row) * p.do_seq_stride;
+    const elem_t* o = row_of(static_cast<const elem_t*>(p.o), p.o_strides, batch, row, head);
+    const elem_t* dout =
+        row_of(static_cast<const elem_t*>(p.dout), p.do_strides, batch, row, head);
     float sum = 0.f;
 #pragma unroll
     for (int c = 2 * lane; c < kD; c += 64) {  // a warp reads 128 contiguous bytes per step
@@ -228,25 +227,21 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
 
     using KeyCopy = TileCopy<C, kKeys>;
     using QCopy = TileCopy<C, kQ>;
-    KeyCopy::load(sK, static_cast<const elem_t*>(p.k) + batch * p.k_batch_stride +
-                          head_k * p.k_head_stride + int64_t(key0) * p.k_seq_stride,
-                  p.k_seq_stride, key_rows);
-    KeyCopy::load(sV, static_cast<const elem_t*>(p.v) + batch * p.v_batch_stride +
-                          head_k * p.v_head_stride + int64_t(key0) * p.v_seq_stride,
-                  p.v_seq_stride, key_rows);
+    KeyCopy::load(sK, row_of(static_cast<const elem_t*>(p.k), p.k_strides, batch, key0, head_k),
+                  p.k_strides.seq, key_rows);
+    KeyCopy::load(sV, row_of(static_cast<const elem_t*>(p.v), p.v_strides, batch, key0, head_k),
+                  p.v_strides.seq, key_rows);
 
     auto load_step = [&](int step, int buf) {
         const int head = head_k * group + step / tiles_per_head;
         const int q0 = (first_tile + step % tiles_per_head) * kQ;
         const int rows = min(kQ, p.seqlen_q - q0);
         QCopy::load(sQ + buf * kQ * kD,
-                    static_cast<const elem_t*>(p.q) + batch * p.q_batch_stride +
-                        head * p.q_head_stride + int64_t(q0) * p.q_seq_stride,
-                    p.q_seq_stride, rows);
+                    row_of(static_cast<const elem_t*>(p.q), p.q_strides, batch, q0, head),
+                    p.q_strides.seq, rows);
         QCopy::load(sdO + buf * kQ * kD,
-                    static_cast<const elem_t*>(p.dout) + batch * p.do_batch_stride +
-                        head * p.do_head_stride + int64_t(q0) * p.do_seq_stride,
-                    p.do_seq_stride, rows);
+                    row_of(static_cast<const elem_t*>(p.dout), p.do_strides, batch, q0, head),
+                    p.do_strides.seq, rows);
         const int64_t stats = batch * p.lse_batch_stride + head * p.lse_head_stride + q0;
         static_assert(kQ <= C::kThreads, "one thread per query row of a tile");
         const int i = threadIdx.x;
@@ -317,12 +312,10 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
     acc_to_tile<kKeys>(sK, dK, p.softmax_scale, row0);
     acc_to_tile<kKeys>(sV, dV, 1.f, row0);
     __syncthreads();
-    KeyCopy::store(static_cast<elem_t*>(p.dk) + batch * p.dk_batch_stride +
-                       head_k * p.dk_head_stride + int64_t(key0) * p.dk_seq_stride,
-                   sK, p.dk_seq_stride, key_rows);
-    KeyCopy::store(static_cast<elem_t*>(p.dv) + batch * p.dv_batch_stride +
-                       head_k * p.dv_head_stride + int64_t(key0) * p.dv_seq_stride,
-                   sV, p.dv_seq_stride, key_rows);
+    KeyCopy::store(row_of(static_cast<elem_t*>(p.dk), p.dk_strides, batch, key0, head_k), sK,
+                   p.dk_strides.seq, key_rows);
+    KeyCopy::store(row_of(static_cast<elem_t*>(p.dv), p.dv_strides, batch, key0, head_k), sV,
+                   p.dv_strides.seq, key_rows);
 }
 
 // ---- dQ -------------------------------------------------------------------------------------
@@ -360,22 +353,18 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
 
     using RowCopy = TileCopy<C, kRows>;
     using KvCopy = TileCopy<C, kKv>;
-    RowCopy::load(sQ, static_cast<const elem_t*>(p.q) + batch * p.q_batch_stride +
-                          head * p.q_head_stride + int64_t(q0) * p.q_seq_stride,
-                  p.q_seq_stride, q_rows);
-    RowCopy::load(sdO, static_cast<const elem_t*>(p.dout) + batch * p.do_batch_stride +
-                           head * p.do_head_stride + int64_t(q0) * p.do_seq_stride,
-                  p.do_seq_stride, q_rows);
-    const elem_t* k = static_cast<const elem_t*>(p.k) + batch * p.k_batch_stride +
-                      head_k * p.k_head_stride;
-    const elem_t* v = static_cast<const elem_t*>(p.v) + batch * p.v_batch_stride +
-                      head_k * p.v_head_stride;
+    RowCopy::load(sQ, row_of(static_cast<const elem_t*>(p.q), p.q_strides, batch, q0, head),
+                  p.q_strides.seq, q_rows);
+    RowCopy::load(sdO, row_of(static_cast<const elem_t*>(p.dout), p.do_strides, batch, q0, head),
+                  p.do_strides.seq, q_rows);
+    const elem_t* k = row_of(static_cast<const elem_t*>(p.k), p.k_strides, batch, 0, head_k);
+    const elem_t* v = row_of(static_cast<const elem_t*>(p.v), p.v_strides, batch, 0, head_k);
     auto load_tile = [&](int tile, int buf) {
         const int rows = p.seqlen_k - tile * kKv;
-        KvCopy::load(sK + buf * kKv * kD, k + int64_t(tile) * kKv * p.k_seq_stride,
-                     p.k_seq_stride, rows);
-        KvCopy::load(sV + buf * kKv * kD, v + int64_t(tile) * kKv * p.v_seq_stride,
-                     p.v_seq_stride, rows);
+        KvCopy::load(sK + buf * kKv * kD, k + int64_t(tile) * kKv * p.k_strides.seq,
+                     p.k_strides.seq, rows);
+        KvCopy::load(sV + buf * kKv * kD, v + int64_t(tile) * kKv * p.v_strides.seq,
+                     p.v_strides.seq, rows);
     };
     if (n_tiles > 0) load_tile(0, 0);
     copy_commit<C>();
@@ -439,9 +428,8 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
     __syncthreads();
     acc_to_tile<kRows>(sQ, dQ, p.softmax_scale, row0);
     __syncthreads();
-    RowCopy::store(static_cast<elem_t*>(p.dq) + batch * p.dq_batch_stride +
-                       head * p.dq_head_stride + int64_t(q0) * p.dq_seq_stride,
-                   sQ, p.dq_seq_stride, q_rows);
+    RowCopy::store(row_of(static_cast<elem_t*>(p.dq), p.dq_strides, batch, q0, head), sQ,
+                   p.dq_strides.seq, q_rows);
 }
 
 }  // namespace cudaflash

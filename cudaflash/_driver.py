@@ -311,10 +311,7 @@ class Launcher:
         if result[0]:  # check() inline: this is the per-call path
             check(result, self.label)
         if self.synchronize:
-            cu = _cu()
-            status = check(cu.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
-            if status == cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
-                check(cu.cuStreamSynchronize(stream), f"cuStreamSynchronize after {self.label}")
+            _synchronize_unless_capturing(stream, self.label)
 
     def launch_with_workspace(self, stream: int, q: int, k: int, v: int, o: int, lse: int,
                               cu_seqlens_q: int, cu_seqlens_k: int, o_accum: int,
@@ -325,24 +322,36 @@ class Launcher:
         self.launch(stream, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
 
 
-def launch_packed(fn, label: str, grid: tuple[int, int, int], threads: int, smem: int,
-                  stream: int, params: bytes, synchronize: bool) -> None:
-    """One launch with an already packed argument struct (the backward's: its launches are
-    few per step and heavy, so they skip the Launcher's per-call economies). ``synchronize``
-    as in Launcher."""
+def _synchronize_unless_capturing(stream: int, label: str) -> None:
+    """CUDAFLASH_DEBUG: wait for the stream and raise here if the launch ``label`` faulted;
+    skipped while the stream is captured into a graph, where synchronizing is illegal."""
     cu = _cu()
-    buffer = ctypes.create_string_buffer(params, len(params))
-    size = ctypes.c_size_t(len(params))
-    extra = (ctypes.c_void_p * 5)(_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(buffer),
-                                  _LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size),
-                                  _LAUNCH_PARAM_END)
+    status = check(cu.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
+    if status == cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+        check(cu.cuStreamSynchronize(stream), f"cuStreamSynchronize after {label}")
+
+
+class PackedArgs:
+    """An already packed kernel argument struct and the ``extra`` array that hands it to
+    cuLaunchKernel, for launches outside the Launcher's per-call economies (the backward's:
+    three heavy launches per step share one). Keep it alive until the launches return."""
+
+    def __init__(self, params: bytes) -> None:
+        self.buffer = ctypes.create_string_buffer(params, len(params))
+        self.size = ctypes.c_size_t(len(params))
+        self.extra = (ctypes.c_void_p * 5)(
+            _LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(self.buffer),
+            _LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(self.size), _LAUNCH_PARAM_END)
+
+
+def launch_packed(fn, label: str, grid: tuple[int, int, int], threads: int, smem: int,
+                  stream: int, args: PackedArgs, synchronize: bool) -> None:
+    """One launch of ``fn`` with ``args``; ``synchronize`` as in Launcher."""
     stream_obj = _stream_objects.get(stream)
     if stream_obj is None:
         stream_obj = _new_stream_object(stream)
-    # The driver copies the parameters before cuLaunchKernel returns: the buffers may go.
-    check(cu.cuLaunchKernel(fn, *grid, threads, 1, 1, smem, stream_obj, None,
-                            ctypes.addressof(extra)), label)
+    # The driver copies the parameters before cuLaunchKernel returns.
+    check(_cu().cuLaunchKernel(fn, *grid, threads, 1, 1, smem, stream_obj, None,
+                               ctypes.addressof(args.extra)), label)
     if synchronize:
-        status = check(cu.cuStreamIsCapturing(stream_obj), "cuStreamIsCapturing")
-        if status == cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
-            check(cu.cuStreamSynchronize(stream_obj), f"cuStreamSynchronize after {label}")
+        _synchronize_unless_capturing(stream, label)

@@ -73,6 +73,12 @@ PARAMS_STRUCT_FORMAT = (PARAMS_POINTERS_FORMAT + PARAMS_FIXED_FORMAT[1:]
 BWD_PARAMS_BYTES = 320
 
 
+class Strides(ctypes.Structure):
+    """``cudaflash::Strides``: a (batch, seqlen, nheads, d_head) tensor's strides."""
+
+    _fields_ = [("batch", ctypes.c_int64), ("seq", ctypes.c_int64), ("head", ctypes.c_int64)]
+
+
 class BwdParams(ctypes.Structure):
     """Mirror of ``cuda_src/bwd_params.cuh``: the backward kernels' single argument."""
 
@@ -80,9 +86,8 @@ class BwdParams(ctypes.Structure):
         (name, ctypes.c_void_p)
         for name in ("q", "k", "v", "o", "dout", "lse", "delta", "dq", "dk", "dv")
     ] + [
-        (f"{tensor}_{dim}_stride", ctypes.c_int64)
+        (f"{tensor}_strides", Strides)
         for tensor in ("q", "k", "v", "o", "do", "dq", "dk", "dv")
-        for dim in ("batch", "seq", "head")
     ] + [
         ("lse_batch_stride", ctypes.c_int64),
         ("lse_head_stride", ctypes.c_int64),

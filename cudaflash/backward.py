@@ -39,21 +39,26 @@ class _BackwardKernel:
     synchronize: bool  # CUDAFLASH_DEBUG
 
 
-_kernels: dict[tuple, _BackwardKernel | None] = {}
+_kernels: dict[tuple, _BackwardKernel] = {}
+# find_entry's answers: every forward that records gradients asks (check_supported).
+_entries: dict[tuple, BackwardEntry | None] = {}
 
 
 def clear_cache() -> None:
     _kernels.clear()
+    _entries.clear()
 
 
 def find_entry(index: int, dtype: torch.dtype, d_head: int) -> BackwardEntry | None:
     """The backward module for (dtype, d_head) that runs on cuda:``index``, or None."""
-    device = _driver.device(index)
-    usable = _manifest.load_manifest().usable_backward(device.arch, device.smem_optin)
-    for entry in usable.values():  # manifest order: configs.yaml's
-        if entry.config.dtype == _DTYPES[dtype] and entry.config.d_head == d_head:
-            return entry
-    return None
+    key = (index, dtype, d_head)
+    if key not in _entries:
+        device = _driver.device(index)
+        usable = _manifest.load_manifest().usable_backward(device.arch, device.smem_optin)
+        _entries[key] = next(  # manifest order: configs.yaml's
+            (e for e in usable.values()
+             if e.config.dtype == _DTYPES[dtype] and e.config.d_head == d_head), None)
+    return _entries[key]
 
 
 def check_supported(index: int, dtype: torch.dtype, d_head: int) -> None:
@@ -118,11 +123,11 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for t in (q, k, v, out, dout, dq, dk, dv):
         s = t.stride()
         strides += [s[0], s[1], s[2]]
-    params = _PACK.pack(
+    args = _driver.PackedArgs(_PACK.pack(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
         lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
         *strides, n_heads * seqlen_q, seqlen_q,
-        batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal), scale, scale * _LOG2E)
+        batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal), scale, scale * _LOG2E))
 
     stream = torch._C._cuda_getCurrentRawStream(index)
     fns, sync = kernel.fns, kernel.synchronize
@@ -130,13 +135,13 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _driver.launch_packed(
         fns.preprocess, f"cuLaunchKernel({entry.name} preprocess)",
         ((seqlen_q + entry.preprocess_rows - 1) // entry.preprocess_rows, n_heads, batch),
-        entry.preprocess_threads, 0, stream, params, sync)
+        entry.preprocess_threads, 0, stream, args, sync)
     _driver.launch_packed(
         fns.dkdv, f"cuLaunchKernel({entry.name} dkdv)",
         ((seqlen_k + rows - 1) // rows, n_heads_k, batch), entry.threads,
-        entry.dkdv_smem_bytes, stream, params, sync)
+        entry.dkdv_smem_bytes, stream, args, sync)
     _driver.launch_packed(
         fns.dq, f"cuLaunchKernel({entry.name} dq)",
         ((seqlen_q + rows - 1) // rows, n_heads, batch), entry.threads, entry.dq_smem_bytes,
-        stream, params, sync)
+        stream, args, sync)
     return dq, dk, dv

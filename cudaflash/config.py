@@ -392,12 +392,6 @@ class BackwardConfig:
             bad("B_c", f"shared memory {self.smem_bytes} bytes exceeds every arch's limit")
         return errs
 
-    def validate(self) -> "BackwardConfig":
-        errs = self.errors()
-        if errs:
-            raise ConfigError(f"invalid backward config {self.name}: " + "; ".join(errs))
-        return self
-
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "config") -> "BackwardConfig":
         return _from_dict(cls, data, where)

@@ -142,40 +142,41 @@ def _read(kernel_dir: Path) -> Manifest:
                            "`python build_cubins.py`") from None
 
 
+def _check_struct_size(data: dict, key: str, expected: int) -> None:
+    if data[key] != expected:
+        raise ValueError(f"{key}={data[key]} but cudaflash/_params.py packs {expected} bytes: "
+                         "kernels and runtime come from different sources")
+
+
+def _entry_config(cls, k: dict, where: str):
+    """The validated config of manifest entry ``k`` (a ``cls``), after checking the entry's
+    name and kind against it."""
+    config = cls.from_dict(k["config"], where=f"{where}.config")
+    if k["name"] != config.name:
+        raise ValueError(f"{where}: name {k['name']!r} is not the canonical name "
+                         f"{config.name!r} of its config")
+    if k["kind"] not in KINDS:
+        raise ValueError(f"{where}: kind {k['kind']!r}, expected one of {KINDS}")
+    return config
+
+
 def _parse(data: dict, path: Path) -> Manifest:
     if data["schema"] != SCHEMA:
         raise ValueError(f"schema {data['schema']!r}, this cudaflash reads schema {SCHEMA}")
-    if data["params_bytes"] != PARAMS_BYTES:
-        raise ValueError(f"params_bytes={data['params_bytes']} but cudaflash/_params.py packs "
-                         f"{PARAMS_BYTES} bytes: kernels and runtime come from different "
-                         "sources")
+    _check_struct_size(data, "params_bytes", PARAMS_BYTES)
+    _check_struct_size(data, "bwd_params_bytes", BWD_PARAMS_BYTES)
     kernels = []
     for i, k in enumerate(data["kernels"]):
-        config = KernelConfig.from_dict(k["config"], where=f"kernels[{i}].config")
-        if k["name"] != config.name:
-            raise ValueError(f"kernels[{i}]: name {k['name']!r} is not the canonical name "
-                             f"{config.name!r} of its config")
-        if k["kind"] not in KINDS:
-            raise ValueError(f"kernels[{i}]: kind {k['kind']!r}, expected one of {KINDS}")
+        config = _entry_config(KernelConfig, k, f"kernels[{i}]")
         kernels.append(KernelEntry(
             name=k["name"], config=config, arch=int(k["arch"]), kind=k["kind"],
             path=path.parent / k["file"], entry=k["entry"], split_entry=k["split_entry"],
             combine_entry=k["combine_entry"], threads=int(k["threads"]),
             smem_bytes=int(k["smem_bytes"]), registers=k["registers"],
             spill_bytes=k["spill_bytes"], sha256=k["sha256"]))
-    if data["bwd_params_bytes"] != BWD_PARAMS_BYTES:
-        raise ValueError(f"bwd_params_bytes={data['bwd_params_bytes']} but cudaflash/_params.py "
-                         f"packs {BWD_PARAMS_BYTES} bytes: kernels and runtime come from "
-                         "different sources")
     backward = []
     for i, k in enumerate(data["backward_kernels"]):
-        config = BackwardConfig.from_dict(k["config"], where=f"backward_kernels[{i}].config")
-        if k["name"] != config.name:
-            raise ValueError(f"backward_kernels[{i}]: name {k['name']!r} is not the canonical "
-                             f"name {config.name!r} of its config")
-        if k["kind"] not in KINDS:
-            raise ValueError(f"backward_kernels[{i}]: kind {k['kind']!r}, expected one of "
-                             f"{KINDS}")
+        config = _entry_config(BackwardConfig, k, f"backward_kernels[{i}]")
         backward.append(BackwardEntry(
             name=k["name"], config=config, arch=int(k["arch"]), kind=k["kind"],
             path=path.parent / k["file"], preprocess_entry=k["preprocess_entry"],

@@ -91,39 +91,36 @@ FAKE_SELECTION = [
 
 def write_fake_kernel_dir(root, kernels=FAKE_KERNELS, selection=FAKE_SELECTION,
                           params_bytes=PARAMS_BYTES):
-    entries = []
-    for i, (cfg, kind, arch) in enumerate(kernels):
+    def fake_file(cfg, kind, arch, text):
+        """Write a stand-in kernel file; its manifest fields: file, arch, kind, sha256..."""
         rel = f"sm_{arch}/{cfg.name}.cubin" if kind == "cubin" else \
             f"ptx/compute_{arch}/{cfg.name}.ptx"
-        data = f"fake {kind} {i} {cfg.name}".encode()
+        data = text.encode()
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(data)
+        return {"name": cfg.name, "config": cfg.to_dict(), "arch": arch, "kind": kind,
+                "file": rel, "sha256": hashlib.sha256(data).hexdigest(),
+                "nvcc_version": "13.0.88", "source_hash": "f" * 64}
+
+    entries = []
+    for i, (cfg, kind, arch) in enumerate(kernels):
         entries.append({
-            "name": cfg.name, "config": cfg.to_dict(), "arch": arch, "kind": kind, "file": rel,
+            **fake_file(cfg, kind, arch, f"fake {kind} {i} {cfg.name}"),
             "entry": "cudaflash_fwd", "split_entry": "cudaflash_fwd_split",
             "combine_entry": "cudaflash_combine", "threads": cfg.threads,
             "smem_bytes": cfg.smem_bytes,
             "registers": 128 if kind == "cubin" else None,
-            "spill_bytes": 0 if kind == "cubin" else None,
-            "sha256": hashlib.sha256(data).hexdigest(), "nvcc_version": "13.0.88",
-            "source_hash": "f" * 64})
+            "spill_bytes": 0 if kind == "cubin" else None})
     backward = []
     for i, (cfg, kind, arch) in enumerate(FAKE_BACKWARD):
-        rel = f"sm_{arch}/{cfg.name}.cubin" if kind == "cubin" else \
-            f"ptx/compute_{arch}/{cfg.name}.ptx"
-        data = f"fake backward {kind} {i} {cfg.name}".encode()
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_bytes(data)
         backward.append({
-            "name": cfg.name, "config": cfg.to_dict(), "arch": arch, "kind": kind, "file": rel,
+            **fake_file(cfg, kind, arch, f"fake backward {kind} {i} {cfg.name}"),
             "preprocess_entry": "cudaflash_bwd_preprocess", "dkdv_entry": "cudaflash_bwd_dkdv",
             "dq_entry": "cudaflash_bwd_dq", "threads": cfg.threads, "preprocess_threads": 128,
             "preprocess_rows": 4, "cta_rows": cfg.cta_rows,
             "dkdv_smem_bytes": cfg.dkdv_smem_bytes, "dq_smem_bytes": cfg.dq_smem_bytes,
             "registers": 200 if kind == "cubin" else None,
-            "spill_bytes": 0 if kind == "cubin" else None,
-            "sha256": hashlib.sha256(data).hexdigest(), "nvcc_version": "13.0.88",
-            "source_hash": "f" * 64})
+            "spill_bytes": 0 if kind == "cubin" else None})
     manifest = {"schema": 3, "nvcc_version": "13.0.88", "source_hash": "f" * 64,
                 "params_bytes": params_bytes, "bwd_params_bytes": BWD_PARAMS_BYTES,
                 "entries": ["cudaflash_fwd", "cudaflash_fwd_split", "cudaflash_combine"],
