@@ -19,7 +19,7 @@ import functools
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -47,6 +47,13 @@ _is_compiling = torch.compiler.is_compiling  # torch.compile recognises the func
 _is_grad_enabled = torch.is_grad_enabled
 _empty_like = torch.empty_like
 _float32 = torch.float32
+# The allocator of Inductor's generated code (torch/_inductor/codegen/wrapper.py): an empty
+# tensor of given sizes, strides and dtype on the current CUDA device, without the dispatcher;
+# about half of torch.empty_like's host time. Private to torch, so never trusted blindly:
+# _fast_allocator() tries it once per plan and keeps it only if its tensor is what
+# torch.empty_like gave; otherwise (or where torch lacks it) the plan allocates as before.
+_empty_strided_cuda = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None),
+                              "_empty_strided_cuda", None)
 
 
 # ---- public functions ------------------------------------------------------------------------
@@ -115,10 +122,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     and (q.requires_grad or k.requires_grad or v.requires_grad))):
             # q's layout, as flash-attn does; the plan's out strides are empty_like's for q's
             # shape and strides, which the key fixes.
-            out = _empty_like(q)
+            new_out = plan.new_out
+            out = _empty_like(q) if new_out is None else new_out()
             stream = _current_stream(index)
             if want_lse:
-                lse = q.new_empty(plan.lse_shape, dtype=_float32)
+                new_lse = plan.new_lse
+                lse = (q.new_empty(plan.lse_shape, dtype=_float32) if new_lse is None
+                       else new_lse())
                 plan.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(), lse.data_ptr(), 0, 0)
                 return out, lse, None
             # 0: no lse; 0, 0: not a packed (varlen) batch
@@ -218,8 +228,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if not ((q_ptr | k_ptr | v_ptr) & 15 or _current_device() != index
                 or (_is_grad_enabled()
                     and (q.requires_grad or k.requires_grad or v.requires_grad))):
-            out = _empty_like(q)
-            lse = q.new_empty(plan.lse_shape, dtype=_float32) if want_lse else None
+            new_out, new_lse = plan.new_out, plan.new_lse
+            out = _empty_like(q) if new_out is None else new_out()
+            lse = None
+            if want_lse:
+                lse = (q.new_empty(plan.lse_shape, dtype=_float32) if new_lse is None
+                       else new_lse())
             plan.launch(_current_stream(index), q_ptr, k_ptr, v_ptr, out.data_ptr(),
                         0 if lse is None else lse.data_ptr(), cu_seqlens_q.data_ptr(),
                         cu_seqlens_k.data_ptr())
@@ -586,7 +600,9 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
         if len(_plans) >= _MAX_PLANS:  # many distinct shapes (varying lengths): start over
             _plans.clear()
         _plans[plan_key] = _Plan(device_index=index, launch=launch,
-                                 lse_shape=(batch, n_heads, seqlen_q))
+                                 lse_shape=(batch, n_heads, seqlen_q),
+                                 new_out=_fast_allocator(out),
+                                 new_lse=None if lse is None else _fast_allocator(lse))
     return out, lse
 
 
@@ -638,7 +654,9 @@ def _run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
         if len(_varlen_plans) >= _MAX_PLANS:
             _varlen_plans.clear()
         _varlen_plans[plan_key] = _Plan(device_index=index, launch=launch,
-                                        lse_shape=(n_heads, total_q))
+                                        lse_shape=(n_heads, total_q),
+                                        new_out=_fast_allocator(out),
+                                        new_lse=None if lse is None else _fast_allocator(lse))
     return out, lse
 
 
@@ -811,6 +829,32 @@ class _Plan:
     # like q) are in its Launcher.
     launch: object
     lse_shape: tuple[int, ...]
+    # Zero-argument allocators of out and lse (_fast_allocator), or None: torch.empty_like(q)
+    # and q.new_empty(lse_shape, dtype=float32).
+    new_out: Optional[Callable[[], torch.Tensor]] = None
+    new_lse: Optional[Callable[[], torch.Tensor]] = None
+
+
+def _fast_allocator(like: torch.Tensor,
+                    empty_strided=None) -> Optional[Callable[[], torch.Tensor]]:
+    """A zero-argument function returning a new uninitialised tensor with ``like``'s shape,
+    strides, dtype and device, through ``empty_strided`` (default: torch's private
+    _empty_strided_cuda, which allocates on the current device: ``like``'s, here). None
+    where that function is missing, fails, or makes a tensor that differs from ``like`` in
+    any of these: the caller then allocates through torch's public functions."""
+    empty_strided = empty_strided or _empty_strided_cuda
+    if empty_strided is None:
+        return None
+    shape, stride, dtype = tuple(like.shape), like.stride(), like.dtype
+    allocate = functools.partial(empty_strided, shape, stride, dtype)
+    try:
+        made = allocate()
+    except Exception:  # a torch whose private function takes other arguments
+        return None
+    same = (type(made) is torch.Tensor and made.shape == like.shape
+            and made.stride() == stride and made.dtype == dtype
+            and made.device == like.device and not made.requires_grad)
+    return allocate if same else None
 
 
 _MAX_PLANS = 4096

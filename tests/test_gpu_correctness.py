@@ -421,6 +421,26 @@ def test_plan_shared_by_contiguous_tensors_with_other_size1_strides():
     check_attention(out, lse, odd, k, v, causal=False)
 
 
+def test_repeat_calls_allocate_through_the_plan():
+    """The second call of a signature takes its plan, whose out and lse come from torch's
+    private _empty_strided_cuda on this torch (_fast_allocator checked it against
+    torch.empty_like): same layout as empty_like(q) (q transposed here), same values."""
+    dtype, d = _pick_combo(("bf16", 64), *COMBOS)
+    q, k, v = make_qkv(2, 200, 300, 4, 2, d, DTYPES[dtype], seed=11)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    api.clear_caches()
+    first, first_lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    (plan,) = api._plans.values()
+    assert plan.new_out is not None and plan.new_lse is not None, \
+        "torch's _empty_strided_cuda is missing or differs: plans fall back to empty_like"
+    for _ in range(2):
+        out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        assert out.stride() == torch.empty_like(q).stride() and out.device == q.device
+        assert lse.shape == first_lse.shape and lse.is_contiguous()
+        assert torch.equal(out, first) and torch.equal(lse, first_lse)
+    check_attention(out, lse, q, k, v, causal=True)
+
+
 def test_corrupt_or_missing_kernel_file(tmp_path, monkeypatch):
     entry = KERNELS[0]
     src = manifest.load_manifest().path.parent

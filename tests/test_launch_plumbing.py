@@ -189,6 +189,66 @@ def test_repeat_call_takes_the_plan(fake, monkeypatch):
     assert len(fake.launches) == 3
 
 
+def _empty_strided(shape, stride, dtype):
+    """A CPU stand-in for torch's private _empty_strided_cuda (same arguments)."""
+    return torch.empty_strided(shape, stride, dtype=dtype)
+
+
+def test_fast_allocator_keeps_only_what_empty_like_would_give():
+    like = torch.empty_like(qkv()[0].transpose(1, 2))  # non-contiguous, dense
+    allocate = api._fast_allocator(like, _empty_strided)
+    made = allocate()
+    assert (made.shape, made.stride(), made.dtype, made.device) == \
+        (like.shape, like.stride(), like.dtype, like.device)
+    assert made.data_ptr() != allocate().data_ptr()  # a new tensor per call
+    # Any difference, or a function that takes other arguments: public allocation instead.
+    assert api._fast_allocator(like, lambda *a: torch.empty(like.shape, dtype=like.dtype)) \
+        is None  # contiguous strides
+    assert api._fast_allocator(like, lambda *a: torch.empty_like(like, dtype=torch.float32)) \
+        is None
+    assert api._fast_allocator(like, lambda shape, stride: None) is None
+    assert api._fast_allocator(like, lambda *a: like.numpy()) is None  # not a tensor
+
+
+def test_fast_allocator_missing_from_torch(monkeypatch):
+    monkeypatch.setattr(api, "_empty_strided_cuda", None)
+    assert api._fast_allocator(torch.empty(2, 3)) is None
+
+
+def test_repeat_call_allocates_through_the_plan(fake, monkeypatch):
+    """A plan whose fast allocator checked out allocates out and lse through it, with
+    torch.empty_like's layout (here q's transposed one); without one, through torch's
+    public functions."""
+    made = []
+
+    def empty_strided(shape, stride, dtype):
+        made.append((shape, stride, dtype))
+        return _empty_strided(shape, stride, dtype)
+
+    monkeypatch.setattr(api, "_current_device", lambda: 0)
+    monkeypatch.setattr(api, "_empty_strided_cuda", empty_strided)
+    q, k, v = qkv()
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    api._run(None, 0, q, k, v, None, 0.125, False, True,
+             plan_key=api._plan_key(q, k, v, None, False, True))
+    made.clear()  # the plan's own check
+    out, lse, _ = api.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert out.stride() == torch.empty_like(q).stride() == q.stride()
+    assert made == [(tuple(q.shape), q.stride(), q.dtype), ((2, 4, 100), (400, 100, 1),
+                                                            torch.float32)]
+    assert fake.launches[-1].params.o == out.data_ptr()
+    assert fake.launches[-1].params.lse == lse.data_ptr()
+
+    api.clear_caches()
+    monkeypatch.setattr(api, "_empty_strided_cuda", None)
+    api._run(None, 0, q, k, v, None, 0.125, False, True,
+             plan_key=api._plan_key(q, k, v, None, False, True))
+    made.clear()
+    out, lse, _ = api.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert not made and out.stride() == q.stride() and lse.shape == (2, 4, 100)
+    assert fake.launches[-1].params.o == out.data_ptr()
+
+
 def test_module_loaded_once_with_its_smem_attribute(fake, fake_kernel_dir):
     q, k, v = qkv(sq=1000)
     run(q, k, v)
