@@ -56,11 +56,11 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas", "-v")
 # Each kernel family is one translation unit under the source dir (config.SOURCE) exporting a
 # fixed set of extern "C" entries (config.ENTRIES): the forward (flash_fwd.cu: the forward,
 # its split-KV variant and the kernel that combines the splits) and the backward
-# (flash_bwd.cu: preprocess, dK/dV, dQ).
+# (flash_bwd.cu: preprocess, dK/dV, dQ, dK/dV with atomic dQ, the dQ conversion).
 PARAMS_HEADER = "params.cuh"  # holds `constexpr int kParamsBytes = N;`
 BWD_PARAMS_HEADER = "bwd_params.cuh"  # holds `constexpr int kBwdParamsBytes = N;`
 MANIFEST_NAME = "manifest.json"
-MANIFEST_SCHEMA = 3
+MANIFEST_SCHEMA = 4
 YAML_KEYS = ("archs", "ptx_arch", "defaults", "configs", "selection", "backward")
 
 
@@ -84,7 +84,8 @@ def _load_cudaflash_modules():
 config, selection = _load_cudaflash_modules()
 ConfigError = config.ConfigError
 ENTRY, SPLIT_ENTRY, COMBINE_ENTRY = config.KernelConfig.ENTRIES
-PREPROCESS_ENTRY, DKDV_ENTRY, DQ_ENTRY = config.BackwardConfig.ENTRIES
+(PREPROCESS_ENTRY, DKDV_ENTRY, DQ_ENTRY, DKDV_DQ_ENTRY,
+ DQ_CONVERT_ENTRY) = config.BackwardConfig.ENTRIES
 
 
 class BuildError(RuntimeError):
@@ -103,6 +104,9 @@ class Spec:
     configs: tuple  # KernelConfig, in file order
     rules: tuple  # selection.Rule
     backward_configs: tuple = ()  # BackwardConfig, in file order
+    # The backward schemes each backward config serves (its entry's `scheme`, default both):
+    # per call, the first config listed for the call's dtype, head dim and scheme runs it.
+    backward_schemes: dict = field(default_factory=dict)
     # Configs whose entry names its own `archs` (a subset of the file's), e.g. to keep a config
     # off an arch where ptxas spills its registers; every other config gets all archs.
     config_archs: dict = field(default_factory=dict)
@@ -198,11 +202,28 @@ def load_spec(path: Path) -> Spec:
     backward = data.get("backward") or []
     if not isinstance(backward, list):
         raise ConfigError(f"{where}: backward must be a list of backward config entries")
-    backward_configs = config.expand_config_entries(backward, where=f"{where} backward",
-                                                    cls=config.BackwardConfig)
+    backward_configs, backward_schemes = [], {}
+    for i, entry in enumerate(backward):
+        label = f"{where} backward[{i}]"
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{label} must be a mapping of config fields, got {entry!r}")
+        fields = {k: v for k, v in entry.items() if k != "scheme"}
+        expanded = config.expand_config_entries([fields], where=label,
+                                                cls=config.BackwardConfig)
+        schemes = entry.get("scheme", list(config.BACKWARD_SCHEMES))
+        schemes = schemes if isinstance(schemes, list) else [schemes]
+        if not schemes or any(s not in config.BACKWARD_SCHEMES for s in schemes):
+            raise ConfigError(f"{label}: scheme={entry['scheme']!r} must be one of (or a list "
+                              f"of) {list(config.BACKWARD_SCHEMES)}")
+        for cfg in expanded:
+            if cfg in backward_schemes:
+                raise ConfigError(f"{label}: {cfg.name} is already listed")
+            backward_schemes[cfg] = tuple(s for s in config.BACKWARD_SCHEMES if s in schemes)
+        backward_configs += expanded
     spec = Spec(archs=tuple(sorted(archs)), ptx_arch=ptx_arch, configs=tuple(configs),
                 rules=selection.parse_rules(data.get("selection") or [], where=where),
-                backward_configs=tuple(backward_configs), config_archs=config_archs)
+                backward_configs=tuple(backward_configs), config_archs=config_archs,
+                backward_schemes=backward_schemes)
     _check_rules_built(spec, where)
     return spec
 
@@ -549,12 +570,16 @@ def manifest_dict(spec: Spec, jobs: Sequence[Job], stats: dict, *, out_dir: Path
                 "preprocess_entry": PREPROCESS_ENTRY,
                 "dkdv_entry": DKDV_ENTRY,
                 "dq_entry": DQ_ENTRY,
+                "dkdv_dq_entry": DKDV_DQ_ENTRY,
+                "dq_convert_entry": DQ_CONVERT_ENTRY,
                 "threads": job.cfg.threads,
                 "preprocess_threads": job.cfg.PREPROCESS_THREADS,
                 "preprocess_rows": job.cfg.PREPROCESS_ROWS,
                 "cta_rows": job.cfg.cta_rows,
                 "dkdv_smem_bytes": job.cfg.dkdv_smem_bytes,
                 "dq_smem_bytes": job.cfg.dq_smem_bytes,
+                "dkdv_dq_smem_bytes": job.cfg.dkdv_dq_smem_bytes,
+                "schemes": list(spec.backward_schemes[job.cfg]),
                 "registers": s["registers"],
                 "spill_bytes": s["spill_bytes"],
                 "sha256": sha256_file(out_dir / job.file),

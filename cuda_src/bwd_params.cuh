@@ -32,6 +32,9 @@ struct BwdParams {
     void* dq;
     void* dk;
     void* dv;
+    // The atomic scheme's float32 dQ accumulator, (batch, n_heads, seqlen_q, d_head)
+    // contiguous; null in the deterministic scheme.
+    float* dq_accum;
 
     // Strides in elements (the last dimension is contiguous).
     Strides q_strides, k_strides, v_strides, o_strides, do_strides;
@@ -50,7 +53,7 @@ struct BwdParams {
     float scale_log2;  // softmax_scale * log2(e)
 };
 
-constexpr int kBwdParamsBytes = 320;
+constexpr int kBwdParamsBytes = 328;
 static_assert(sizeof(BwdParams) == kBwdParamsBytes,
               "BwdParams layout changed: update cudaflash/_params.py");
 

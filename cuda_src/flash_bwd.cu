@@ -9,10 +9,16 @@
 //                             dS^T = P^T (dP^T - delta), dK += dS^T Q.
 //   cudaflash_bwd_dq          one CTA per (16 * n_warps query rows, head, batch entry); it
 //                             streams the K/V tiles: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
-// Splitting dQ from dK/dV recomputes S and dP once more (7 GEMMs against FlashAttention-2's 5),
-// and buys what the single-kernel scheme pays for with float32 atomics: every gradient is
-// written once, by one CTA, in a fixed order, so the result is deterministic, and no dQ
-// accumulator buffer or conversion pass is needed.
+//   cudaflash_bwd_dkdv_dq     cudaflash_bwd_dkdv that also adds each step's dQ share,
+//                             dS K (dS through shared memory), to a float32 accumulator with
+//                             atomics: FlashAttention-2's 5 GEMMs instead of 7.
+//   cudaflash_bwd_dq_convert  dQ = softmax_scale * accumulator, in the input dtype.
+// Two schemes, chosen per call (flash_attn_func's `deterministic`):
+//   deterministic      preprocess, dkdv, dq: dQ in its own kernel recomputes S and dP (7
+//                      GEMMs), and every gradient is written once, by one CTA, in a fixed
+//                      order: bitwise reproducible, no accumulator buffer.
+//   atomic (default)   preprocess (which also zeroes the accumulator), dkdv_dq, dq_convert:
+//                      float32 atomics add in an order that varies from run to run.
 //
 // Layouts, masking and causal alignment are the forward's (flash_fwd.cu): bottom-right causal
 // mask, sequence tails masked here, query rows whose lse is -inf (they saw no key) give zero
@@ -163,6 +169,29 @@ __device__ __forceinline__ void acc_to_tile(elem_t* tile, const float (&acc)[kD 
         }
 }
 
+// Row `row` of query head `head` in the float32 dQ accumulator: (batch, n_heads, seqlen_q, d).
+__device__ __forceinline__ float* dq_accum_row(const BwdParams& p, int batch, int head,
+                                               int row) {
+    return p.dq_accum + ((int64_t(batch) * p.n_heads + head) * p.seqlen_q + row) * kD;
+}
+
+// S^T-shaped accumulators (the warp's 16 keys x 8 * kN query columns) -> rows row0.. of a
+// 64-column shared tile, as 16-bit values (no scaling).
+template <int kRows, int kN>
+__device__ __forceinline__ void scores_to_tile(elem_t* tile, const float (&s)[1][kN][4],
+                                               int row0) {
+    static_assert(kN <= 8, "one 64-column slab");
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int nj = 0; nj < kN; ++nj)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + lane / 4 + 8 * r;
+            elem_t* dst = tile + SmemTile<C>::template offset<kRows>(row, nj) + 2 * (lane % 4);
+            *reinterpret_cast<uint32_t*>(dst) = pack_2<C::kBf16>(s[0][nj][2 * r], s[0][nj][2 * r + 1]);
+        }
+}
+
 // ---- delta = rowsum(dO * O) -----------------------------------------------------------------
 
 constexpr int kPreprocessRows = 4;  // one warp per row
@@ -195,10 +224,107 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& p) {
 #pragma unroll
     for (int m = 16; m > 0; m /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, m);
     if (lane == 0) p.delta[batch * p.lse_batch_stride + head * p.lse_head_stride + row] = sum;
+    if (p.dq_accum != nullptr) {  // the atomic scheme: its dQ accumulator starts at zero
+        float* accum = dq_accum_row(p, batch, head, row);
+#pragma unroll
+        for (int c = 2 * lane; c < kD; c += 64)
+            *reinterpret_cast<float2*>(accum + c) = make_float2(0.f, 0.f);
+    }
+}
+
+// ---- dQ = softmax_scale * accumulator (the atomic scheme) -----------------------------------
+
+__device__ __forceinline__ void bwd_dq_convert(const BwdParams& p) {
+    const int lane = threadIdx.x % 32;
+    const int row = blockIdx.x * kPreprocessRows + threadIdx.x / 32;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    if (row >= p.seqlen_q) return;
+    const float* accum = dq_accum_row(p, batch, head, row);
+    elem_t* dq = row_of(static_cast<elem_t*>(p.dq), p.dq_strides, batch, row, head);
+#pragma unroll
+    for (int c = 2 * lane; c < kD; c += 64) {
+        const float2 x = *reinterpret_cast<const float2*>(accum + c);
+        *reinterpret_cast<uint32_t*>(dq + c) =
+            pack_2<C::kBf16>(x.x * p.softmax_scale, x.y * p.softmax_scale);
+    }
+}
+
+// ---- dQ share of one dK/dV step (the atomic scheme) -------------------------------------------
+
+// accumulator rows q0.. += dS K over the CTA's kKeys keys, dS from `ds_tile` (the step's dS^T:
+// rows = keys, columns = the kQ query rows) and K from `k_tile`. The warps split the (kQ,
+// d_head) product: m16 row block warp % (kQ / 16), d_head columns by warp / (kQ / 16).
+template <int kKeys, int kQ>
+__device__ __forceinline__ void add_dq_share(const BwdParams& p, const LaneOffsets& lo,
+                                             uint32_t ds_tile, uint32_t k_tile, int batch,
+                                             int head, int q0) {
+    constexpr int kRowBlocks = kQ / 16;
+    static_assert(C::kWarps % kRowBlocks == 0, "whole warps per 16-row block of dQ");
+    constexpr int kCols = kD / (C::kWarps / kRowBlocks);  // dQ columns per warp
+    static_assert(kCols % 16 == 0 && (kCols <= 64 || kCols % 64 == 0),
+                  "dQ columns per warp: whole k16 slices, within one 64-column slab or whole slabs");
+    static_assert(kQ <= 64, "the dS^T tile is one 64-column slab");
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int m0 = (warp % kRowBlocks) * 16;
+    const int c0 = (warp / kRowBlocks) * kCols;
+    // The warp's query slice (m0 / 16) and d_head slices are only known at run time: their
+    // swizzled column offsets are computed here (indexing lo.b_col / lo.a_col with them
+    // would put LaneOffsets in local memory).
+    // A = dS (queries x keys) is the stored dS^T read transposed; the lanes' matrix order
+    // (keys 0-7 / 8-15 by lane / 16, query halves by lane / 8 % 2) is the kB pattern.
+    const uint32_t a_base =
+        ds_tile + lo.b_row + ((2 * (m0 / 16)) ^ (lane / 8 % 2) ^ (lane % 8)) * 16;
+    // B = K (keys x d_head columns c0..), read transposed with the kA pattern (load_b_trans).
+    constexpr int kSlices = kCols / 16;
+    uint32_t b_addr[kSlices];
+#pragma unroll
+    for (int j = 0; j < kSlices; ++j) {
+        const int slice = c0 / 16 + j;  // of d_head
+        b_addr[j] = k_tile + (slice / 4) * kKeys * 128 + lo.a_row +
+                    ((2 * (slice % 4)) ^ (lane / 16) ^ (lane % 8)) * 16;
+    }
+
+    float dQ[kCols / 8][4];
+#pragma unroll
+    for (int nd = 0; nd < kCols / 8; ++nd)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dQ[nd][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4_trans(a, a_base + kk * 16 * 128);
+#pragma unroll
+        for (int j = 0; j < kSlices; ++j) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, b_addr[j] + kk * 16 * 128);
+            mma_m16n8k16<C::kBf16>(dQ[2 * j], a, b[0], b[1]);
+            mma_m16n8k16<C::kBf16>(dQ[2 * j + 1], a, b[2], b[3]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = q0 + m0 + lane / 4 + 8 * r;
+        if (row >= p.seqlen_q) continue;  // tail rows of the last query tile
+        float* accum = dq_accum_row(p, batch, head, row) + c0 + 2 * (lane % 4);
+#pragma unroll
+        for (int nd = 0; nd < kCols / 8; ++nd) {
+#if __CUDA_ARCH__ >= 900
+            atomicAdd(reinterpret_cast<float2*>(accum + nd * 8),
+                      make_float2(dQ[nd][2 * r], dQ[nd][2 * r + 1]));
+#else
+            atomicAdd(accum + nd * 8, dQ[nd][2 * r]);
+            atomicAdd(accum + nd * 8 + 1, dQ[nd][2 * r + 1]);
+#endif
+        }
+    }
 }
 
 // ---- dK, dV ---------------------------------------------------------------------------------
 
+// kFuseDq: also add dQ += dS K for every step to the float32 accumulator (atomic scheme).
+template <bool kFuseDq>
 __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
     constexpr int kKeys = C::kCtaRows;
     constexpr int kQ = C::kBr;
@@ -209,6 +335,8 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
     elem_t* sdO = sQ + 2 * kQ * kD;                // 2 x (kQ, d)
     float* sLse = reinterpret_cast<float*>(sdO + 2 * kQ * kD);  // 2 x kQ, log2 units
     float* sDelta = sLse + 2 * kQ;                               // 2 x kQ
+    // kFuseDq: dS^T of the step, (kKeys, 64) with the kQ <= 64 query columns.
+    elem_t* sdS = reinterpret_cast<elem_t*>(sDelta + 2 * kQ);
 
     const int head_k = blockIdx.y;
     const int batch = blockIdx.z;
@@ -304,6 +432,13 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
                 dS[0][nj][e] = P[0][nj][e] * (dS[0][nj][e] - delta[col]);
             }
         gemm_regs_tile<kQ, kQ / 16>(dK, dS, lo, q_tile);
+        if constexpr (kFuseDq) {
+            // Every warp finished the previous step's dQ reads of sdS at the loop's barrier.
+            scores_to_tile<kKeys>(sdS, dS, row0);
+            __syncthreads();
+            const int head = head_k * group + step / tiles_per_head;
+            add_dq_share<kKeys, kQ>(p, lo, smem_addr(sdS), k_tile, batch, head, q0);
+        }
     }
 
     // dK = scale * dS^T Q; both through shared memory (over K and V) for coalesced stores.
@@ -441,7 +576,17 @@ extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dkdv(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dkdv(p);
+    cudaflash::bwd_dkdv<false>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
+    cudaflash_bwd_dkdv_dq(const __grid_constant__ cudaflash::BwdParams p) {
+    cudaflash::bwd_dkdv<true>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
+    cudaflash_bwd_dq_convert(const __grid_constant__ cudaflash::BwdParams p) {
+    cudaflash::bwd_dq_convert(p);
 }
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)

@@ -141,6 +141,8 @@ class BackwardFunctions:
     preprocess: object  # cudaflash_bwd_preprocess: delta = rowsum(dO * O)
     dkdv: object  # cudaflash_bwd_dkdv
     dq: object  # cudaflash_bwd_dq
+    dkdv_dq: object  # cudaflash_bwd_dkdv_dq: dK, dV and atomic dQ accumulation
+    dq_convert: object  # cudaflash_bwd_dq_convert
 
 
 _functions: dict[tuple[int, int, str], Functions | BackwardFunctions] = {}
@@ -200,7 +202,10 @@ def _load(entry: KernelEntry | BackwardEntry):
     if isinstance(entry, BackwardEntry):
         fns = BackwardFunctions(preprocess=function(entry.preprocess_entry, 0),
                                 dkdv=function(entry.dkdv_entry, entry.dkdv_smem_bytes),
-                                dq=function(entry.dq_entry, entry.dq_smem_bytes))
+                                dq=function(entry.dq_entry, entry.dq_smem_bytes),
+                                dkdv_dq=function(entry.dkdv_dq_entry,
+                                                 entry.dkdv_dq_smem_bytes),
+                                dq_convert=function(entry.dq_convert_entry, 0))
         log.debug("loaded %s (%s sm_%d) from %s", entry.name, entry.kind, entry.arch,
                   entry.path)
         return fns

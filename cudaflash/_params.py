@@ -70,7 +70,7 @@ PARAMS_STRUCT_FORMAT = (PARAMS_POINTERS_FORMAT + PARAMS_FIXED_FORMAT[1:]
                         + PARAMS_WORKSPACE_FORMAT[1:])
 
 
-BWD_PARAMS_BYTES = 320
+BWD_PARAMS_BYTES = 328
 
 
 class Strides(ctypes.Structure):
@@ -84,7 +84,8 @@ class BwdParams(ctypes.Structure):
 
     _fields_ = [
         (name, ctypes.c_void_p)
-        for name in ("q", "k", "v", "o", "dout", "lse", "delta", "dq", "dk", "dv")
+        for name in ("q", "k", "v", "o", "dout", "lse", "delta", "dq", "dk", "dv",
+                     "dq_accum")
     ] + [
         (f"{tensor}_strides", Strides)
         for tensor in ("q", "k", "v", "o", "do", "dq", "dk", "dv")

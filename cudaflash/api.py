@@ -75,10 +75,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         softmax_scale: scale of q @ k^T before the softmax; default headdim ** -0.5.
         causal: mask aligned to the bottom-right corner (query i sees keys
             j <= i + seqlen_k - seqlen_q); query rows that see no key give out = 0.
-        deterministic: accepted; the forward is always deterministic.
+        deterministic: the backward's scheme (the forward is always deterministic). False
+            (flash-attn's default): dq is summed with float32 atomics, the faster scheme,
+            whose last bits vary from run to run. True, or under
+            torch.use_deterministic_algorithms(True): bitwise reproducible gradients (dq in a
+            kernel of its own, which recomputes two GEMMs).
         return_attn_probs: also return the softmax log-sum-exp.
         Gradients: when q, k or v requires grad (and grad mode is on), out has a grad_fn and
-            its backward computes dq, dk, dv (head dims 64 and 128; deterministic, no atomics).
+            its backward computes dq, dk, dv (head dims 64 and 128; see deterministic).
         dropout_p, window_size, softcap, alibi_slopes: only their defaults (no dropout, no
             sliding window, no softcapping, no ALiBi); anything else raises NotImplementedError.
 
@@ -94,7 +98,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             and type(window_size) is tuple and window_size == (-1, -1)):
         _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
     if _is_compiling():
-        out, lse = _fwd_op(q, k, v, softmax_scale, causal)
+        out, lse = _fwd_op(q, k, v, softmax_scale, causal, deterministic)
         return (out, lse, None) if return_attn_probs else out
     # No lse unless asked for: the kernel skips it and the call saves an allocation.
     want_lse = True if return_attn_probs else False
@@ -138,7 +142,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     if _is_grad_enabled() and (getattr(q, "requires_grad", False)
                                or getattr(k, "requires_grad", False)
                                or getattr(v, "requires_grad", False)):
-        out, lse = _FlashAttnFunction.apply(q, k, v, softmax_scale, causal)
+        out, lse = _FlashAttnFunction.apply(q, k, v, softmax_scale, causal, deterministic)
         return (out, lse, None) if want_lse else out
     out, lse = _forward(None, q, k, v, None, softmax_scale, causal, want_lse)
     return (out, lse, None) if want_lse else out
@@ -149,13 +153,16 @@ class _FlashAttnFunction(torch.autograd.Function):
     backward.run. Inside forward grad mode is off, so _forward takes its usual path."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal):
+    def forward(ctx, q, k, v, softmax_scale, causal, deterministic):
+        _check_deterministic(deterministic)
         out, lse = _forward(None, q, k, v, None, softmax_scale, causal, True)
         # Fail now, not in the backward after a whole forward pass of work.
-        _backward.check_supported(q.get_device(), q.dtype, q.shape[3])
+        _backward.check_supported(q.get_device(), q.dtype, q.shape[3],
+                                  _backward.scheme(deterministic))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = _softmax_scale(softmax_scale, q.shape[3])
         ctx.causal = bool(causal)
+        ctx.deterministic = deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -163,16 +170,23 @@ class _FlashAttnFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _run_backward(dout, q, k, v, out, lse, ctx.scale, ctx.causal)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _run_backward(dout, q, k, v, out, lse, ctx.scale, ctx.causal,
+                                   ctx.deterministic)
+        return dq, dk, dv, None, None, None
 
 
-def _run_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
+def _check_deterministic(deterministic) -> None:
+    if deterministic not in (True, False):
+        raise TypeError(f"deterministic={deterministic!r}; it must be a bool")
+
+
+def _run_backward(dout, q, k, v, out, lse, scale: float, causal: bool, deterministic: bool):
+    scheme = _backward.scheme(deterministic)  # torch's global switch counts here too
     index = q.get_device()
     if index != torch.cuda.current_device():
         with torch.cuda.device(index):
-            return _backward.run(dout, q, k, v, out, lse, scale, causal)
-    return _backward.run(dout, q, k, v, out, lse, scale, causal)
+            return _backward.run(dout, q, k, v, out, lse, scale, causal, scheme)
+    return _backward.run(dout, q, k, v, out, lse, scale, causal, scheme)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -955,8 +969,8 @@ def _make_kernel(dk: _DeviceKernels, entry: KernelEntry, ctx: int) -> _Kernel:
 
 @torch.library.custom_op("cudaflash::fwd", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, float? softmax_scale, "
-                                "bool causal) -> (Tensor, Tensor)")
-def _fwd_op(q, k, v, softmax_scale, causal):
+                                "bool causal, bool deterministic=False) -> (Tensor, Tensor)")
+def _fwd_op(q, k, v, softmax_scale, causal, deterministic=False):
     # The compiled graph runs this body eagerly (is_compiling() is False here), so the call
     # takes flash_attn_func's plans like any eager call instead of re-checking every time.
     # Gradients are the op's registered autograd (below), not flash_attn_func's own.
@@ -967,36 +981,37 @@ def _fwd_op(q, k, v, softmax_scale, causal):
 
 
 @_fwd_op.register_fake
-def _(q, k, v, softmax_scale, causal):
+def _(q, k, v, softmax_scale, causal, deterministic=False):
     batch, seqlen_q, n_heads, _ = q.shape
     return torch.empty_like(q), q.new_empty((batch, n_heads, seqlen_q), dtype=torch.float32)
 
 
 @torch.library.custom_op("cudaflash::bwd", mutates_args=(),
                          schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
-                                "Tensor lse, float? softmax_scale, bool causal) "
-                                "-> (Tensor, Tensor, Tensor)")
-def _bwd_op(dout, q, k, v, out, lse, softmax_scale, causal):
+                                "Tensor lse, float? softmax_scale, bool causal, "
+                                "bool deterministic) -> (Tensor, Tensor, Tensor)")
+def _bwd_op(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
     return _run_backward(dout, q, k, v, out, lse, _softmax_scale(softmax_scale, q.shape[3]),
-                         causal)
+                         causal, deterministic)
 
 
 @_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, softmax_scale, causal):
+def _(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _fwd_op_setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal = inputs
+    q, k, v, softmax_scale, causal, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.softmax_scale, ctx.causal = softmax_scale, causal
+    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
 
 
 def _fwd_op_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
-    return dq, dk, dv, None, None
+    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
+                         ctx.deterministic)
+    return dq, dk, dv, None, None, None
 
 
 _fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup_context)

@@ -1,10 +1,18 @@
 """The backward pass of flash_attn_func: dq, dk, dv from dout and what the forward saved.
 
-Three launches on torch's current stream (cuda_src/flash_bwd.cu): delta = rowsum(dout * out),
-then dK/dV (one CTA per key tile and K/V head, summing over the query heads of its GQA
-group), then dQ (one CTA per query tile and head). Every gradient is written once, with no
-atomics: the result is deterministic. The module for a call is the first backward config the
-manifest has for the GPU, dtype and head dim (configs.yaml, ``backward``).
+Three launches on torch's current stream (cuda_src/flash_bwd.cu), in one of two schemes:
+
+- atomic (flash-attn's default, deterministic=False): delta = rowsum(dout * out) (which also
+  zeroes a float32 dQ accumulator), then dK/dV (one CTA per key tile and K/V head, summing
+  over the query heads of its GQA group) adding each step's dS K to the accumulator with
+  atomics, then dq = scale * accumulator. 5 GEMMs; the atomics' order varies, and so do the
+  last bits of dq.
+- deterministic: delta, dK/dV, then dQ in a kernel of its own (one CTA per query tile and
+  head), which recomputes S and dP: 7 GEMMs, every gradient written once, bitwise
+  reproducible.
+
+The module for a call is the first backward config the manifest has for the GPU, dtype, head
+dim and scheme (configs.yaml, ``backward``: an entry's ``scheme`` says which it serves).
 
 Only flash_attn_func's autograd function (api.py) calls this; it has already checked q, k, v
 (the forward's checks) and made q's device current.
@@ -27,8 +35,8 @@ from .manifest import BackwardEntry
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _LOG2E = math.log2(math.e)
 
-# cuda_src/bwd_params.cuh: 10 pointers, 8 x 3 tensor strides + 2 lse strides, 6 sizes, 2 scales.
-_PACK = struct.Struct("=10Q26q6i2f")
+# cuda_src/bwd_params.cuh: 11 pointers, 8 x 3 tensor strides + 2 lse strides, 6 sizes, 2 scales.
+_PACK = struct.Struct("=11Q26q6i2f")
 assert _PACK.size == BWD_PARAMS_BYTES
 
 
@@ -44,46 +52,58 @@ _kernels: dict[tuple, _BackwardKernel] = {}
 _entries: dict[tuple, BackwardEntry | None] = {}
 
 
+def scheme(deterministic: bool) -> str:
+    """The scheme of a call: deterministic when asked for, or when torch's global switch
+    (torch.use_deterministic_algorithms) asks every op for reproducible results."""
+    if deterministic or torch.are_deterministic_algorithms_enabled():
+        return "deterministic"
+    return "atomic"
+
+
 def clear_cache() -> None:
     _kernels.clear()
     _entries.clear()
 
 
-def find_entry(index: int, dtype: torch.dtype, d_head: int) -> BackwardEntry | None:
-    """The backward module for (dtype, d_head) that runs on cuda:``index``, or None."""
-    key = (index, dtype, d_head)
+def find_entry(index: int, dtype: torch.dtype, d_head: int,
+               scheme: str) -> BackwardEntry | None:
+    """The backward module for (dtype, d_head, scheme) that runs on cuda:``index``, or None."""
+    key = (index, dtype, d_head, scheme)
     if key not in _entries:
         device = _driver.device(index)
         usable = _manifest.load_manifest().usable_backward(device.arch, device.smem_optin)
         _entries[key] = next(  # manifest order: configs.yaml's
             (e for e in usable.values()
-             if e.config.dtype == _DTYPES[dtype] and e.config.d_head == d_head), None)
+             if e.config.dtype == _DTYPES[dtype] and e.config.d_head == d_head
+             and scheme in e.schemes), None)
     return _entries[key]
 
 
-def check_supported(index: int, dtype: torch.dtype, d_head: int) -> None:
+def check_supported(index: int, dtype: torch.dtype, d_head: int, scheme: str) -> None:
     """Raise NotImplementedError unless a backward module serves this call: checked when the
     forward runs, so an unsupported training call fails before any work is done."""
-    if find_entry(index, dtype, d_head) is None:
+    if find_entry(index, dtype, d_head, scheme) is None:
         device = _driver.device(index)
         raise NotImplementedError(
             f"no backward kernel for {_DTYPES[dtype]} with head dim {d_head} runs on cuda:"
-            f"{index} ({device.name}, sm_{device.arch}); the backward supports head dims "
+            f"{index} ({device.name}, sm_{device.arch}) in the {scheme} scheme; the backward "
+            f"supports head dims "
             f"{list(BWD_D_HEADS)}. Call flash_attn_func under torch.no_grad() for inference")
 
 
-def _kernel(ctx: int, index: int, dtype: torch.dtype, d_head: int) -> _BackwardKernel:
-    key = (ctx, index, dtype, d_head)
+def _kernel(ctx: int, index: int, dtype: torch.dtype, d_head: int,
+            scheme: str) -> _BackwardKernel:
+    key = (ctx, index, dtype, d_head, scheme)
     kernel = _kernels.get(key)
     if kernel is None:
-        entry = find_entry(index, dtype, d_head)
-        if entry is None:  # the forward checked; only a changed manifest gets here
-            check_supported(index, dtype, d_head)
+        entry = find_entry(index, dtype, d_head, scheme)
+        if entry is None:  # the forward checked; only a changed manifest or switch gets here
+            check_supported(index, dtype, d_head, scheme)
             raise AssertionError("check_supported did not raise")
         debug = _env.debug()
         if debug:
-            log.debug("cuda:%d backward %s d_head=%d -> %s", index, _DTYPES[dtype], d_head,
-                      entry.name)
+            log.debug("cuda:%d backward %s d_head=%d %s -> %s", index, _DTYPES[dtype], d_head,
+                      scheme, entry.name)
         kernel = _kernels[key] = _BackwardKernel(
             entry, _driver.get_functions(entry, index, ctx), debug)
     return kernel
@@ -97,10 +117,11 @@ def _kernel_ready(t: torch.Tensor) -> bool:
 
 
 def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        out: torch.Tensor, lse: torch.Tensor, scale: float,
-        causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool,
+        scheme: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) laid out like q, k, v. ``lse`` is the forward's (batch, nheads, seqlen_q)
-    float32 log-sum-exp; q's device must be current."""
+    float32 log-sum-exp; q's device must be current. ``scheme``: "atomic" or
+    "deterministic" (see the module docstring)."""
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
     if dout.dtype != q.dtype or dout.shape != q.shape:
@@ -114,10 +135,14 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return dq.zero_(), dk.zero_(), dv.zero_()
 
     index = q.get_device()
-    kernel = _kernel(_driver.current_context(index), index, q.dtype, d_head)
+    kernel = _kernel(_driver.current_context(index), index, q.dtype, d_head, scheme)
+    deterministic = scheme == "deterministic"
     entry = kernel.entry
     delta = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device)
     lse = lse.contiguous()  # the forward's own: already (batch, nheads, seqlen_q), contiguous
+    # The atomic scheme's dQ accumulator; the preprocess kernel zeroes it.
+    dq_accum = None if deterministic else torch.empty(
+        (batch, n_heads, seqlen_q, d_head), dtype=torch.float32, device=q.device)
 
     strides = []
     for t in (q, k, v, out, dout, dq, dk, dv):
@@ -126,16 +151,25 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     args = _driver.PackedArgs(_PACK.pack(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
         lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-        *strides, n_heads * seqlen_q, seqlen_q,
+        0 if dq_accum is None else dq_accum.data_ptr(), *strides, n_heads * seqlen_q, seqlen_q,
         batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal), scale, scale * _LOG2E))
 
     stream = torch._C._cuda_getCurrentRawStream(index)
     fns, sync = kernel.fns, kernel.synchronize
     rows = entry.cta_rows
+    row_grid = ((seqlen_q + entry.preprocess_rows - 1) // entry.preprocess_rows, n_heads, batch)
     _driver.launch_packed(
-        fns.preprocess, f"cuLaunchKernel({entry.name} preprocess)",
-        ((seqlen_q + entry.preprocess_rows - 1) // entry.preprocess_rows, n_heads, batch),
+        fns.preprocess, f"cuLaunchKernel({entry.name} preprocess)", row_grid,
         entry.preprocess_threads, 0, stream, args, sync)
+    if not deterministic:
+        _driver.launch_packed(
+            fns.dkdv_dq, f"cuLaunchKernel({entry.name} dkdv_dq)",
+            ((seqlen_k + rows - 1) // rows, n_heads_k, batch), entry.threads,
+            entry.dkdv_dq_smem_bytes, stream, args, sync)
+        _driver.launch_packed(
+            fns.dq_convert, f"cuLaunchKernel({entry.name} dq_convert)", row_grid,
+            entry.preprocess_threads, 0, stream, args, sync)
+        return dq, dk, dv
     _driver.launch_packed(
         fns.dkdv, f"cuLaunchKernel({entry.name} dkdv)",
         ((seqlen_k + rows - 1) // rows, n_heads_k, batch), entry.threads,

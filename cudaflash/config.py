@@ -296,9 +296,12 @@ BWD_D_HEADS = (64, 128)
 BWD_TILE_ROWS = (16, 32, 64, 128)
 
 
+BACKWARD_SCHEMES = ("atomic", "deterministic")  # flash_attn_func's deterministic False / True
+
+
 @dataclass(frozen=True, order=True)
 class BackwardConfig:
-    """One backward module (cuda_src/flash_bwd.cu): its three kernels share these fields.
+    """One backward module (cuda_src/flash_bwd.cu): its five kernels share these fields.
 
     - ``dtype``, ``d_head``: as in KernelConfig; d_head 64 or 128 (at 256 the dK and dV
       accumulators alone would fill a warp's registers).
@@ -315,7 +318,8 @@ class BackwardConfig:
     n_warps: int
 
     SOURCE = "flash_bwd.cu"
-    ENTRIES = ("cudaflash_bwd_preprocess", "cudaflash_bwd_dkdv", "cudaflash_bwd_dq")
+    ENTRIES = ("cudaflash_bwd_preprocess", "cudaflash_bwd_dkdv", "cudaflash_bwd_dq",
+               "cudaflash_bwd_dkdv_dq", "cudaflash_bwd_dq_convert")
     PREPROCESS_THREADS = 128  # kPreprocessThreads: one warp per query row, 4 rows per CTA
     PREPROCESS_ROWS = 4
 
@@ -339,13 +343,18 @@ class BackwardConfig:
         return (2 * self.cta_rows + 4 * self.B_r) * self.d_head * ELEMENT_BYTES + 4 * self.B_r * 4
 
     @property
+    def dkdv_dq_smem_bytes(self) -> int:
+        """dkdv_smem_bytes and the step's dS^T, (cta_rows, 64) 16-bit values."""
+        return self.dkdv_smem_bytes + self.cta_rows * 64 * ELEMENT_BYTES
+
+    @property
     def dq_smem_bytes(self) -> int:
         """Q and dO of the CTA, K and V double-buffered."""
         return (2 * self.cta_rows + 4 * self.B_c) * self.d_head * ELEMENT_BYTES
 
     @property
     def smem_bytes(self) -> int:
-        return max(self.dkdv_smem_bytes, self.dq_smem_bytes)
+        return max(self.dkdv_smem_bytes, self.dkdv_dq_smem_bytes, self.dq_smem_bytes)
 
     def fits_arch(self, arch: int) -> bool:
         return self.smem_bytes <= ARCH_SMEM_LIMIT[arch]

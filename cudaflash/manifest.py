@@ -18,7 +18,7 @@ from ._params import BWD_PARAMS_BYTES, PARAMS_BYTES
 from .config import BackwardConfig, KernelConfig
 from .selection import Rule, parse_rules
 
-SCHEMA = 3
+SCHEMA = 4
 KINDS = ("cubin", "ptx")
 
 
@@ -53,19 +53,23 @@ class BackwardEntry:
     preprocess_entry: str  # delta = rowsum(dO * O)
     dkdv_entry: str
     dq_entry: str
+    dkdv_dq_entry: str  # dK, dV and the atomic dQ accumulation (non-deterministic scheme)
+    dq_convert_entry: str  # dQ = scale * accumulator
     threads: int  # per block of the dK/dV and dQ kernels
     preprocess_threads: int
     preprocess_rows: int  # query rows per preprocess block
     cta_rows: int  # keys per dK/dV block, query rows per dQ block
     dkdv_smem_bytes: int
     dq_smem_bytes: int
+    dkdv_dq_smem_bytes: int
+    schemes: tuple[str, ...]  # the backward schemes this module is selected for
     registers: int | None
     spill_bytes: int | None
     sha256: str
 
     @property
     def smem_bytes(self) -> int:
-        return max(self.dkdv_smem_bytes, self.dq_smem_bytes)
+        return max(self.dkdv_smem_bytes, self.dq_smem_bytes, self.dkdv_dq_smem_bytes)
 
 
 @dataclass(frozen=True)
@@ -180,10 +184,13 @@ def _parse(data: dict, path: Path) -> Manifest:
         backward.append(BackwardEntry(
             name=k["name"], config=config, arch=int(k["arch"]), kind=k["kind"],
             path=path.parent / k["file"], preprocess_entry=k["preprocess_entry"],
-            dkdv_entry=k["dkdv_entry"], dq_entry=k["dq_entry"], threads=int(k["threads"]),
+            dkdv_entry=k["dkdv_entry"], dq_entry=k["dq_entry"],
+            dkdv_dq_entry=k["dkdv_dq_entry"], dq_convert_entry=k["dq_convert_entry"],
+            threads=int(k["threads"]),
             preprocess_threads=int(k["preprocess_threads"]),
             preprocess_rows=int(k["preprocess_rows"]), cta_rows=int(k["cta_rows"]),
             dkdv_smem_bytes=int(k["dkdv_smem_bytes"]), dq_smem_bytes=int(k["dq_smem_bytes"]),
+            dkdv_dq_smem_bytes=int(k["dkdv_dq_smem_bytes"]), schemes=tuple(k["schemes"]),
             registers=k["registers"], spill_bytes=k["spill_bytes"], sha256=k["sha256"]))
     selection = parse_rules(data["selection"], where=path.name)
     return Manifest(path=path, nvcc_version=data["nvcc_version"],

@@ -166,6 +166,12 @@ def test_causal_must_be_bool():
         flash_attn_func(*qkv(), causal="yes")
 
 
+def test_deterministic_must_be_a_bool():
+    q, k, v = (torch.randn(1, 8, 2, 64, dtype=torch.float16) for _ in range(3))
+    with pytest.raises(TypeError, match=r"deterministic='yes'; it must be a bool"):
+        flash_attn_func(q.requires_grad_(), k, v, deterministic="yes")
+
+
 def test_requires_grad_goes_through_the_checks_and_only_flash_attn_func_has_a_backward():
     q, k, v = qkv()
     q.requires_grad_()

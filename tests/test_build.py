@@ -273,6 +273,35 @@ def test_entry_archs_limit_the_cubins_and_the_rules(tmp_path):
         build_cubins.load_spec(path)
 
 
+def test_shipped_backward_serves_every_scheme_once_per_dtype_and_head_dim():
+    cfg = build_cubins.config
+    for dtype in cfg.DTYPES:
+        for d in cfg.BWD_D_HEADS:
+            for scheme in cfg.BACKWARD_SCHEMES:
+                serving = [c for c in SPEC.backward_configs if (c.dtype, c.d_head) == (dtype, d)
+                           and scheme in SPEC.backward_schemes[c]]
+                assert serving, (dtype, d, scheme)
+
+
+def test_backward_entry_scheme(tmp_path):
+    data = yaml.safe_load((ROOT / "configs.yaml").read_text())
+    entry = {"dtype": "fp16", "d_head": 64, "B_r": 64, "B_c": 64, "n_warps": 4}
+    path = tmp_path / "b.yaml"
+    for scheme, want in (("atomic", ("atomic",)), (["deterministic"], ("deterministic",)),
+                         (None, ("atomic", "deterministic"))):
+        given = entry if scheme is None else {**entry, "scheme": scheme}
+        path.write_text(yaml.safe_dump({**data, "backward": [given]}))
+        spec = build_cubins.load_spec(path)
+        assert spec.backward_schemes == {BackwardConfig(**entry): want}
+    for bad in ("fast", [], ["atomic", "x"]):
+        path.write_text(yaml.safe_dump({**data, "backward": [{**entry, "scheme": bad}]}))
+        with pytest.raises(build_cubins.ConfigError, match=r"backward\[0\]: scheme="):
+            build_cubins.load_spec(path)
+    path.write_text(yaml.safe_dump({**data, "backward": [entry, {**entry, "scheme": "atomic"}]}))
+    with pytest.raises(build_cubins.ConfigError, match=r"backward\[1\]: .* already listed"):
+        build_cubins.load_spec(path)
+
+
 def test_rule_whose_config_cannot_fit_its_arch(tmp_path):
     # (128 + 2 * 64) * 256 * 2 bytes = 128 KiB of smem: built for sm_80/sm_90, never sm_86.
     name = "fwd_{dtype}_d256_br128_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma0"
@@ -290,10 +319,12 @@ TOP_KEYS = {"schema", "nvcc_version", "source_hash", "params_bytes", "bwd_params
             "entries", "backward_entries", "archs", "ptx_arch", "selection", "kernels",
             "backward_kernels"}
 BACKWARD_KEYS = {"name", "config", "arch", "kind", "file", "preprocess_entry", "dkdv_entry",
-                 "dq_entry", "threads", "preprocess_threads", "preprocess_rows", "cta_rows",
-                 "dkdv_smem_bytes", "dq_smem_bytes", "registers", "spill_bytes", "sha256",
+                 "dq_entry", "dkdv_dq_entry", "dq_convert_entry", "threads",
+                 "preprocess_threads", "preprocess_rows", "cta_rows", "dkdv_smem_bytes",
+                 "dq_smem_bytes", "dkdv_dq_smem_bytes", "schemes", "registers", "spill_bytes", "sha256",
                  "nvcc_version", "source_hash"}
-BACKWARD_ENTRIES = ["cudaflash_bwd_preprocess", "cudaflash_bwd_dkdv", "cudaflash_bwd_dq"]
+BACKWARD_ENTRIES = ["cudaflash_bwd_preprocess", "cudaflash_bwd_dkdv", "cudaflash_bwd_dq",
+                    "cudaflash_bwd_dkdv_dq", "cudaflash_bwd_dq_convert"]
 KERNEL_KEYS = {"name", "config", "arch", "kind", "file", "entry", "split_entry",
                "combine_entry", "threads", "smem_bytes", "registers", "spill_bytes", "sha256",
                "nvcc_version", "source_hash"}
@@ -302,7 +333,7 @@ ENTRIES = ["cudaflash_fwd", "cudaflash_fwd_split", "cudaflash_combine"]
 
 def check_manifest(m: dict, out_dir: Path) -> None:
     assert set(m) == TOP_KEYS
-    assert m["schema"] == 3 and m["entries"] == ENTRIES
+    assert m["schema"] == 4 and m["entries"] == ENTRIES
     assert m["backward_entries"] == BACKWARD_ENTRIES
     assert re.fullmatch(r"\d+\.\d+\.\d+", m["nvcc_version"])
     assert re.fullmatch(r"[0-9a-f]{64}", m["source_hash"])
@@ -334,9 +365,12 @@ def check_manifest(m: dict, out_dir: Path) -> None:
         assert set(k) == BACKWARD_KEYS, k.get("name")
         cfg = BackwardConfig.from_dict(k["config"], where=k["name"])
         assert k["name"] == cfg.name
-        assert [k["preprocess_entry"], k["dkdv_entry"], k["dq_entry"]] == BACKWARD_ENTRIES
-        assert (k["threads"], k["cta_rows"], k["dkdv_smem_bytes"], k["dq_smem_bytes"]) == (
-            cfg.threads, cfg.cta_rows, cfg.dkdv_smem_bytes, cfg.dq_smem_bytes)
+        assert k["schemes"] and set(k["schemes"]) <= {"atomic", "deterministic"}
+        assert [k["preprocess_entry"], k["dkdv_entry"], k["dq_entry"], k["dkdv_dq_entry"],
+                k["dq_convert_entry"]] == BACKWARD_ENTRIES
+        assert (k["threads"], k["cta_rows"], k["dkdv_smem_bytes"], k["dq_smem_bytes"],
+                k["dkdv_dq_smem_bytes"]) == (cfg.threads, cfg.cta_rows, cfg.dkdv_smem_bytes,
+                                             cfg.dq_smem_bytes, cfg.dkdv_dq_smem_bytes)
         if k["kind"] == "cubin":
             assert k["file"] == f"sm_{k['arch']}/{cfg.name}.cubin" and cfg.builds_for(k["arch"])
             assert isinstance(k["registers"], int) and 0 < k["registers"] <= 255

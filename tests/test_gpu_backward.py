@@ -1,6 +1,7 @@
 """flash_attn_func's backward on a GPU: dq, dk, dv against autograd through the attention
 math in PyTorch, with FlashAttention's accuracy rule (test_gpu_correctness): the error
-against the float32 math at most twice that of the same math in q's dtype, plus 1e-5."""
+against the float32 math at most twice that of the same math in q's dtype, plus 1e-5. Both
+schemes: atomic dq accumulation (deterministic=False, the default) and deterministic."""
 
 import pytest
 import torch
@@ -55,15 +56,16 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}_hk{}".format(*s))
 @pytest.mark.parametrize("combo", BWD_COMBOS, ids=_combo_id)
-def test_gradients(combo, shape, causal):
+def test_gradients(combo, shape, causal, deterministic):
     dtype, d = combo
     b, sq, sk, h, hk = shape
     q, k, v = make_qkv(b, sq, sk, h, hk, d, DTYPES[dtype], seed=sq + sk)
     dout = torch.randn_like(q)
-    out, grads = run_with_grad(q, k, v, dout, causal=causal)
+    out, grads = run_with_grad(q, k, v, dout, causal=causal, deterministic=deterministic)
     check_attention(out, None, q, k, v, causal)  # the forward under autograd is the same
     check_grads(grads, q, k, v, dout, causal)
 
@@ -90,12 +92,13 @@ def test_gradients_of_views_reach_their_base():
     qkv = torch.randn((b, s, 3, h, d), generator=g, device="cuda", dtype=DTYPES[dtype])
     dout = torch.randn((b, s, h, d), generator=g, device="cuda", dtype=DTYPES[dtype])
     packed = qkv.clone().requires_grad_()
-    flash_attn_func(*packed.unbind(2), causal=True).backward(dout)
+    flash_attn_func(*packed.unbind(2), causal=True, deterministic=True).backward(dout)
     grads = packed.grad.unbind(2)
     check_grads(grads, *qkv.unbind(2), dout, True)
 
     bhsd = [t.transpose(1, 2).contiguous().requires_grad_() for t in qkv.unbind(2)]
-    flash_attn_func(*[t.transpose(1, 2) for t in bhsd], causal=True).backward(dout)
+    flash_attn_func(*[t.transpose(1, 2) for t in bhsd], causal=True,
+                    deterministic=True).backward(dout)
     for ours, ref in zip(bhsd, grads):
         assert torch.equal(ours.grad.transpose(1, 2), ref), "strides change the gradient"
 
@@ -120,14 +123,37 @@ def test_only_some_inputs_require_grad():
     _assert_within("dk", kk.grad.float(), ref[1], lowp[1].float())
 
 
-def test_backward_is_deterministic():
+def test_deterministic_backward_is_bitwise_reproducible():
     dtype, d = BWD_COMBOS[-1]
     q, k, v = make_qkv(2, 777, 1500, 8, 2, d, DTYPES[dtype], seed=9)
     dout = torch.randn_like(q)
-    first = run_with_grad(q, k, v, dout, causal=True)[1]
-    second = run_with_grad(q, k, v, dout, causal=True)[1]
+    first = run_with_grad(q, k, v, dout, causal=True, deterministic=True)[1]
+    second = run_with_grad(q, k, v, dout, causal=True, deterministic=True)[1]
     for a, b in zip(first, second):
         assert torch.equal(a, b), "two backward passes differ"
+    # torch's global switch picks the same scheme without the argument.
+    torch.use_deterministic_algorithms(True)
+    try:
+        third = run_with_grad(q, k, v, dout, causal=True)[1]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b in zip(first, third):
+        assert torch.equal(a, b), "use_deterministic_algorithms did not pick the scheme"
+
+
+@pytest.mark.parametrize("combo", BWD_COMBOS, ids=_combo_id)
+def test_atomic_scheme_differs_from_deterministic_only_in_dq_rounding(combo):
+    """dk and dv come from the same arithmetic in both schemes (bitwise equal); dq is summed
+    in another order, so it may differ in its last bits, and both are within the rule."""
+    dtype, d = combo
+    q, k, v = make_qkv(2, 600, 900, 8, 2, d, DTYPES[dtype], seed=13)
+    dout = torch.randn_like(q)
+    atomic = run_with_grad(q, k, v, dout, causal=True, deterministic=False)[1]
+    fixed = run_with_grad(q, k, v, dout, causal=True, deterministic=True)[1]
+    assert torch.equal(atomic[1], fixed[1]) and torch.equal(atomic[2], fixed[2])
+    check_grads(atomic, q, k, v, dout, True)
+    scale = (fixed[0].float().abs().max() + 1e-6)
+    assert (atomic[0].float() - fixed[0].float()).abs().max() / scale < 1e-2
 
 
 def test_empty_sequences_give_zero_gradients():
@@ -156,11 +182,12 @@ def test_torch_compile_backward_matches_eager():
     dtype, d = BWD_COMBOS[-1]
     q, k, v = make_qkv(2, 256, 256, 4, 2, d, DTYPES[dtype], seed=11)
     dout = torch.randn_like(q)
-    eager = run_with_grad(q, k, v, dout, causal=True)[1]
+    eager = run_with_grad(q, k, v, dout, causal=True, deterministic=True)[1]
     torch._dynamo.reset()
     # (No arithmetic around the call: dout / 2 * 2 is not exact for fp16 subnormals.)
-    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True),
-                             fullgraph=True)
+    compiled = torch.compile(
+        lambda q, k, v: flash_attn_func(q, k, v, causal=True, deterministic=True),
+        fullgraph=True)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     compiled(*leaves).backward(dout)
     for ours, ref in zip((t.grad for t in leaves), eager):

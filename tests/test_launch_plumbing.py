@@ -180,7 +180,7 @@ def test_repeat_call_takes_the_plan(fake, monkeypatch):
     monkeypatch.setattr(api._FlashAttnFunction, "apply",
                         lambda *args: to_autograd.append(args) or ("out", "lse"))
     assert api.flash_attn_func(q2.requires_grad_(), k2, v2, causal=True) == "out"
-    assert [a[3:] for a in to_autograd] == [(None, True)]
+    assert [a[3:] for a in to_autograd] == [(None, True, False)]  # scale, causal, deterministic
     with torch.no_grad():
         assert not falls_back(q2, k2, v2, causal=True)
     monkeypatch.setattr(api, "_current_device", lambda: 1)

@@ -3,6 +3,7 @@ on the same tensors, FlashAttention's benchmark convention (batch = 16384 / S, n
 2048 / d). Backward TFLOP/s = 2.5 x the forward's FLOPs (five GEMMs to the forward's two) /
 time, halved when causal; the time is autograd.grad of out with a fixed random dout (the
 forward is not in it), CUDA events, the median of rounds where the backends take turns.
+"cudaflash" is the default (atomic dq) scheme, "determ." flash_attn_func(deterministic=True).
 
     PYTHONPATH=. python3 tools/bwd_bench.py [--dtype bf16] [--seqlens 1024,4096] [--head-dims 64,128]
         [--backward-config NAME,...]   # time these backward configs instead of the shipped choice
@@ -31,6 +32,8 @@ def sdpa(backend):
 
 BACKENDS = {
     "cudaflash": lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal),
+    "determ.": lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal,
+                                                       deterministic=True),
     "flash": sdpa(SDPBackend.FLASH_ATTENTION),
     "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
 }
@@ -57,7 +60,7 @@ def main():
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--backward-config", default=None,
                         help="comma-separated backward config names to use (one per dtype and "
-                             "head dim) instead of the first built one")
+                             "head dim, for both schemes) instead of the shipped choice")
     args = parser.parse_args()
     if args.backward_config:
         wanted = args.backward_config.split(",")
@@ -67,7 +70,7 @@ def main():
             raise SystemExit(f"not in the manifest: {missing}; built: {sorted(entries)}")
         shipped = backward.find_entry
 
-        def find_entry(index, dtype, d_head):
+        def find_entry(index, dtype, d_head, scheme):
             for name in wanted:
                 e = entries[name]
                 if (e.config.dtype, e.config.d_head) == (backward._DTYPES[dtype], d_head):
@@ -75,15 +78,15 @@ def main():
                         *[getattr(backward._driver.device(index), a)
                           for a in ("arch", "smem_optin")])
                     return usable[name]
-            return shipped(index, dtype, d_head)
+            return shipped(index, dtype, d_head, scheme)
 
         backward.find_entry = find_entry
         print(f"backward configs: {wanted}")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}; "
           "backward TFLOP/s (ratio = cudaflash / backend)")
-    print(f"{'d':>4} {'causal':>6} {'S':>6} {'cudaflash':>10} {'flash':>8} {'cudnn':>8} "
-          f"{'vs flash':>9} {'vs cudnn':>9}")
+    print(f"{'d':>4} {'causal':>6} {'S':>6} {'cudaflash':>10} {'determ.':>8} {'flash':>8} "
+          f"{'cudnn':>8} {'vs flash':>9} {'vs cudnn':>9} {'determ. vs flash':>17}")
     for d in [int(x) for x in args.head_dims.split(",")]:
         for causal in (False, True):
             for s in [int(x) for x in args.seqlens.split(",")]:
@@ -109,11 +112,13 @@ def main():
                 def cell(x):
                     return f"{x:.1f}" if x else "n/a"
 
-                ratios = [f"{tflops['cudaflash'] / tflops[n]:.2f}x" if tflops[n] else "n/a"
-                          for n in ("flash", "cudnn")]
+                ratios = [f"{tflops[a] / tflops[n]:.2f}x" if tflops[a] and tflops[n] else "n/a"
+                          for a, n in (("cudaflash", "flash"), ("cudaflash", "cudnn"),
+                                       ("determ.", "flash"))]
                 print(f"{d:>4} {str(causal):>6} {s:>6} {cell(tflops['cudaflash']):>10} "
-                      f"{cell(tflops['flash']):>8} {cell(tflops['cudnn']):>8} "
-                      f"{ratios[0]:>9} {ratios[1]:>9}", flush=True)
+                      f"{cell(tflops['determ.']):>8} {cell(tflops['flash']):>8} "
+                      f"{cell(tflops['cudnn']):>8} {ratios[0]:>9} {ratios[1]:>9} "
+                      f"{ratios[2]:>17}", flush=True)
                 del q, k, v, dout
 
 
