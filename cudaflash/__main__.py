@@ -20,8 +20,17 @@ def cmd_list(args) -> int:
              e.threads, e.smem_bytes, "-" if e.registers is None else e.registers,
              "-" if e.spill_bytes is None else e.spill_bytes) for e in m.kernels]
     print(_table(("name", "arch", "kind", "threads", "smem", "regs", "spills"), rows))
-    print(f"\n{len(rows)} kernels in {m.path} (nvcc {m.nvcc_version}, sources "
-          f"{m.source_hash[:12]})")
+    # Backward modules: smem is the most any of their kernels asks for; regs likewise.
+    backward = [(e.name, ("compute_" if e.kind == "ptx" else "sm_") + str(e.arch), e.kind,
+                 e.threads, e.smem_bytes, "-" if e.registers is None else e.registers,
+                 "-" if e.spill_bytes is None else e.spill_bytes, ",".join(e.schemes))
+                for e in m.backward]
+    if backward:
+        print()
+        print(_table(("backward module", "arch", "kind", "threads", "smem", "regs", "spills",
+                      "schemes"), backward))
+    print(f"\n{len(rows)} forward kernels and {len(backward)} backward modules in {m.path} "
+          f"(nvcc {m.nvcc_version}, sources {m.source_hash[:12]})")
     return 0
 
 

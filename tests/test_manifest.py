@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import D64, D64_WIDE, D128, D256_BIG, write_fake_kernel_dir
+from conftest import BWD_D64, D64, D64_WIDE, D128, D256_BIG, write_fake_kernel_dir
 from cudaflash import __main__ as cli
 from cudaflash import list_kernels, manifest
 
@@ -112,7 +112,12 @@ def test_cli_list(fake_kernel_dir, capsys):
     rows = {tuple(line.split()) for line in out.splitlines()}
     assert (D256_BIG.name, "sm_90", "cubin", "256", "131072", "128", "0") in rows
     assert (D64["bf16"].name, "compute_90", "ptx", "128", "32768", "-", "-") in rows
-    assert "10 kernels in" in out
+    smem = str(BWD_D64.smem_bytes)
+    assert (BWD_D64.name, "sm_80", "cubin", "128", smem, "200", "0",
+            "atomic,deterministic") in rows
+    assert (BWD_D64.name, "compute_90", "ptx", "128", smem, "-", "-",
+            "atomic,deterministic") in rows
+    assert "10 forward kernels and 2 backward modules in" in out
 
 
 def test_cli_without_manifest_is_one_line(tmp_path, monkeypatch, capsys):
