@@ -11,7 +11,9 @@ Three launches on torch's current stream (cuda_src/flash_bwd.cu), in one of two 
   head), which recomputes S and dP: 7 GEMMs, every gradient written once, bitwise
   reproducible.
 
-The module for a call is the first backward config the manifest has for the GPU, dtype, head
+Calls with few query rows per dK/dV CTA run the deterministic kernels even when atomic was
+asked for (effective_scheme: they are faster there). The module for a call is the first
+backward config the manifest has for the GPU, dtype, head
 dim and scheme (configs.yaml, ``backward``: an entry's ``scheme`` says which it serves).
 
 Only flash_attn_func's autograd function (api.py) calls this; it has already checked q, k, v
@@ -58,6 +60,21 @@ def scheme(deterministic: bool) -> str:
     if deterministic or torch.are_deterministic_algorithms_enabled():
         return "deterministic"
     return "atomic"
+
+
+# The atomic scheme's dK/dV CTAs (128 keys on the H100) pay their fixed costs (K/V loads,
+# dK/dV stores) over the query rows they stream: group * seqlen_q, half of it when causal.
+# At or below this many the deterministic kernels were faster (1-14%, H100, perf log
+# "Backward v2"), so such calls take them: never less reproducible than asked for.
+_ATOMIC_MIN_ROWS_PER_CTA = 512
+
+
+def effective_scheme(asked: str, seqlen_q: int, group: int, causal: bool) -> str:
+    """The scheme that runs a call for which ``asked`` was chosen (see scheme())."""
+    rows = group * seqlen_q // (2 if causal else 1)
+    if asked == "atomic" and rows <= _ATOMIC_MIN_ROWS_PER_CTA:
+        return "deterministic"
+    return asked
 
 
 def clear_cache() -> None:
@@ -135,6 +152,7 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return dq.zero_(), dk.zero_(), dv.zero_()
 
     index = q.get_device()
+    scheme = effective_scheme(scheme, seqlen_q, n_heads // n_heads_k, causal)
     kernel = _kernel(_driver.current_context(index), index, q.dtype, d_head, scheme)
     deterministic = scheme == "deterministic"
     entry = kernel.entry

@@ -166,6 +166,16 @@ def test_causal_must_be_bool():
         flash_attn_func(*qkv(), causal="yes")
 
 
+def test_small_calls_take_the_deterministic_kernels():
+    from cudaflash.backward import effective_scheme
+    # group * seqlen_q (halved when causal) query rows per dK/dV CTA; at most 512: deterministic
+    assert effective_scheme("atomic", 512, 1, False) == "deterministic"
+    assert effective_scheme("atomic", 513, 1, False) == "atomic"
+    assert effective_scheme("atomic", 1024, 1, True) == "deterministic"
+    assert effective_scheme("atomic", 300, 2, False) == "atomic"
+    assert effective_scheme("deterministic", 16384, 8, False) == "deterministic"
+
+
 def test_deterministic_must_be_a_bool():
     q, k, v = (torch.randn(1, 8, 2, 64, dtype=torch.float16) for _ in range(3))
     with pytest.raises(TypeError, match=r"deterministic='yes'; it must be a bool"):

@@ -6,7 +6,7 @@ schemes: atomic dq accumulation (deterministic=False, the default) and determini
 import pytest
 import torch
 
-from cudaflash import api, flash_attn_func
+from cudaflash import api, backward, flash_attn_func
 from cudaflash.config import BWD_D_HEADS
 from test_gpu_correctness import (COMBOS, DTYPES, _assert_within, _combo_id, attention_ref,
                                   check_attention, fp32_reference_without_tf32,  # noqa: F401
@@ -60,7 +60,10 @@ SHAPES = [
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}_hk{}".format(*s))
 @pytest.mark.parametrize("combo", BWD_COMBOS, ids=_combo_id)
-def test_gradients(combo, shape, causal, deterministic):
+def test_gradients(combo, shape, causal, deterministic, monkeypatch):
+    # Small calls run the deterministic kernels in either scheme (effective_scheme): test the
+    # atomic kernels on every shape.
+    monkeypatch.setattr(backward, "_ATOMIC_MIN_ROWS_PER_CTA", 0)
     dtype, d = combo
     b, sq, sk, h, hk = shape
     q, k, v = make_qkv(b, sq, sk, h, hk, d, DTYPES[dtype], seed=sq + sk)
@@ -142,9 +145,10 @@ def test_deterministic_backward_is_bitwise_reproducible():
 
 
 @pytest.mark.parametrize("combo", BWD_COMBOS, ids=_combo_id)
-def test_atomic_scheme_differs_from_deterministic_only_in_dq_rounding(combo):
+def test_atomic_scheme_differs_from_deterministic_only_in_dq_rounding(combo, monkeypatch):
     """dk and dv come from the same arithmetic in both schemes (bitwise equal); dq is summed
     in another order, so it may differ in its last bits, and both are within the rule."""
+    monkeypatch.setattr(backward, "_ATOMIC_MIN_ROWS_PER_CTA", 0)
     dtype, d = combo
     q, k, v = make_qkv(2, 600, 900, 8, 2, d, DTYPES[dtype], seed=13)
     dout = torch.randn_like(q)
