@@ -45,6 +45,15 @@ struct BwdConfig {
                   "B_r must be a multiple of 16 and of threads / 8, at most 128");
     static_assert(kBc % 16 == 0 && kBc % kRowsPerCopyPass == 0 && kBc <= 128,
                   "B_c must be a multiple of 16 and of threads / 8, at most 128");
+
+    // cudaflash_bwd_dkdv_dq: dS^T of a step is one (keys, 64) slab, so B_r <= 64; the warps
+    // split the step's (B_r, d_head) dQ product into 16-row blocks x kDqCols columns, which
+    // must be whole k16 slices, within one 64-column slab or whole slabs.
+    static_assert(kBr <= 64 && kWarps % (kBr / 16) == 0,
+                  "B_r must be at most 64 and B_r / 16 must divide n_warps");
+    static constexpr int kDqCols = kDHead / (kWarps / (kBr / 16));
+    static_assert(kDqCols % 16 == 0 && (kDqCols <= 64 || kDqCols % 64 == 0),
+                  "d_head / (n_warps / (B_r / 16)) must be 16, 32, 48, 64 or a multiple of 64");
 };
 
 }  // namespace cudaflash

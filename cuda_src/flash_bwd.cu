@@ -53,17 +53,23 @@ constexpr float kLog2e = 1.4426950408889634f;
 // address in the unrolled loops is a register plus an immediate.
 struct LaneOffsets {
     uint32_t a_row, b_row;     // lane row * 128 bytes
-    uint32_t a_col[4], b_col[4];  // slice s of a slab: chunk (2 s + half) ^ (row % 8), bytes
+    uint32_t a_col[4], b_col[4];  // slice s of a slab: col_bytes(s, the pattern's half)
+
+    // Byte offset of the lane's 16-byte chunk in k16 slice `slice` (mod 4) of a slab row:
+    // chunk 2 * slice + half, swizzled by the row's low bits (lane % 8: every pattern's rows
+    // are 8-aligned groups plus lane % 8). a_half = lane / 16, b_half = lane / 8 % 2.
+    __device__ __forceinline__ static uint32_t col_bytes(int slice, int half, int lane) {
+        return ((2 * (slice % 4)) ^ half ^ (lane % 8)) * 16;
+    }
 
     __device__ __forceinline__ LaneOffsets() {
         const int lane = threadIdx.x % 32;
-        const int a_half = lane / 16, b_half = lane / 8 % 2;
         a_row = (lane % 8 + 8 * (lane / 8 % 2)) * 128;
         b_row = (lane % 8 + 8 * (lane / 16)) * 128;
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
-            a_col[s] = ((2 * s) ^ a_half ^ (lane % 8)) * 16;
-            b_col[s] = ((2 * s) ^ b_half ^ (lane % 8)) * 16;
+            a_col[s] = col_bytes(s, lane / 16, lane);
+            b_col[s] = col_bytes(s, lane / 8 % 2, lane);
         }
     }
 };
@@ -154,12 +160,12 @@ __device__ __forceinline__ float lse_log2(const BwdParams& p, int64_t row_index,
 
 // Accumulators (16 x d_head per warp, times `scale`) -> the warp's rows of a shared tile, as
 // 16-bit values, for a coalesced copy to global memory.
-template <int kRows>
-__device__ __forceinline__ void acc_to_tile(elem_t* tile, const float (&acc)[kD / 8][4],
+template <int kRows, int kN = kD / 8>
+__device__ __forceinline__ void acc_to_tile(elem_t* tile, const float (&acc)[kN][4],
                                             float scale, int row0) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
-    for (int nd = 0; nd < kD / 8; ++nd)
+    for (int nd = 0; nd < kN; ++nd)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = row0 + lane / 4 + 8 * r;
@@ -173,23 +179,6 @@ __device__ __forceinline__ void acc_to_tile(elem_t* tile, const float (&acc)[kD 
 __device__ __forceinline__ float* dq_accum_row(const BwdParams& p, int batch, int head,
                                                int row) {
     return p.dq_accum + ((int64_t(batch) * p.n_heads + head) * p.seqlen_q + row) * kD;
-}
-
-// S^T-shaped accumulators (the warp's 16 keys x 8 * kN query columns) -> rows row0.. of a
-// 64-column shared tile, as 16-bit values (no scaling).
-template <int kRows, int kN>
-__device__ __forceinline__ void scores_to_tile(elem_t* tile, const float (&s)[1][kN][4],
-                                               int row0) {
-    static_assert(kN <= 8, "one 64-column slab");
-    const int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int nj = 0; nj < kN; ++nj)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = row0 + lane / 4 + 8 * r;
-            elem_t* dst = tile + SmemTile<C>::template offset<kRows>(row, nj) + 2 * (lane % 4);
-            *reinterpret_cast<uint32_t*>(dst) = pack_2<C::kBf16>(s[0][nj][2 * r], s[0][nj][2 * r + 1]);
-        }
 }
 
 // ---- delta = rowsum(dO * O) -----------------------------------------------------------------
@@ -259,12 +248,9 @@ template <int kKeys, int kQ>
 __device__ __forceinline__ void add_dq_share(const BwdParams& p, const LaneOffsets& lo,
                                              uint32_t ds_tile, uint32_t k_tile, int batch,
                                              int head, int q0) {
+    static_assert(kQ == C::kBr, "BwdConfig checks the dQ split for B_r");
     constexpr int kRowBlocks = kQ / 16;
-    static_assert(C::kWarps % kRowBlocks == 0, "whole warps per 16-row block of dQ");
-    constexpr int kCols = kD / (C::kWarps / kRowBlocks);  // dQ columns per warp
-    static_assert(kCols % 16 == 0 && (kCols <= 64 || kCols % 64 == 0),
-                  "dQ columns per warp: whole k16 slices, within one 64-column slab or whole slabs");
-    static_assert(kQ <= 64, "the dS^T tile is one 64-column slab");
+    constexpr int kCols = C::kDqCols;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int m0 = (warp % kRowBlocks) * 16;
@@ -274,8 +260,7 @@ __device__ __forceinline__ void add_dq_share(const BwdParams& p, const LaneOffse
     // would put LaneOffsets in local memory).
     // A = dS (queries x keys) is the stored dS^T read transposed; the lanes' matrix order
     // (keys 0-7 / 8-15 by lane / 16, query halves by lane / 8 % 2) is the kB pattern.
-    const uint32_t a_base =
-        ds_tile + lo.b_row + ((2 * (m0 / 16)) ^ (lane / 8 % 2) ^ (lane % 8)) * 16;
+    const uint32_t a_base = ds_tile + lo.b_row + LaneOffsets::col_bytes(m0 / 16, lane / 8 % 2, lane);
     // B = K (keys x d_head columns c0..), read transposed with the kA pattern (load_b_trans).
     constexpr int kSlices = kCols / 16;
     uint32_t b_addr[kSlices];
@@ -283,7 +268,7 @@ __device__ __forceinline__ void add_dq_share(const BwdParams& p, const LaneOffse
     for (int j = 0; j < kSlices; ++j) {
         const int slice = c0 / 16 + j;  // of d_head
         b_addr[j] = k_tile + (slice / 4) * kKeys * 128 + lo.a_row +
-                    ((2 * (slice % 4)) ^ (lane / 16) ^ (lane % 8)) * 16;
+                    LaneOffsets::col_bytes(slice, lane / 16, lane);
     }
 
     float dQ[kCols / 8][4];
@@ -434,7 +419,7 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
         gemm_regs_tile<kQ, kQ / 16>(dK, dS, lo, q_tile);
         if constexpr (kFuseDq) {
             // Every warp finished the previous step's dQ reads of sdS at the loop's barrier.
-            scores_to_tile<kKeys>(sdS, dS, row0);
+            acc_to_tile<kKeys, kQ / 8>(sdS, dS[0], 1.f, row0);
             __syncthreads();
             const int head = head_k * group + step / tiles_per_head;
             add_dq_share<kKeys, kQ>(p, lo, smem_addr(sdS), k_tile, batch, head, q0);

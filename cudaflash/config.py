@@ -397,6 +397,17 @@ class BackwardConfig:
         if self.B_r > self.threads:
             bad("B_r", f"must be at most the {self.threads} threads (one per query row "
                        "loads its lse and delta)")
+        # The dK/dV kernel with atomic dQ (kDqCols in bwd_config.cuh).
+        if self.B_r % 16 == 0 and 0 < self.B_r and self.n_warps in N_WARPS:
+            blocks = self.B_r // 16
+            cols = self.d_head // (self.n_warps // blocks) if self.n_warps % blocks == 0 else 0
+            if self.B_r > 64 or self.n_warps % blocks:
+                bad("B_r", f"must be at most 64 with B_r / 16 dividing n_warps={self.n_warps} "
+                           "(the atomic dQ split)")
+            elif cols % 16 or (cols > 64 and cols % 64):
+                bad("B_r", f"gives d_head / (n_warps / (B_r / 16)) = {cols} dQ columns per "
+                           "warp; they must be whole 16-column slices within one 64-column "
+                           "slab, or whole slabs")
         if not errs and not any(self.fits_arch(a) for a in ARCH_SMEM_LIMIT):
             bad("B_c", f"shared memory {self.smem_bytes} bytes exceeds every arch's limit")
         return errs
