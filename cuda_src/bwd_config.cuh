@@ -5,14 +5,15 @@
 // Build one config by hand (what build_cubins.py does):
 //   nvcc -cubin -gencode arch=compute_90,code=sm_90 -O3 -std=c++17 -I cuda_src \
 //        -DCF_DTYPE_BF16=1 -DCF_D_HEAD=128 -DCF_B_R=64 -DCF_B_C=64 -DCF_N_WARPS=4 \
-//        cuda_src/flash_bwd.cu -o bwd.cubin
+//        -DCF_WGMMA=0 cuda_src/flash_bwd.cu -o bwd.cubin
+// (CF_WGMMA=1 needs the arch-specific target: arch=compute_90a,code=sm_90a.)
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <type_traits>
 
 #if !defined(CF_DTYPE_BF16) || !defined(CF_D_HEAD) || !defined(CF_B_R) || !defined(CF_B_C) || \
-    !defined(CF_N_WARPS)
+    !defined(CF_N_WARPS) || !defined(CF_WGMMA)
 #error "define every CF_* macro: see cudaflash.config.BackwardConfig.nvcc_defines()"
 #endif
 
@@ -37,7 +38,9 @@ struct BwdConfig {
     static constexpr int kRowsPerCopyPass = kThreads / 8;
     static constexpr bool kSwizzled = true;
     static constexpr bool kAsyncCopy = true;
-    static constexpr bool kWgmma = false;
+    // The dK/dV kernels' GEMMs on Hopper's warpgroup MMA (sm_90a); the dQ kernel keeps
+    // mma.sync. Also read by copy.cuh: cp.async writes reach wgmma through a proxy fence.
+    static constexpr bool kWgmma = CF_WGMMA;
 
     static_assert(kDHead == 64 || kDHead == 128, "backward: d_head must be 64 or 128");
     static_assert(kWarps == 4 || kWarps == 8, "n_warps must be 4 or 8");
@@ -54,6 +57,12 @@ struct BwdConfig {
     static constexpr int kDqCols = kDHead / (kWarps / (kBr / 16));
     static_assert(kDqCols % 16 == 0 && (kDqCols <= 64 || kDqCols % 64 == 0),
                   "d_head / (n_warps / (B_r / 16)) must be 16, 32, 48, 64 or a multiple of 64");
+
+    // wgmma: each warpgroup (4 warps) owns 64 keys of the dK/dV CTA; the step's dQ = dS K is
+    // one 64-row wgmma (B_r = 64 query rows) whose d_head columns the warpgroups split.
+    static constexpr int kWarpgroups = kWarps / 4;
+    static constexpr int kDqWgCols = kDHead / kWarpgroups;
+    static_assert(!kWgmma || kBr == 64, "wgmma: B_r must be 64 (one wgmma's M for dQ = dS K)");
 };
 
 }  // namespace cudaflash

@@ -22,12 +22,14 @@
 //
 // Layouts, masking and causal alignment are the forward's (flash_fwd.cu): bottom-right causal
 // mask, sequence tails masked here, query rows whose lse is -inf (they saw no key) give zero
-// gradients. All GEMMs are mma.sync m16n8k16 with fp32 accumulators (sm_80+).
+// gradients. GEMMs are mma.sync m16n8k16 with fp32 accumulators (sm_80+), except in modules
+// built with wgmma (BwdConfig::kWgmma, sm_90a), whose dK/dV kernels run Hopper's warpgroup MMA.
 #include "bwd_config.cuh"
 #include "bwd_params.cuh"
 #include "copy.cuh"
 #include "ptx.cuh"
 #include "smem_layout.cuh"
+#include "wgmma.cuh"
 
 #include <cmath>
 
@@ -241,6 +243,30 @@ __device__ __forceinline__ void bwd_dq_convert(const BwdParams& p) {
 
 // ---- dQ share of one dK/dV step (the atomic scheme) -------------------------------------------
 
+// accumulator rows row0..row0+15, columns c0..c0+kCols-1 += a warp's dQ share (16 x kCols, in
+// the m16n8 accumulator layout); rows past the sequence (the last query tile's tail) skipped.
+template <int kCols>
+__device__ __forceinline__ void add_to_dq_accum(const BwdParams& p, const float (&dQ)[kCols / 8][4],
+                                                int batch, int head, int row0, int c0) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + lane / 4 + 8 * r;
+        if (row >= p.seqlen_q) continue;
+        float* accum = dq_accum_row(p, batch, head, row) + c0 + 2 * (lane % 4);
+#pragma unroll
+        for (int nd = 0; nd < kCols / 8; ++nd) {
+#if __CUDA_ARCH__ >= 900
+            atomicAdd(reinterpret_cast<float2*>(accum + nd * 8),
+                      make_float2(dQ[nd][2 * r], dQ[nd][2 * r + 1]));
+#else
+            atomicAdd(accum + nd * 8, dQ[nd][2 * r]);
+            atomicAdd(accum + nd * 8 + 1, dQ[nd][2 * r + 1]);
+#endif
+        }
+    }
+}
+
 // accumulator rows q0.. += dS K over the CTA's kKeys keys, dS from `ds_tile` (the step's dS^T:
 // rows = keys, columns = the kQ query rows) and K from `k_tile`. The warps split the (kQ,
 // d_head) product: m16 row block warp % (kQ / 16), d_head columns by warp / (kQ / 16).
@@ -288,23 +314,78 @@ __device__ __forceinline__ void add_dq_share(const BwdParams& p, const LaneOffse
             mma_m16n8k16<C::kBf16>(dQ[2 * j + 1], a, b[2], b[3]);
         }
     }
+    add_to_dq_accum<kCols>(p, dQ, batch, head, q0 + m0, c0);
+}
+
+// ---- warpgroup GEMMs of the dK/dV kernels (BwdConfig::kWgmma, sm_90a) ----------------------
+// Warpgroup g (warps 4g..4g+3) owns keys 64g..64g+63 of the CTA; warp w holds keys 16w..16w+15
+// in the mma.sync accumulator layout, so the masking and elementwise code is the mma.sync
+// path's. The tensor cores read the 128-byte-swizzled (rows, 64) slabs that the copies write,
+// through matrix descriptors (as the forward's WarpgroupGemm). The helpers issue; the caller
+// commits, waits and fences.
+namespace wg {
+
+// K-major operand (d_head contiguous, read along its rows): 8-row swizzle atoms 1024 bytes
+// apart; the leading offset is unused.
+constexpr uint64_t kKMajor = make_smem_desc(0, 16, 1024);
+
+// MN-major operand of a (kRows, 64 * slabs) tile whose rows are the k index: 64-column slabs
+// kRows * 128 bytes apart, 8-row atoms 1024 bytes apart.
+template <int kRows>
+__device__ __forceinline__ constexpr uint64_t mn_major() {
+    return make_smem_desc(0, kRows * 128, 1024);
+}
+
+// Shared addresses stay below 256 KiB: addr >> 4 fits the 14-bit start field.
+__device__ __forceinline__ uint64_t desc(uint64_t fields, uint32_t addr) {
+    return fields | (addr >> 4);
+}
+
+template <int kN>
+__device__ __forceinline__ float (&flat(float (&acc)[kN][4]))[kN * 4] {
+    return reinterpret_cast<float(&)[kN * 4]>(acc);
+}
+
+// acc (the warpgroup's 64 rows of tile a, starting at `a_rows`, x the kRowsB rows of tile b)
+// = A B^T over d_head: S^T = K Q^T and dP^T = V dO^T.
+template <int kRowsA, int kRowsB>
+__device__ __forceinline__ void rows_rows(float (&acc)[kRowsB / 8][4], uint32_t a_rows,
+                                          uint32_t b_tile) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = q0 + m0 + lane / 4 + 8 * r;
-        if (row >= p.seqlen_q) continue;  // tail rows of the last query tile
-        float* accum = dq_accum_row(p, batch, head, row) + c0 + 2 * (lane % 4);
-#pragma unroll
-        for (int nd = 0; nd < kCols / 8; ++nd) {
-#if __CUDA_ARCH__ >= 900
-            atomicAdd(reinterpret_cast<float2*>(accum + nd * 8),
-                      make_float2(dQ[nd][2 * r], dQ[nd][2 * r + 1]));
-#else
-            atomicAdd(accum + nd * 8, dQ[nd][2 * r]);
-            atomicAdd(accum + nd * 8 + 1, dQ[nd][2 * r + 1]);
-#endif
-        }
+    for (int ks = 0; ks < kDSlices; ++ks) {
+        const uint32_t slice = (ks % 4) * 32;  // k16 slice ks is 32 bytes into slab ks / 4
+        wgmma_ss<kRowsB, C::kBf16>(flat(acc),
+                                   desc(kKMajor, a_rows + (ks / 4) * kRowsA * 128 + slice),
+                                   desc(kKMajor, b_tile + (ks / 4) * kRowsB * 128 + slice),
+                                   ks > 0);
     }
 }
+
+// acc (64 x d_head) += A (64 x 16 kK, registers) * tile b (16 kK rows, d_head columns, read
+// MN-major): dV += P^T dO and dK += dS^T Q.
+template <int kRowsB, int kK>
+__device__ __forceinline__ void regs_tile(float (&acc)[kD / 8][4], const uint32_t (&a)[1][kK][4],
+                                          uint32_t b_tile) {
+#pragma unroll
+    for (int kk = 0; kk < kK; ++kk)
+        wgmma_rs<kD, C::kBf16>(flat(acc), a[0][kk],
+                               desc(mn_major<kRowsB>(), b_tile + kk * 16 * 128), 1);
+}
+
+// dQ share (64 query rows x C::kDqWgCols columns) = dS K over the CTA's kKeys keys: A = dS^T
+// stored (keys, 64 query columns), B = the K tile from column `k_cols` on; both MN-major.
+template <int kKeys>
+__device__ __forceinline__ void ds_k(float (&acc)[C::kDqWgCols / 8][4], uint32_t ds_tile,
+                                     uint32_t k_cols) {
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk)
+        wgmma_ss_mn<C::kDqWgCols, C::kBf16>(flat(acc),
+                                            desc(mn_major<kKeys>(), ds_tile + kk * 16 * 128),
+                                            desc(mn_major<kKeys>(), k_cols + kk * 16 * 128),
+                                            kk > 0);
+}
+
+}  // namespace wg
 
 // ---- dK, dV ---------------------------------------------------------------------------------
 
@@ -313,7 +394,10 @@ template <bool kFuseDq>
 __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
     constexpr int kKeys = C::kCtaRows;
     constexpr int kQ = C::kBr;
-    extern __shared__ __align__(128) unsigned char smem[];
+    // wgmma applies the 128-byte swizzle to absolute shared addresses: tiles start on its
+    // 1024-byte period (each tile is a multiple of it long; so is lse + delta when B_r = 64).
+    extern __shared__ __align__(C::kWgmma ? 1024 : 128) unsigned char smem[];
+    static_assert(!C::kWgmma || (2 * kQ * sizeof(float) * 2) % 1024 == 0, "sdS alignment");
     elem_t* sK = reinterpret_cast<elem_t*>(smem);  // (kKeys, d); holds dK at the end
     elem_t* sV = sK + kKeys * kD;                  // (kKeys, d); holds dV at the end
     elem_t* sQ = sV + kKeys * kD;                  // 2 x (kQ, d): double-buffered
@@ -375,6 +459,12 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
     const int row0 = warp * 16;  // the warp's keys within the CTA's tile
     const uint32_t k_tile = smem_addr(sK), v_tile = smem_addr(sV);
     const LaneOffsets lo;
+    // wgmma: the warpgroup's 64 keys of K and V, and its columns of the step's dQ share (the
+    // warpgroups split d_head), where they start in the K tile.
+    const uint32_t k_rows = k_tile + (warp / 4) * 64 * 128;
+    const uint32_t v_rows = v_tile + (warp / 4) * 64 * 128;
+    const int dq_col0 = (warp / 4) * C::kDqWgCols;
+    const uint32_t dq_k_cols = k_tile + (dq_col0 / 64) * kKeys * 128 + (dq_col0 % 64) * 2;
     for (int step = 0; step < n_steps; ++step) {
         const int buf = step % 2;
         // This step's tiles have landed; every warp is done with the other buffer.
@@ -389,40 +479,104 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
         const float* lse = sLse + buf * kQ;
         const float* delta = sDelta + buf * kQ;
 
-        // P^T = exp(scale * K Q^T - lse): element (key, query) of the warp's 16 keys.
-        float P[1][kQ / 8][4];
-        gemm_rows_rows<kKeys, kQ>(P, lo, k_tile, row0, q_tile);
-        // Keys right of some row's diagonal, only in tiles that reach below it.
+        // P^T = exp(scale * K Q^T - lse), in place of the scores: element (key, query) of the
+        // warp's 16 keys. Keys right of some row's diagonal, only in tiles that reach below it.
         const bool mask = p.is_causal && q0 + shift < key0 + kKeys - 1;
+        auto probabilities = [&](float (&P)[kQ / 8][4]) {
 #pragma unroll
-        for (int nj = 0; nj < kQ / 8; ++nj)
+            for (int nj = 0; nj < kQ / 8; ++nj)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = nj * 8 + 2 * (lane % 4) + e % 2;
-                float x = ex2(fmaf(P[0][nj][e], p.scale_log2, -lse[col]));
-                const int key = key0 + row0 + lane / 4 + 8 * (e / 2);
-                if (mask && key > q0 + col + shift) x = 0.f;
-                P[0][nj][e] = x;
-            }
-        gemm_regs_tile<kQ, kQ / 16>(dV, P, lo, do_tile);
+                for (int e = 0; e < 4; ++e) {
+                    const int col = nj * 8 + 2 * (lane % 4) + e % 2;
+                    float x = ex2(fmaf(P[nj][e], p.scale_log2, -lse[col]));
+                    const int key = key0 + row0 + lane / 4 + 8 * (e / 2);
+                    if (mask && key > q0 + col + shift) x = 0.f;
+                    P[nj][e] = x;
+                }
+        };
+        // dS^T = P^T * (dP^T - delta), in place of dP^T = V dO^T.
+        auto score_grads = [&](float (&dS)[kQ / 8][4], const float (&P)[kQ / 8][4]) {
+#pragma unroll
+            for (int nj = 0; nj < kQ / 8; ++nj)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = nj * 8 + 2 * (lane % 4) + e % 2;
+                    dS[nj][e] = P[nj][e] * (dS[nj][e] - delta[col]);
+                }
+        };
+        const int head = head_k * group + step / tiles_per_head;
 
-        // dS^T = P^T * (V dO^T - delta).
-        float dS[1][kQ / 8][4];
-        gemm_rows_rows<kKeys, kQ>(dS, lo, v_tile, row0, do_tile);
-#pragma unroll
-        for (int nj = 0; nj < kQ / 8; ++nj)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = nj * 8 + 2 * (lane % 4) + e % 2;
-                dS[0][nj][e] = P[0][nj][e] * (dS[0][nj][e] - delta[col]);
+        if constexpr (C::kWgmma) {
+            // S^T and dP^T issued together; the softmax runs while dP^T is computed, dS^T while
+            // dV is.
+            float P[1][kQ / 8][4], dS[1][kQ / 8][4];
+            wgmma_fence_operands(wg::flat(P[0]));
+            wgmma_fence_operands(wg::flat(dS[0]));
+            wgmma_fence();
+            wg::rows_rows<kKeys, kQ>(P[0], k_rows, q_tile);
+            wgmma_commit();
+            wg::rows_rows<kKeys, kQ>(dS[0], v_rows, do_tile);
+            wgmma_commit();
+            wgmma_wait<1>();  // S^T
+            wgmma_fence_operands(wg::flat(P[0]));
+            probabilities(P[0]);
+            uint32_t a[1][kQ / 16][4];
+            pack_a_fragments<C::kBf16>(a, P);
+            wgmma_fence_operands(wg::flat(dV));
+            wgmma_fence();
+            wg::regs_tile<kQ, kQ / 16>(dV, a, do_tile);
+            wgmma_commit();
+            wgmma_wait<1>();  // dP^T (dV may still run)
+            wgmma_fence_operands(wg::flat(dS[0]));
+            score_grads(dS[0], P[0]);
+            uint32_t ds_a[1][kQ / 16][4];
+            pack_a_fragments<C::kBf16>(ds_a, dS);
+            if constexpr (kFuseDq) {
+                // Every warp finished the previous step's dQ reads of sdS at the loop's barrier;
+                // the fence hands these generic-proxy stores to wgmma's async-proxy reads.
+                acc_to_tile<kKeys, kQ / 8>(sdS, dS[0], 1.f, row0);
+                fence_proxy_async_shared();
             }
-        gemm_regs_tile<kQ, kQ / 16>(dK, dS, lo, q_tile);
-        if constexpr (kFuseDq) {
-            // Every warp finished the previous step's dQ reads of sdS at the loop's barrier.
-            acc_to_tile<kKeys, kQ / 8>(sdS, dS[0], 1.f, row0);
-            __syncthreads();
-            const int head = head_k * group + step / tiles_per_head;
-            add_dq_share<kKeys, kQ>(p, lo, smem_addr(sdS), k_tile, batch, head, q0);
+            wgmma_fence_operands(wg::flat(dK));
+            wgmma_fence();
+            wg::regs_tile<kQ, kQ / 16>(dK, ds_a, q_tile);
+            wgmma_commit();
+            if constexpr (kFuseDq) {
+                __syncthreads();  // every warpgroup's keys of dS^T are in sdS
+                float dQ[C::kDqWgCols / 8][4];
+#pragma unroll
+                for (int nd = 0; nd < C::kDqWgCols / 8; ++nd)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) dQ[nd][e] = 0.f;
+                wgmma_fence_operands(wg::flat(dQ));
+                wgmma_fence();
+                wg::ds_k<kKeys>(dQ, smem_addr(sdS), dq_k_cols);
+                wgmma_commit();
+                wgmma_wait<0>();
+                wgmma_fence_operands(wg::flat(dQ));
+                add_to_dq_accum<C::kDqWgCols>(p, dQ, batch, head, q0 + (warp % 4) * 16,
+                                              dq_col0);
+            } else {
+                wgmma_wait<0>();
+            }
+            wgmma_fence_operands(wg::flat(dK));
+            wgmma_fence_operands(wg::flat(dV));
+        } else {
+            float P[1][kQ / 8][4];
+            gemm_rows_rows<kKeys, kQ>(P, lo, k_tile, row0, q_tile);
+            probabilities(P[0]);
+            gemm_regs_tile<kQ, kQ / 16>(dV, P, lo, do_tile);
+
+            float dS[1][kQ / 8][4];
+            gemm_rows_rows<kKeys, kQ>(dS, lo, v_tile, row0, do_tile);
+            score_grads(dS[0], P[0]);
+            gemm_regs_tile<kQ, kQ / 16>(dK, dS, lo, q_tile);
+            if constexpr (kFuseDq) {
+                // Every warp finished the previous step's dQ reads of sdS at the loop's barrier.
+                acc_to_tile<kKeys, kQ / 8>(sdS, dS[0], 1.f, row0);
+                __syncthreads();
+                add_dq_share<kKeys, kQ>(p, lo, smem_addr(sdS), k_tile, batch, head, q0);
+            }
         }
     }
 
@@ -443,7 +597,8 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
 __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
     constexpr int kRows = C::kCtaRows;
     constexpr int kKv = C::kBc;
-    extern __shared__ __align__(128) unsigned char smem[];
+    // The same declaration as bwd_dkdv's (one array per translation unit, one alignment).
+    extern __shared__ __align__(C::kWgmma ? 1024 : 128) unsigned char smem[];
     elem_t* sQ = reinterpret_cast<elem_t*>(smem);  // (kRows, d); holds dQ at the end
     elem_t* sdO = sQ + kRows * kD;                 // (kRows, d)
     elem_t* sK = sdO + kRows * kD;                 // 2 x (kKv, d): double-buffered

@@ -309,6 +309,8 @@ class BackwardConfig:
       CTA's own tile (keys in dK/dV, query rows in dQ), so a CTA owns 16 * n_warps of them.
     - ``B_r``: query rows per tile the dK/dV kernel streams past its keys.
     - ``B_c``: keys per tile the dQ kernel streams past its query rows.
+    - ``wgmma``: the dK/dV kernels' GEMMs on Hopper's warpgroup MMA (sm_90a cubins only; the
+      dQ kernel keeps mma.sync). Optional in configs.yaml, default false.
     """
 
     dtype: str
@@ -316,6 +318,7 @@ class BackwardConfig:
     B_r: int
     B_c: int
     n_warps: int
+    wgmma: bool = False
 
     SOURCE = "flash_bwd.cu"
     ENTRIES = ("cudaflash_bwd_preprocess", "cudaflash_bwd_dkdv", "cudaflash_bwd_dq",
@@ -326,7 +329,7 @@ class BackwardConfig:
     @property
     def name(self) -> str:
         return (f"bwd_{self.dtype}_d{self.d_head}_br{self.B_r}_bc{self.B_c}"
-                f"_w{self.n_warps}")
+                f"_w{self.n_warps}" + ("_wgmma" if self.wgmma else ""))
 
     @property
     def threads(self) -> int:
@@ -359,18 +362,23 @@ class BackwardConfig:
     def fits_arch(self, arch: int) -> bool:
         return self.smem_bytes <= ARCH_SMEM_LIMIT[arch]
 
-    arch_specific = False  # mma.sync: SASS for sm_8x runs on later 8.x, PTX JITs anywhere
+    @property
+    def arch_specific(self) -> bool:
+        """As KernelConfig.arch_specific: wgmma modules are sm_90a SASS only, no PTX. Without
+        it (mma.sync), SASS for sm_8x runs on later 8.x and the PTX JITs anywhere."""
+        return self.wgmma
 
     def builds_for(self, arch: int) -> bool:
-        return self.fits_arch(arch)
+        return self.fits_arch(arch) and (not self.wgmma or arch == WGMMA_ARCH)
 
     def runs_on(self, kind: str, built_arch: int, device_arch: int) -> bool:
-        return runs_on(kind, built_arch, device_arch, False)
+        return runs_on(kind, built_arch, device_arch, self.arch_specific)
 
     def nvcc_defines(self) -> dict[str, int]:
         """The -D macros of cuda_src/bwd_config.cuh."""
         return {"CF_DTYPE_BF16": int(self.dtype == "bf16"), "CF_D_HEAD": self.d_head,
-                "CF_B_R": self.B_r, "CF_B_C": self.B_c, "CF_N_WARPS": self.n_warps}
+                "CF_B_R": self.B_r, "CF_B_C": self.B_c, "CF_N_WARPS": self.n_warps,
+                "CF_WGMMA": int(self.wgmma)}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -408,8 +416,13 @@ class BackwardConfig:
                 bad("B_r", f"gives d_head / (n_warps / (B_r / 16)) = {cols} dQ columns per "
                            "warp; they must be whole 16-column slices within one 64-column "
                            "slab, or whole slabs")
+        if self.wgmma and self.B_r != 64:
+            bad("B_r", "must be 64 with wgmma (the step's dQ = dS K is one 64-row wgmma)")
         if not errs and not any(self.fits_arch(a) for a in ARCH_SMEM_LIMIT):
             bad("B_c", f"shared memory {self.smem_bytes} bytes exceeds every arch's limit")
+        if not errs and self.wgmma and not self.fits_arch(WGMMA_ARCH):
+            bad("B_c", f"shared memory {self.smem_bytes} bytes exceeds sm_{WGMMA_ARCH}'s limit "
+                       "(wgmma modules build for it only)")
         return errs
 
     @classmethod
@@ -420,12 +433,15 @@ class BackwardConfig:
 def _from_dict(cls, data: Mapping[str, Any], where: str):
     """Build and validate a ``cls`` config from a mapping with exactly its fields."""
     fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)
+                if f.default is not dataclasses.MISSING}
     unknown = sorted(set(data) - set(fields))
-    missing = sorted(set(fields) - set(data))
+    missing = sorted(set(fields) - set(data) - set(defaults))
     if unknown:
         raise ConfigError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(fields)}")
     if missing:
         raise ConfigError(f"{where}: missing field(s) {missing}")
+    data = {**defaults, **data}
     for key, typ in fields.items():
         value = data[key]
         want = {"str": str, "int": int, "bool": bool}[typ]

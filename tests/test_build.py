@@ -89,11 +89,11 @@ def test_plan_covers_every_config_and_fitting_arch():
             and a in SPEC.config_archs.get(c, SPEC.archs) and (not c.wgmma or a == 90)}
     # wgmma kernels are sm_90a SASS only: no PTX, which no other GPU could JIT.
     want |= {(c, "ptx", SPEC.ptx_arch) for c in SPEC.configs if not c.wgmma}
-    # Backward modules (mma.sync): every arch they fit, plus PTX.
-    assert SPEC.backward_configs
+    # Backward modules: mma.sync ones for every arch they fit, plus PTX; wgmma ones sm_90a only.
+    assert SPEC.backward_configs and any(c.wgmma for c in SPEC.backward_configs)
     want |= {(c, "cubin", a) for c in SPEC.backward_configs for a in SPEC.archs
-             if c.fits_arch(a)}
-    want |= {(c, "ptx", SPEC.ptx_arch) for c in SPEC.backward_configs}
+             if c.fits_arch(a) and (not c.wgmma or a == 90)}
+    want |= {(c, "ptx", SPEC.ptx_arch) for c in SPEC.backward_configs if not c.wgmma}
     assert got == want and len(jobs) == len(want)
     assert {j.file for j in jobs} == build_cubins.expected_files(SPEC)
 

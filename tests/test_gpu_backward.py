@@ -146,18 +146,59 @@ def test_deterministic_backward_is_bitwise_reproducible():
 
 @pytest.mark.parametrize("combo", BWD_COMBOS, ids=_combo_id)
 def test_atomic_scheme_differs_from_deterministic_only_in_dq_rounding(combo, monkeypatch):
-    """dk and dv come from the same arithmetic in both schemes (bitwise equal); dq is summed
-    in another order, so it may differ in its last bits, and both are within the rule."""
+    """Where one module serves both schemes, dk and dv come from the same arithmetic
+    (bitwise equal); dq is summed in another order, so it may differ in its last bits. Both
+    are within the rule whichever modules serve them."""
     monkeypatch.setattr(backward, "_ATOMIC_MIN_ROWS_PER_CTA", 0)
     dtype, d = combo
     q, k, v = make_qkv(2, 600, 900, 8, 2, d, DTYPES[dtype], seed=13)
     dout = torch.randn_like(q)
     atomic = run_with_grad(q, k, v, dout, causal=True, deterministic=False)[1]
     fixed = run_with_grad(q, k, v, dout, causal=True, deterministic=True)[1]
-    assert torch.equal(atomic[1], fixed[1]) and torch.equal(atomic[2], fixed[2])
+    index = torch.cuda.current_device()
+    same_module = (backward.find_entry(index, q.dtype, d, "atomic")
+                   is backward.find_entry(index, q.dtype, d, "deterministic"))
+    if same_module:
+        assert torch.equal(atomic[1], fixed[1]) and torch.equal(atomic[2], fixed[2])
     check_grads(atomic, q, k, v, dout, True)
+    check_grads(fixed, q, k, v, dout, True)
     scale = (fixed[0].float().abs().max() + 1e-6)
     assert (atomic[0].float() - fixed[0].float()).abs().max() / scale < 1e-2
+
+
+def _usable_backward_entries():
+    from cudaflash import _driver, manifest
+    device = _driver.device(torch.cuda.current_device())
+    return list(manifest.load_manifest().usable_backward(device.arch,
+                                                         device.smem_optin).values())
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_every_backward_module_that_runs_here(causal, monkeypatch):
+    """Each shipped backward module this GPU can run, not only the one the selection picks
+    (the others serve other GPUs, or --backward-config in tools/bwd_bench.py), in each scheme
+    it serves, on a shape with tails, GQA and more than one query tile per step."""
+    monkeypatch.setattr(backward, "_ATOMIC_MIN_ROWS_PER_CTA", 0)
+    entries = _usable_backward_entries()
+    assert entries, "no backward module runs on this GPU"
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    for entry in entries:
+        cfg = entry.config
+        q, k, v = make_qkv(2, 333, 517, 4, 2, cfg.d_head, dtypes[cfg.dtype], seed=21)
+        dout = torch.randn_like(q)
+        for scheme in entry.schemes:
+            backward.clear_cache()  # the module per (device, dtype, d_head, scheme) is cached
+            with monkeypatch.context() as m:
+                m.setattr(backward, "find_entry", lambda *args, e=entry: e)
+                try:
+                    _, grads = run_with_grad(q, k, v, dout, causal=causal,
+                                             deterministic=scheme == "deterministic")
+                finally:
+                    backward.clear_cache()
+            try:
+                check_grads(grads, q, k, v, dout, causal)
+            except AssertionError as e:
+                raise AssertionError(f"{entry.name} ({scheme}): {e}") from None
 
 
 def test_empty_sequences_give_zero_gradients():

@@ -7,8 +7,11 @@ is tedious and error-prone by hand, hence this generator. Run it after changing 
 
 from pathlib import Path
 
-# (N, A operand): A from shared memory ("ss", S = Q K^T) or from registers ("rs", O += P V).
-SHAPES = [(64, "ss"), (128, "ss"), (64, "rs"), (128, "rs"), (256, "rs")]
+# (N, kind): A from shared memory, both operands K-major ("ss": S = Q K^T, and the backward's
+# S^T = K Q^T), A from registers with B MN-major ("rs": O += P V, dV += P^T dO), or both from
+# shared memory MN-major ("ss_mn": the backward's dQ = dS K, dS^T and K stored key-major).
+SHAPES = [(64, "ss"), (128, "ss"), (64, "rs"), (128, "rs"), (256, "rs"),
+          (32, "ss_mn"), (64, "ss_mn"), (128, "ss_mn")]
 TYPES = {"bf16": "bf16", "f16": "f16"}
 
 HEADER = '''\
@@ -18,8 +21,9 @@ HEADER = '''\
 // The 128 threads of a warpgroup issue them together; they run asynchronously until
 // wgmma_wait. Accumulators: thread t holds d[4 * i + e] of n8 tile i, in the mma.sync m16n8
 // layout of warp t / 32's 16 rows. B always comes from shared memory through a matrix
-// descriptor (make_smem_desc); A either through a descriptor (ss) or from registers (rs, the
-// mma.sync m16n8k16 A-fragment layout per warp). accumulate = 0 makes D = A * B.
+// descriptor (make_smem_desc); A either through a descriptor (ss: both K-major; ss_mn: both
+// MN-major) or from registers (rs, the mma.sync m16n8k16 A-fragment layout per warp).
+// accumulate = 0 makes D = A * B.
 #pragma once
 #include <cstdint>
 
@@ -61,14 +65,18 @@ def wrapper(n: int, kind: str, ptype: str) -> str:
     d_list = ", ".join(f"%{i}" for i in range(regs))
     d_ops = ",\n          ".join(", ".join(f'"+f"(d[{j}])' for j in range(i, min(i + 8, regs)))
                                  for i in range(0, regs, 8))
-    if kind == "ss":
+    if kind in ("ss", "ss_mn"):
         a_ops = f"%{regs}"
         ins = '"l"(a_desc), "l"(b_desc), "r"(accumulate)'
         pred = regs + 2
-        tail = "p, 1, 1, 0, 0"  # scale-a, scale-b, K-major A, K-major B
+        if kind == "ss":
+            tail = "p, 1, 1, 0, 0"  # scale-a, scale-b, K-major A, K-major B
+            trans_doc = "A and B K-major"
+        else:
+            tail = "p, 1, 1, 1, 1"  # scale-a, scale-b, A and B transposed (MN-major)
+            trans_doc = "A and B MN-major (M and N contiguous)"
         b_operand = f"%{regs + 1}"
         args = "uint64_t a_desc, uint64_t b_desc"
-        trans_doc = "A and B K-major"
     else:
         a_ops = "{" + ", ".join(f"%{regs + i}" for i in range(4)) + "}"
         ins = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate)'
@@ -92,7 +100,8 @@ __device__ __forceinline__ void {name}(float (&d)[{regs}], {args}, int accumulat
 
 
 # Per A-operand kind: the dispatcher's A parameter(s) and the arguments passed on.
-A_PARAMS = {"ss": ("uint64_t a_desc", "a_desc"), "rs": ("const uint32_t (&a)[4]", "a")}
+A_PARAMS = {"ss": ("uint64_t a_desc", "a_desc"), "rs": ("const uint32_t (&a)[4]", "a"),
+            "ss_mn": ("uint64_t a_desc", "a_desc")}
 
 
 def dispatcher(kind: str) -> str:
