@@ -249,6 +249,25 @@ template <int kCols>
 __device__ __forceinline__ void add_to_dq_accum(const BwdParams& p, const float (&dQ)[kCols / 8][4],
                                                 int batch, int head, int row0, int c0) {
     const int lane = threadIdx.x % 32;
+#if __CUDA_ARCH__ >= 900
+    // 16-byte atomics (sm_90): lanes 2j and 2j + 1 hold columns 0-1 and 2-3 of a 4-column
+    // group, each in rows lane / 4 and lane / 4 + 8. They trade one row's pair, so the even
+    // lane adds the group's 4 columns of the upper row and the odd lane those of the lower:
+    // half the atomic operations of float2 atomics, for two shuffles.
+    const bool odd = lane % 2;
+    const int row = row0 + lane / 4 + 8 * odd;
+    float* accum = dq_accum_row(p, batch, head, min(row, p.seqlen_q - 1)) + c0 + 4 * (lane % 4 / 2);
+#pragma unroll
+    for (int nd = 0; nd < kCols / 8; ++nd) {
+        const float give0 = odd ? dQ[nd][0] : dQ[nd][2];  // the row the partner adds
+        const float give1 = odd ? dQ[nd][1] : dQ[nd][3];
+        const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1);
+        const float got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+        const float4 sum = odd ? make_float4(got0, got1, dQ[nd][2], dQ[nd][3])
+                               : make_float4(dQ[nd][0], dQ[nd][1], got0, got1);
+        if (row < p.seqlen_q) atomicAdd(reinterpret_cast<float4*>(accum + nd * 8), sum);
+    }
+#else
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = row0 + lane / 4 + 8 * r;
@@ -256,15 +275,11 @@ __device__ __forceinline__ void add_to_dq_accum(const BwdParams& p, const float 
         float* accum = dq_accum_row(p, batch, head, row) + c0 + 2 * (lane % 4);
 #pragma unroll
         for (int nd = 0; nd < kCols / 8; ++nd) {
-#if __CUDA_ARCH__ >= 900
-            atomicAdd(reinterpret_cast<float2*>(accum + nd * 8),
-                      make_float2(dQ[nd][2 * r], dQ[nd][2 * r + 1]));
-#else
             atomicAdd(accum + nd * 8, dQ[nd][2 * r]);
             atomicAdd(accum + nd * 8 + 1, dQ[nd][2 * r + 1]);
-#endif
         }
     }
+#endif
 }
 
 // accumulator rows q0.. += dS K over the CTA's kKeys keys, dS from `ds_tile` (the step's dS^T:

@@ -62,17 +62,23 @@ def scheme(deterministic: bool) -> str:
     return "atomic"
 
 
-# The atomic scheme's dK/dV CTAs (128 keys on the H100) pay their fixed costs (K/V loads,
-# dK/dV stores) over the query rows they stream: group * seqlen_q, half of it when causal.
-# At or below this many the deterministic kernels were faster (1-14%, H100, perf log
-# "Backward v2"), so such calls take them: never less reproducible than asked for.
+# The atomic scheme's dK/dV CTAs (128 keys) pay their fixed costs (K/V loads, dK/dV stores)
+# over the query rows they stream: group * seqlen_q, half of it when causal. At or below
+# these many the deterministic kernels were faster, so such calls take them: never less
+# reproducible than asked for. mma.sync modules: 1-14% faster up to 512 rows (H100, perf log
+# "Backward v2"); wgmma modules (sm_90): only up to 256 rows, by ~4% at d64 (H200, perf log
+# "Backward v3").
 _ATOMIC_MIN_ROWS_PER_CTA = 512
+_ATOMIC_MIN_ROWS_PER_CTA_WGMMA = 256
 
 
-def effective_scheme(asked: str, seqlen_q: int, group: int, causal: bool) -> str:
-    """The scheme that runs a call for which ``asked`` was chosen (see scheme())."""
+def effective_scheme(asked: str, seqlen_q: int, group: int, causal: bool,
+                     wgmma: bool = False) -> str:
+    """The scheme that runs a call for which ``asked`` was chosen (see scheme()); ``wgmma``:
+    whether the atomic module for the call is a wgmma one."""
     rows = group * seqlen_q // (2 if causal else 1)
-    if asked == "atomic" and rows <= _ATOMIC_MIN_ROWS_PER_CTA:
+    limit = _ATOMIC_MIN_ROWS_PER_CTA_WGMMA if wgmma else _ATOMIC_MIN_ROWS_PER_CTA
+    if asked == "atomic" and rows <= limit:
         return "deterministic"
     return asked
 
@@ -152,7 +158,10 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return dq.zero_(), dk.zero_(), dv.zero_()
 
     index = q.get_device()
-    scheme = effective_scheme(scheme, seqlen_q, n_heads // n_heads_k, causal)
+    if scheme == "atomic":
+        atomic = find_entry(index, q.dtype, d_head, "atomic")
+        scheme = effective_scheme(scheme, seqlen_q, n_heads // n_heads_k, causal,
+                                  atomic is not None and atomic.config.wgmma)
     kernel = _kernel(_driver.current_context(index), index, q.dtype, d_head, scheme)
     deterministic = scheme == "deterministic"
     entry = kernel.entry

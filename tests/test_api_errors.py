@@ -174,6 +174,11 @@ def test_small_calls_take_the_deterministic_kernels():
     assert effective_scheme("atomic", 1024, 1, True) == "deterministic"
     assert effective_scheme("atomic", 300, 2, False) == "atomic"
     assert effective_scheme("deterministic", 16384, 8, False) == "deterministic"
+    # wgmma modules: the limit is 256 rows.
+    assert effective_scheme("atomic", 256, 1, False, wgmma=True) == "deterministic"
+    assert effective_scheme("atomic", 257, 1, False, wgmma=True) == "atomic"
+    assert effective_scheme("atomic", 512, 1, True, wgmma=True) == "deterministic"
+    assert effective_scheme("atomic", 513, 1, False, wgmma=False) == "atomic"
 
 
 def test_deterministic_must_be_a_bool():

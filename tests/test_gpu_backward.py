@@ -17,6 +17,13 @@ pytestmark = pytest.mark.requires_gpu
 BWD_COMBOS = [c for c in COMBOS if c[1] in BWD_D_HEADS]
 
 
+def force_atomic_kernels(monkeypatch):
+    """Small calls run the deterministic kernels in either scheme (effective_scheme); these
+    tests want the atomic kernels on every shape."""
+    monkeypatch.setattr(backward, "_ATOMIC_MIN_ROWS_PER_CTA", 0)
+    monkeypatch.setattr(backward, "_ATOMIC_MIN_ROWS_PER_CTA_WGMMA", 0)
+
+
 def reference_grads(q, k, v, dout, causal, scale, upcast):
     """(dq, dk, dv) of attention_ref by autograd, in float32 (upcast) or in q's dtype."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -61,9 +68,7 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}_hk{}".format(*s))
 @pytest.mark.parametrize("combo", BWD_COMBOS, ids=_combo_id)
 def test_gradients(combo, shape, causal, deterministic, monkeypatch):
-    # Small calls run the deterministic kernels in either scheme (effective_scheme): test the
-    # atomic kernels on every shape.
-    monkeypatch.setattr(backward, "_ATOMIC_MIN_ROWS_PER_CTA", 0)
+    force_atomic_kernels(monkeypatch)
     dtype, d = combo
     b, sq, sk, h, hk = shape
     q, k, v = make_qkv(b, sq, sk, h, hk, d, DTYPES[dtype], seed=sq + sk)
@@ -149,7 +154,7 @@ def test_atomic_scheme_differs_from_deterministic_only_in_dq_rounding(combo, mon
     """Where one module serves both schemes, dk and dv come from the same arithmetic
     (bitwise equal); dq is summed in another order, so it may differ in its last bits. Both
     are within the rule whichever modules serve them."""
-    monkeypatch.setattr(backward, "_ATOMIC_MIN_ROWS_PER_CTA", 0)
+    force_atomic_kernels(monkeypatch)
     dtype, d = combo
     q, k, v = make_qkv(2, 600, 900, 8, 2, d, DTYPES[dtype], seed=13)
     dout = torch.randn_like(q)
@@ -178,7 +183,7 @@ def test_every_backward_module_that_runs_here(causal, monkeypatch):
     """Each shipped backward module this GPU can run, not only the one the selection picks
     (the others serve other GPUs, or --backward-config in tools/bwd_bench.py), in each scheme
     it serves, on a shape with tails, GQA and more than one query tile per step."""
-    monkeypatch.setattr(backward, "_ATOMIC_MIN_ROWS_PER_CTA", 0)
+    force_atomic_kernels(monkeypatch)
     entries = _usable_backward_entries()
     assert entries, "no backward module runs on this GPU"
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}

@@ -7,6 +7,7 @@ forward is not in it), CUDA events, the median of rounds where the backends take
 
     PYTHONPATH=. python3 tools/bwd_bench.py [--dtype bf16] [--seqlens 1024,4096] [--head-dims 64,128]
         [--backward-config NAME,...]   # time these backward configs instead of the shipped choice
+        [--atomic-min-rows N]          # the small-call rule's threshold (backward.effective_scheme)
 """
 
 import argparse
@@ -61,7 +62,16 @@ def main():
     parser.add_argument("--backward-config", default=None,
                         help="comma-separated backward config names to use (one per dtype and "
                              "head dim, for both schemes) instead of the shipped choice")
+    parser.add_argument("--atomic-min-rows", type=int, default=None,
+                        help="override the small-call rule's thresholds (backward."
+                             "_ATOMIC_MIN_ROWS_PER_CTA and ..._WGMMA; 0 runs every atomic "
+                             "call on the atomic kernels)")
     args = parser.parse_args()
+    if args.atomic_min_rows is not None:
+        backward._ATOMIC_MIN_ROWS_PER_CTA = args.atomic_min_rows
+        backward._ATOMIC_MIN_ROWS_PER_CTA_WGMMA = args.atomic_min_rows
+        print(f"atomic calls with <= {args.atomic_min_rows} query rows per dK/dV CTA run the "
+              "deterministic kernels")
     if args.backward_config:
         wanted = args.backward_config.split(",")
         entries = {e.name: e for e in manifest.load_manifest().backward}
