@@ -340,22 +340,6 @@ __device__ __forceinline__ void add_dq_share(const BwdParams& p, const LaneOffse
 // commits, waits and fences.
 namespace wg {
 
-// K-major operand (d_head contiguous, read along its rows): 8-row swizzle atoms 1024 bytes
-// apart; the leading offset is unused.
-constexpr uint64_t kKMajor = make_smem_desc(0, 16, 1024);
-
-// MN-major operand of a (kRows, 64 * slabs) tile whose rows are the k index: 64-column slabs
-// kRows * 128 bytes apart, 8-row atoms 1024 bytes apart.
-template <int kRows>
-__device__ __forceinline__ constexpr uint64_t mn_major() {
-    return make_smem_desc(0, kRows * 128, 1024);
-}
-
-// Shared addresses stay below 256 KiB: addr >> 4 fits the 14-bit start field.
-__device__ __forceinline__ uint64_t desc(uint64_t fields, uint32_t addr) {
-    return fields | (addr >> 4);
-}
-
 template <int kN>
 __device__ __forceinline__ float (&flat(float (&acc)[kN][4]))[kN * 4] {
     return reinterpret_cast<float(&)[kN * 4]>(acc);
@@ -369,10 +353,10 @@ __device__ __forceinline__ void rows_rows(float (&acc)[kRowsB / 8][4], uint32_t 
 #pragma unroll
     for (int ks = 0; ks < kDSlices; ++ks) {
         const uint32_t slice = (ks % 4) * 32;  // k16 slice ks is 32 bytes into slab ks / 4
-        wgmma_ss<kRowsB, C::kBf16>(flat(acc),
-                                   desc(kKMajor, a_rows + (ks / 4) * kRowsA * 128 + slice),
-                                   desc(kKMajor, b_tile + (ks / 4) * kRowsB * 128 + slice),
-                                   ks > 0);
+        const uint32_t a = a_rows + (ks / 4) * kRowsA * 128 + slice;
+        const uint32_t b = b_tile + (ks / 4) * kRowsB * 128 + slice;
+        wgmma_ss<kRowsB, C::kBf16>(flat(acc), smem_desc_at(kSmemDescKMajor, a),
+                                   smem_desc_at(kSmemDescKMajor, b), ks > 0);
     }
 }
 
@@ -381,10 +365,11 @@ __device__ __forceinline__ void rows_rows(float (&acc)[kRowsB / 8][4], uint32_t 
 template <int kRowsB, int kK>
 __device__ __forceinline__ void regs_tile(float (&acc)[kD / 8][4], const uint32_t (&a)[1][kK][4],
                                           uint32_t b_tile) {
+    constexpr uint64_t kFields = smem_desc_mn_major(kRowsB);
 #pragma unroll
     for (int kk = 0; kk < kK; ++kk)
-        wgmma_rs<kD, C::kBf16>(flat(acc), a[0][kk],
-                               desc(mn_major<kRowsB>(), b_tile + kk * 16 * 128), 1);
+        wgmma_rs<kD, C::kBf16>(flat(acc), a[0][kk], smem_desc_at(kFields, b_tile + kk * 16 * 128),
+                               1);
 }
 
 // dQ share (64 query rows x C::kDqWgCols columns) = dS K over the CTA's kKeys keys: A = dS^T
@@ -392,12 +377,12 @@ __device__ __forceinline__ void regs_tile(float (&acc)[kD / 8][4], const uint32_
 template <int kKeys>
 __device__ __forceinline__ void ds_k(float (&acc)[C::kDqWgCols / 8][4], uint32_t ds_tile,
                                      uint32_t k_cols) {
+    constexpr uint64_t kFields = smem_desc_mn_major(kKeys);
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk)
         wgmma_ss_mn<C::kDqWgCols, C::kBf16>(flat(acc),
-                                            desc(mn_major<kKeys>(), ds_tile + kk * 16 * 128),
-                                            desc(mn_major<kKeys>(), k_cols + kk * 16 * 128),
-                                            kk > 0);
+                                            smem_desc_at(kFields, ds_tile + kk * 16 * 128),
+                                            smem_desc_at(kFields, k_cols + kk * 16 * 128), kk > 0);
 }
 
 }  // namespace wg
@@ -558,11 +543,7 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
             wgmma_commit();
             if constexpr (kFuseDq) {
                 __syncthreads();  // every warpgroup's keys of dS^T are in sdS
-                float dQ[C::kDqWgCols / 8][4];
-#pragma unroll
-                for (int nd = 0; nd < C::kDqWgCols / 8; ++nd)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) dQ[nd][e] = 0.f;
+                float dQ[C::kDqWgCols / 8][4];  // set by the first wgmma (accumulate 0)
                 wgmma_fence_operands(wg::flat(dQ));
                 wgmma_fence();
                 wg::ds_k<kKeys>(dQ, smem_addr(sdS), dq_k_cols);

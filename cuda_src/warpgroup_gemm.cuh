@@ -25,9 +25,9 @@ struct WarpgroupGemm {
     // (d_head contiguous): the stride is one 8-row swizzle atom, the leading offset is unused.
     // V, read as O's (B_c, d_head) B operand, is MN-major: the leading offset steps between
     // 64-column slabs, the stride between 8-row atoms.
-    static constexpr uint64_t kQkFields = make_smem_desc(0, 16, kSwizzleAtomBytes);
-    static constexpr uint64_t kVFields =
-        make_smem_desc(0, C::kBc * kSlabRowBytes, kSwizzleAtomBytes);
+    static_assert(kSwizzleAtomBytes == 1024, "the wgmma.cuh descriptor fields assume it");
+    static constexpr uint64_t kQkFields = kSmemDescKMajor;
+    static constexpr uint64_t kVFields = smem_desc_mn_major(C::kBc);
 
     // Start addresses >> 4, the descriptors' start field, of each operand's first k16 slice
     // (Q: this warpgroup's first row). One register each; a slice adds its offset >> 4.

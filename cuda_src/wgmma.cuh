@@ -22,6 +22,20 @@ __host__ __device__ constexpr uint64_t make_smem_desc(uint32_t smem_addr, uint32
            uint64_t((stride_bytes & 0x3FFFF) >> 4) << 32 | uint64_t(1) << 62;
 }
 
+// The fields (all but the start address) of the two layouts the kernels' tiles take: (rows,
+// 64-element) slabs of 128-byte rows, 8-row swizzle atoms 1024 bytes apart.
+// K-major (the reduction index runs along a row, d_head contiguous): no leading offset.
+constexpr uint64_t kSmemDescKMajor = make_smem_desc(0, 16, 1024);
+// MN-major (the reduction index runs down the rows) in a tile of `rows` rows: its 64-column
+// slabs rows * 128 bytes apart.
+__host__ __device__ constexpr uint64_t smem_desc_mn_major(uint32_t rows) {
+    return make_smem_desc(0, rows * 128, 1024);
+}
+// `fields` starting at shared address `addr` (below 256 KiB: addr >> 4 fits the start field).
+__device__ __forceinline__ uint64_t smem_desc_at(uint64_t fields, uint32_t addr) {
+    return fields | (addr >> 4);
+}
+
 __device__ __forceinline__ void wgmma_fence() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }

@@ -6,7 +6,7 @@ schemes: atomic dq accumulation (deterministic=False, the default) and determini
 import pytest
 import torch
 
-from cudaflash import api, backward, flash_attn_func
+from cudaflash import _driver, api, backward, flash_attn_func, manifest
 from cudaflash.config import BWD_D_HEADS
 from test_gpu_correctness import (COMBOS, DTYPES, _assert_within, _combo_id, attention_ref,
                                   check_attention, fp32_reference_without_tf32,  # noqa: F401
@@ -172,7 +172,6 @@ def test_atomic_scheme_differs_from_deterministic_only_in_dq_rounding(combo, mon
 
 
 def _usable_backward_entries():
-    from cudaflash import _driver, manifest
     device = _driver.device(torch.cuda.current_device())
     return list(manifest.load_manifest().usable_backward(device.arch,
                                                          device.smem_optin).values())
@@ -186,10 +185,9 @@ def test_every_backward_module_that_runs_here(causal, monkeypatch):
     force_atomic_kernels(monkeypatch)
     entries = _usable_backward_entries()
     assert entries, "no backward module runs on this GPU"
-    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
     for entry in entries:
         cfg = entry.config
-        q, k, v = make_qkv(2, 333, 517, 4, 2, cfg.d_head, dtypes[cfg.dtype], seed=21)
+        q, k, v = make_qkv(2, 333, 517, 4, 2, cfg.d_head, DTYPES[cfg.dtype], seed=21)
         dout = torch.randn_like(q)
         for scheme in entry.schemes:
             backward.clear_cache()  # the module per (device, dtype, d_head, scheme) is cached
