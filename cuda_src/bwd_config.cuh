@@ -37,6 +37,7 @@ struct BwdConfig {
     static constexpr int kSlabs = kDHead / kSlab;
     static constexpr int kRowsPerCopyPass = kThreads / 8;
     static constexpr bool kSwizzled = true;
+    static constexpr bool kDHeadTiled = true;  // (rows, 64) slabs: smem_layout.cuh
     static constexpr bool kAsyncCopy = true;
     // The dK/dV kernels' GEMMs on Hopper's warpgroup MMA (sm_90a); the dQ kernel keeps
     // mma.sync. Also read by copy.cuh: cp.async writes reach wgmma through a proxy fence.

@@ -50,7 +50,8 @@ struct TileCopy {
         }
     }
 
-    // Shared -> global, rows below valid_rows only.
+    // Shared -> global, rows below valid_rows only, with cache hint kCache (ptx.cuh).
+    template <StoreCache kCache = StoreCache::kDefault>
     __device__ __forceinline__ static void store(elem_t* gmem, const elem_t* smem,
                                                  int64_t row_stride, int valid_rows) {
         const int chunk = threadIdx.x % 8;
@@ -63,8 +64,9 @@ struct TileCopy {
                 if (row < valid_rows) {
                     const uint4 v = *reinterpret_cast<const uint4*>(
                         smem + SmemTile<C>::template offset<kRows>(row, slab * 8 + chunk));
-                    *reinterpret_cast<uint4*>(gmem + row * row_stride + slab * C::kSlab +
-                                              chunk * 8) = v;
+                    st_global_16<kCache>(reinterpret_cast<uint4*>(
+                                             gmem + row * row_stride + slab * C::kSlab + chunk * 8),
+                                         v);
                 }
             }
         }

@@ -4,7 +4,8 @@
 // with a contiguous last dim; o like q; lse (batch, n_heads, seqlen_q) float32. Or a packed
 // batch of sequences of different lengths (Params::cu_seqlens_q), each one batch entry here.
 // One CTA computes B_r query rows of one (batch, head): grid (ceil(seqlen_q / B_r), n_heads,
-// batch). It streams K/V blocks of B_c keys through shared memory, last block first, keeping S,
+// batch). It streams K/V blocks of B_c keys through shared memory (last block first unless
+// the config says otherwise: kv_reverse), keeping S,
 // P and the O accumulator in registers. Tails of both sequences are masked here; causal masking
 // is bottom-right aligned (query i sees keys j <= i + seqlen_k - seqlen_q) and blocks wholly
 // above the diagonal are never loaded.
@@ -110,10 +111,13 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     // here too: the first QK^T is too short to hide a V load from global memory, while every
     // later V load overlaps the previous block's softmax and PV.
     constexpr bool kPrefetchFirstV = C::kEagerLoad && C::kOptimizedSoftmax;
+    // The KV blocks run last to first (kv_reverse, the seed's step 13: the masked ones, tail
+    // and diagonal, come first) or first to last.
     if constexpr (C::kEagerLoad) {
         if (n_blocks > kv_begin) {
-            load_kv(sK, k, p.k_seq_stride, n_blocks - 1);
-            if constexpr (kPrefetchFirstV) load_kv(sV, v, p.v_seq_stride, n_blocks - 1);
+            const int first_block = C::kKvReverse ? n_blocks - 1 : kv_begin;
+            load_kv(sK, k, p.k_seq_stride, first_block);
+            if constexpr (kPrefetchFirstV) load_kv(sV, v, p.v_seq_stride, first_block);
         }
         copy_commit<C>();
     }
@@ -150,7 +154,12 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
             // V_block has landed; every warp is done reading K.
             copy_wait_all<C>();
             __syncthreads();
-            if (block > kv_begin) load_kv(sK, k, p.k_seq_stride, block - 1);  // overlaps softmax + PV
+            // The next block's K overlaps softmax + PV.
+            if constexpr (C::kKvReverse) {
+                if (block > kv_begin) load_kv(sK, k, p.k_seq_stride, block - 1);
+            } else {
+                if (block + 1 < n_blocks) load_kv(sK, k, p.k_seq_stride, block + 1);
+            }
             copy_commit<C>();
         } else {
             load_kv(sK, k, p.k_seq_stride, block);
@@ -166,16 +175,23 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
         if (block >= mask_from)
             OnlineSoftmax<C>::mask(S, block * C::kBc, q_row0 + warp * C::kRowsPerWarp,
                                    seq.len_q, seq.len_k, p.is_causal, lane);
-        softmax.template update<kFirst>(S, O, p.scale_log2);
+        softmax.template update<kFirst>(S, O, OnlineSoftmax<C>::score_scale(p.scale_log2));
         gemm.pv(O, S);
     };
 
-    // Last block first: the masked blocks (tail, diagonal) come first, then unmasked ones.
-    int block = n_blocks - 1;
-    if constexpr (C::kOptimizedSoftmax) {
-        if (block >= kv_begin) iteration(block--, std::true_type{});
+    if constexpr (C::kKvReverse) {
+        int block = n_blocks - 1;
+        if constexpr (C::kOptimizedSoftmax) {
+            if (block >= kv_begin) iteration(block--, std::true_type{});
+        }
+        for (; block >= kv_begin; --block) iteration(block, std::false_type{});
+    } else {
+        int block = kv_begin;
+        if constexpr (C::kOptimizedSoftmax) {
+            if (block < n_blocks) iteration(block++, std::true_type{});
+        }
+        for (; block < n_blocks; ++block) iteration(block, std::false_type{});
     }
-    for (; block >= kv_begin; --block) iteration(block, std::false_type{});
 
     float lse[kM][2];
     softmax.finalize(O, lse);
@@ -239,7 +255,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     __syncthreads();
     elem_t* o = static_cast<elem_t*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
                 int64_t(seq.start_q + q_row0) * p.o_seq_stride;
-    QCopy::store(o, sQ, p.o_seq_stride, q_rows);
+    QCopy::template store<C::kOStoreCache>(o, sQ, p.o_seq_stride, q_rows);
 }
 
 // cudaflash_combine: one warp per query row, grid (ceil(seqlen_q / kCombineRows), n_heads,

@@ -33,7 +33,9 @@ __device__ __forceinline__ void pipelined_groups(Load&& load, Compute&& compute)
 template <class C>
 struct WarpGemm {
     static constexpr int kM = C::kMTiles;
-    static constexpr int kSlabBytes = C::kSlabRowBytes;
+    static constexpr int kRowBytes = C::kRowPitchBytes;  // row to row in a shared tile
+    static constexpr int kQSlabBytes = C::slab_pitch_bytes(C::kBr);  // a row's slab to the next
+    static constexpr int kKvSlabBytes = C::slab_pitch_bytes(C::kBc);
     // Q_FRAGS = 0: the warp's whole Q slice stays in registers for the CTA's lifetime.
     static constexpr bool kQInRegisters = C::kQFrags == 0;
 
@@ -49,24 +51,24 @@ struct WarpGemm {
                                         int lane)
         : hi_by_lane16(lane / 16, lane % 8), hi_by_lane8(lane / 8 % 2, lane % 8) {
         const int qv_row = lane % 8 + 8 * (lane / 8 % 2);
-        q_lane = smem_addr(sQ) + (warp * C::kRowsPerWarp + qv_row) * kSlabBytes;
-        k_lane = smem_addr(sK) + (lane % 8 + 8 * (lane / 16)) * kSlabBytes;
-        v_lane = smem_addr(sV) + qv_row * kSlabBytes;
+        q_lane = smem_addr(sQ) + (warp * C::kRowsPerWarp + qv_row) * kRowBytes;
+        k_lane = smem_addr(sK) + (lane % 8 + 8 * (lane / 16)) * kRowBytes;
+        v_lane = smem_addr(sV) + qv_row * kRowBytes;
     }
 
     // A fragment of Q for m16 tile mi and k16 slice ks.
     __device__ __forceinline__ void load_q(uint32_t (&a)[4], int mi, int ks) const {
-        ldmatrix_x4(a, q_lane + mi * 16 * kSlabBytes + (ks / 4) * C::kBr * kSlabBytes +
+        ldmatrix_x4(a, q_lane + mi * 16 * kRowBytes + (ks / 4) * kQSlabBytes +
                            hi_by_lane16.bytes[ks % 4]);
     }
     // B fragments of K^T for n8 tiles 2*nj2 and 2*nj2+1 of slice ks: {b0, b1} of each.
     __device__ __forceinline__ void load_k(uint32_t (&b)[4], int nj2, int ks) const {
-        ldmatrix_x4(b, k_lane + nj2 * 16 * kSlabBytes + (ks / 4) * C::kBc * kSlabBytes +
+        ldmatrix_x4(b, k_lane + nj2 * 16 * kRowBytes + (ks / 4) * kKvSlabBytes +
                            hi_by_lane8.bytes[ks % 4]);
     }
     // B fragments of V for key slice kk and head-dim n8 tiles 2*nd2 and 2*nd2+1.
     __device__ __forceinline__ void load_v(uint32_t (&b)[4], int kk, int nd2) const {
-        ldmatrix_x4_trans(b, v_lane + kk * 16 * kSlabBytes + (nd2 / 4) * C::kBc * kSlabBytes +
+        ldmatrix_x4_trans(b, v_lane + kk * 16 * kRowBytes + (nd2 / 4) * kKvSlabBytes +
                                  hi_by_lane16.bytes[nd2 % 4]);
     }
 

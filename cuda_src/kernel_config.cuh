@@ -7,7 +7,8 @@
 //        -DCF_DTYPE_BF16=1 -DCF_D_HEAD=128 -DCF_B_R=128 -DCF_B_C=64 -DCF_N_WARPS=4 \
 //        -DCF_ASYNC_COPY=1 -DCF_EAGER_LOAD_BLOCKS=1 -DCF_SWIZZLED=1 -DCF_Q_FRAGS=2 \
 //        -DCF_K_FRAGS=2 -DCF_V_FRAGS=0 -DCF_DOUBLE_BUFFER=1 -DCF_OPTIMIZED_SOFTMAX=1 \
-//        -DCF_MIN_CTAS_PER_SM=1 -DCF_WGMMA=0 \
+//        -DCF_MIN_CTAS_PER_SM=1 -DCF_WGMMA=0 -DCF_EXP2_SOFTMAX=1 -DCF_KV_REVERSE=1 \
+//        -DCF_D_HEAD_TILED=1 -DCF_O_STORE_CACHE=0 \
 //        cuda_src/flash_fwd.cu -o fwd.cubin
 // (wgmma configs: -gencode arch=compute_90a,code=sm_90a; Hopper only)
 #pragma once
@@ -15,11 +16,14 @@
 #include <cuda_fp16.h>
 #include <type_traits>
 
+#include "ptx.cuh"  // StoreCache
+
 #if !defined(CF_DTYPE_BF16) || !defined(CF_D_HEAD) || !defined(CF_B_R) || !defined(CF_B_C) ||   \
     !defined(CF_N_WARPS) || !defined(CF_ASYNC_COPY) || !defined(CF_EAGER_LOAD_BLOCKS) ||          \
     !defined(CF_SWIZZLED) || !defined(CF_Q_FRAGS) || !defined(CF_K_FRAGS) ||                      \
     !defined(CF_V_FRAGS) || !defined(CF_DOUBLE_BUFFER) || !defined(CF_OPTIMIZED_SOFTMAX) ||  \
-    !defined(CF_MIN_CTAS_PER_SM) || !defined(CF_WGMMA)
+    !defined(CF_MIN_CTAS_PER_SM) || !defined(CF_WGMMA) || !defined(CF_EXP2_SOFTMAX) ||        \
+    !defined(CF_KV_REVERSE) || !defined(CF_D_HEAD_TILED) || !defined(CF_O_STORE_CACHE)
 #error "define every CF_* macro: see cudaflash.config.KernelConfig.nvcc_defines()"
 #endif
 
@@ -52,6 +56,13 @@ struct KernelConfig {
     static constexpr int kMinCtasPerSm = CF_MIN_CTAS_PER_SM;
     // GEMMs on Hopper's warpgroup MMA (wgmma, sm_90a) instead of warp-level mma.sync.
     static constexpr bool kWgmma = CF_WGMMA;
+    // Softmax in base-2 units with the scale folded into one FFMA (else natural units).
+    static constexpr bool kExp2Softmax = CF_EXP2_SOFTMAX;
+    // KV blocks last to first (else first to last).
+    static constexpr bool kKvReverse = CF_KV_REVERSE;
+    // Shared tiles as (rows, 64) slabs (else whole rows of d_head elements): smem_layout.cuh.
+    static constexpr bool kDHeadTiled = CF_D_HEAD_TILED;
+    static constexpr StoreCache kOStoreCache = StoreCache(CF_O_STORE_CACHE);
 
     using elem_t = std::conditional_t<kBf16, __nv_bfloat16, __half>;
 
@@ -61,6 +72,13 @@ struct KernelConfig {
     static constexpr int kSlab = 64;                   // smem/gmem copies work in 64-column slabs
     static constexpr int kSlabs = kDHead / kSlab;
     static constexpr int kSlabRowBytes = kSlab * int(sizeof(elem_t));  // 128: a swizzle row
+    // Bytes from one row of a shared tile to the next: one slab row, or a whole d_head row.
+    static constexpr int kRowPitchBytes =
+        kDHeadTiled ? kSlabRowBytes : kDHead * int(sizeof(elem_t));
+    // Bytes from a row's slab to its next slab, in a tile of `rows` rows.
+    static constexpr int slab_pitch_bytes(int rows) {
+        return kDHeadTiled ? rows * kSlabRowBytes : kSlabRowBytes;
+    }
     static constexpr int kRowsPerCopyPass = kThreads / 8;  // 8 threads x 16 B cover one slab row
 
     static constexpr int kDSlices = kDHead / 16;  // k16 slices of the QK^T reduction
@@ -97,6 +115,10 @@ struct KernelConfig {
                               !kDoubleBuffer),
                   "wgmma: 16 rows per warp, B_c >= 64, swizzled cp.async tiles, "
                   "no *_mma_load_K_fragments or mma_double_buffer_loads (no ldmatrix path)");
+    static_assert(CF_O_STORE_CACHE >= 0 && CF_O_STORE_CACHE <= 2,
+                  "o_store_cache must be 0 (default), 1 (streaming) or 2 (no_allocate)");
+    static_assert(kDHeadTiled || (kDHead > 64 && !kWgmma),
+                  "d_head_tiled=0 needs d_head >= 128 (one slab at 64) and no wgmma");
 #if CF_WGMMA && defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "wgmma configs compile for sm_90a only: -gencode arch=compute_90a,code=sm_90a"
 #endif

@@ -59,6 +59,25 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// Cache hint of a global store (cudaflash.config.O_STORE_CACHE, in this order): none; .cs,
+// streaming (likely accessed once: evict first from L1 and L2); L1::no_allocate (the line is
+// not kept in L1).
+enum class StoreCache { kDefault = 0, kStreaming = 1, kNoAllocate = 2 };
+
+// 16-byte global store with cache hint kCache.
+template <StoreCache kCache>
+__device__ __forceinline__ void st_global_16(uint4* ptr, uint4 v) {
+    if constexpr (kCache == StoreCache::kDefault) {
+        *ptr = v;
+    } else if constexpr (kCache == StoreCache::kStreaming) {
+        asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(ptr), "r"(v.x),
+                     "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+    } else {
+        asm volatile("st.global.L1::no_allocate.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(ptr),
+                     "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+    }
+}
+
 // 2^x on the SFU (one MUFU.EX2); ex2(-inf) = +0, which the masked softmax relies on.
 __device__ __forceinline__ float ex2(float x) {
     float y;

@@ -1,7 +1,10 @@
 // Shared-memory layout of a (rows, d_head) tile: d_head / 64 slabs of (rows, 64) elements, so
-// every slab row is 128 bytes = 8 chunks of 16 bytes. With swizzling, chunk c of row r is
-// stored at chunk c ^ (r % 8): the 8 rows an ldmatrix or a 16-byte copy touches at once then
-// fall into 8 different bank groups instead of one (8-way conflict without it).
+// every slab row is 128 bytes = 8 chunks of 16 bytes (C::kDHeadTiled, the seed's step 15), or
+// plain rows of d_head elements, each slab's 128 bytes side by side. With swizzling, chunk c
+// of a row's slab is stored at chunk c ^ (row % 8) of that slab: the 8 rows an ldmatrix or a
+// 16-byte copy touches at once then fall into 8 different bank groups instead of one (8-way
+// conflict without it). The XOR stays inside the slab, so both layouts are conflict-free; the
+// slabs make every row pitch 128 bytes (wgmma's swizzle atoms need that).
 #pragma once
 
 namespace cudaflash {
@@ -14,7 +17,11 @@ struct SmemTile {
         const int slab = chunk / 8;
         const int c = chunk % 8;
         const int swz = C::kSwizzled ? (row % 8) : 0;
-        return slab * kRows * C::kSlab + row * C::kSlab + (c ^ swz) * 8;
+        if constexpr (C::kDHeadTiled) {
+            return slab * kRows * C::kSlab + row * C::kSlab + (c ^ swz) * 8;
+        } else {
+            return row * C::kDHead + slab * C::kSlab + (c ^ swz) * 8;
+        }
     }
 };
 

@@ -1,6 +1,8 @@
-// Online softmax over the KV blocks of one warp's rows, in base 2: scores are scaled by
-// softmax_scale * log2(e) inside one FFMA before MUFU.EX2. Each thread holds 2 rows per m16 tile (lane / 4 and lane / 4 + 8); a row's
-// 4 owners are the lanes of one quad, so row reductions are two xor-shuffles.
+// Online softmax over the KV blocks of one warp's rows. With C::kExp2Softmax (the seed's step
+// 6) in base-2 units: scores are scaled by softmax_scale * log2(e) inside one FFMA before
+// MUFU.EX2. Without it in natural units: exp(x) is ex2(x * log2(e)), one FMUL more per score.
+// Each thread holds 2 rows per m16 tile (lane / 4 and lane / 4 + 8); a row's 4 owners are the
+// lanes of one quad, so row reductions are two xor-shuffles.
 #pragma once
 #include <cmath>
 #include "kernel_config.cuh"
@@ -16,7 +18,22 @@ struct OnlineSoftmax {
     // exceeds it by more than this many powers of two. P then stays <= 2^8 (exact in fp32,
     // representable in fp16/bf16) and the O rescale, kOTiles * 4 FMULs per row pair, is skipped
     // in most iterations. The result is exact: O, the row sum and the lse all use the same max.
-    static constexpr float kRescaleThreshold = 8.f;
+    static constexpr float kLn2 = 0.6931471805599453f;
+    static constexpr float kRescaleThreshold = C::kExp2Softmax ? 8.f : 8.f * kLn2;
+
+    // The multiplier of the raw scores (update's `scale`) for p.scale_log2 =
+    // softmax_scale * log2(e): the units ref_max and the exponentials work in.
+    __device__ __forceinline__ static float score_scale(float scale_log2) {
+        return C::kExp2Softmax ? scale_log2 : scale_log2 * kLn2;
+    }
+    // e^x in the softmax's units: 2^x (base 2) or e^x (natural).
+    __device__ __forceinline__ static float exp_units(float x) {
+        if constexpr (C::kExp2Softmax) {
+            return ex2(x);
+        } else {
+            return __expf(x);
+        }
+    }
 
     struct Max {
         __device__ __forceinline__ static float op(float a, float b) { return fmaxf(a, b); }
@@ -49,7 +66,7 @@ struct OnlineSoftmax {
         }
     }
 
-    float ref_max[kM][2];  // log2 units (score * scale_log2); -inf until a key is visible
+    float ref_max[kM][2];  // in the units of score * score_scale; -inf until a key is visible
     float row_sum[kM][2];  // this thread's partial sum; the quad reduction waits for the end
 
     __device__ __forceinline__ OnlineSoftmax() {
@@ -84,12 +101,13 @@ struct OnlineSoftmax {
             }
     }
 
-    // Turns S into P = exp2(S * scale_log2 - ref_max), raising ref_max (and rescaling O and the
-    // row sums by exp2(old - new)) where the tile demands it. kFirst (optimized_softmax):
-    // nothing is accumulated yet, so ref_max starts at the tile's max with no rescale.
+    // Turns S into P = exp_units(S * scale - ref_max), raising ref_max (and rescaling O and the
+    // row sums by exp_units(old - new)) where the tile demands it; scale = score_scale(...).
+    // kFirst (optimized_softmax): nothing is accumulated yet, so ref_max starts at the tile's
+    // max with no rescale.
     template <bool kFirst>
     __device__ __forceinline__ void update(float (&S)[kM][C::kSTiles][4],
-                                           float (&O)[kM][C::kOTiles][4], float scale_log2) {
+                                           float (&O)[kM][C::kOTiles][4], float scale) {
         float tile_max[kM][2];
         bool raise = false;
 #pragma unroll
@@ -99,7 +117,7 @@ struct OnlineSoftmax {
                 float m = row_reduce<Max>(S[mi], r);
                 m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
                 m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-                tile_max[mi][r] = m * scale_log2;
+                tile_max[mi][r] = m * scale;
                 raise |= tile_max[mi][r] > ref_max[mi][r] + kRescaleThreshold;
             }
 
@@ -118,7 +136,7 @@ struct OnlineSoftmax {
                                               : ref_max[mi][r];
                     // -inf - -inf would be NaN: a row that has seen no key has nothing to scale.
                     const float alpha =
-                        new_max == -INFINITY ? 1.f : ex2(ref_max[mi][r] - new_max);
+                        new_max == -INFINITY ? 1.f : exp_units(ref_max[mi][r] - new_max);
                     ref_max[mi][r] = new_max;
                     row_sum[mi][r] *= alpha;
 #pragma unroll
@@ -134,13 +152,13 @@ struct OnlineSoftmax {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 // A row with every key masked so far keeps ref_max = -inf; subtracting 0 instead
-                // keeps its exponentials at exp2(-inf) = 0 rather than NaN.
+                // keeps its exponentials at exp(-inf) = 0 rather than NaN.
                 const float m = ref_max[mi][r] == -INFINITY ? 0.f : ref_max[mi][r];
 #pragma unroll
                 for (int nj = 0; nj < C::kSTiles; ++nj)
 #pragma unroll
                     for (int e = 2 * r; e < 2 * r + 2; ++e)
-                        S[mi][nj][e] = ex2(fmaf(S[mi][nj][e], scale_log2, -m));
+                        S[mi][nj][e] = exp_units(fmaf(S[mi][nj][e], scale, -m));
                 const float sum = row_reduce<Sum>(S[mi], r);
                 row_sum[mi][r] = kFirst ? sum : row_sum[mi][r] + sum;
             }
@@ -149,7 +167,6 @@ struct OnlineSoftmax {
     // Normalises O by the row sums and returns each row's natural-log logsumexp of the scaled
     // scores (-inf and O = 0 for a row that saw no unmasked key).
     __device__ __forceinline__ void finalize(float (&O)[kM][C::kOTiles][4], float (&lse)[kM][2]) {
-        constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
@@ -163,7 +180,11 @@ struct OnlineSoftmax {
                     O[mi][nd][2 * r] *= inv;
                     O[mi][nd][2 * r + 1] *= inv;
                 }
-                lse[mi][r] = l > 0.f ? (ref_max[mi][r] + __log2f(l)) * kLn2 : -INFINITY;
+                if constexpr (C::kExp2Softmax) {
+                    lse[mi][r] = l > 0.f ? (ref_max[mi][r] + __log2f(l)) * kLn2 : -INFINITY;
+                } else {
+                    lse[mi][r] = l > 0.f ? ref_max[mi][r] + __logf(l) : -INFINITY;
+                }
             }
     }
 };

@@ -29,6 +29,21 @@ Field semantics follow the seed kernel (see docs/design.md):
   instead of warp-level ``mma.sync``: each warpgroup of 4 warps owns 64 query rows and the
   tensor cores read Q, K and V straight from the swizzled shared tiles, so the fragment-loading
   fields (``*_mma_load_K_fragments``, ``mma_double_buffer_loads``) do not apply and must be 0.
+
+Four more of the seed's optimizations are knobs with a default (the optimized choice), so
+they are optional in configs.yaml and appear in the name only when they differ from it:
+
+- ``exp2_softmax`` (seed step 6): scores in base-2 units, softmax_scale * log2(e) folded into
+  one FFMA before MUFU.EX2 (true); or natural units, exp(x) as ex2(x * log2(e)): one more
+  FMUL per score (false, name suffix ``_natexp``).
+- ``kv_reverse`` (seed step 13): KV blocks last to first (true), so the masked blocks (the
+  seqlen_k tail, the causal diagonal) come first; or first to last (false, ``_kvfwd``).
+- ``d_head_tiled`` (seed step 15): shared tiles stored as d_head / 64 slabs of (rows, 64)
+  (true); or as whole rows of d_head elements (false, ``_untiled``; d_head >= 128 only, at 64
+  both are the same layout; wgmma needs the slabs).
+- ``o_store_cache`` (seed step 14): the cache hint of O's global stores: ``default`` (plain
+  st.global), ``streaming`` (st.global.cs: evict first, name suffix ``_ocs``) or
+  ``no_allocate`` (st.global.L1::no_allocate, the seed's choice, ``_ona``).
 """
 
 from __future__ import annotations
@@ -45,6 +60,8 @@ N_WARPS = (4, 8)
 MIN_CTAS_PER_SM = (1, 2, 3, 4)
 ROWS_PER_WARP = (16, 32)
 B_C_VALUES = (32, 64, 128)
+O_STORE_CACHE = ("default", "streaming", "no_allocate")
+_O_STORE_TOKEN = {"streaming": "_ocs", "no_allocate": "_ona"}
 
 # Largest dynamic shared memory one block may opt into, per arch (CUDA C Programming Guide,
 # compute capability table). The build uses it to decide which arch a config is compiled
@@ -102,6 +119,10 @@ class KernelConfig:
     optimized_softmax: bool
     min_ctas_per_sm: int
     wgmma: bool
+    exp2_softmax: bool = True
+    kv_reverse: bool = True
+    d_head_tiled: bool = True
+    o_store_cache: str = "default"
 
     # The translation unit under cuda_src/ and the extern "C" entries every module of this
     # family exports (build_cubins.py checks the ptxas report and the PTX against them).
@@ -112,7 +133,8 @@ class KernelConfig:
 
     @property
     def name(self) -> str:
-        """Canonical name, built from every field (parsed back by ``from_name``)."""
+        """Canonical name, built from every field (parsed back by ``from_name``); the fields
+        with a default appear only when they differ from it."""
         return (
             f"fwd_{self.dtype}_d{self.d_head}_br{self.B_r}_bc{self.B_c}_w{self.n_warps}"
             f"_async{int(self.async_copy)}_eager{int(self.eager_load_blocks)}"
@@ -121,6 +143,10 @@ class KernelConfig:
             f"v{self.V_mma_load_K_fragments}"
             f"_dbuf{int(self.mma_double_buffer_loads)}_osm{int(self.optimized_softmax)}"
             f"_ctas{self.min_ctas_per_sm}_wgmma{int(self.wgmma)}"
+            + ("" if self.exp2_softmax else "_natexp")
+            + ("" if self.kv_reverse else "_kvfwd")
+            + ("" if self.d_head_tiled else "_untiled")
+            + _O_STORE_TOKEN.get(self.o_store_cache, "")
         )
 
     @property
@@ -169,6 +195,10 @@ class KernelConfig:
             "CF_OPTIMIZED_SOFTMAX": int(self.optimized_softmax),
             "CF_MIN_CTAS_PER_SM": self.min_ctas_per_sm,
             "CF_WGMMA": int(self.wgmma),
+            "CF_EXP2_SOFTMAX": int(self.exp2_softmax),
+            "CF_KV_REVERSE": int(self.kv_reverse),
+            "CF_D_HEAD_TILED": int(self.d_head_tiled),
+            "CF_O_STORE_CACHE": O_STORE_CACHE.index(self.o_store_cache),  # validated
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -245,6 +275,15 @@ class KernelConfig:
                 if getattr(self, field):
                     bad(field, "must be 0 with wgmma (the tensor cores read shared memory; "
                                "there are no fragments to load)")
+        if self.o_store_cache not in O_STORE_CACHE:
+            bad("o_store_cache", f"must be one of {list(O_STORE_CACHE)}")
+        if not self.d_head_tiled:
+            if self.d_head == 64:
+                bad("d_head_tiled", "must be True at d_head=64 (one 64-column slab: both "
+                                    "layouts are the same)")
+            if self.wgmma:
+                bad("d_head_tiled", "must be True with wgmma (its descriptors address "
+                                    "(rows, 64) slabs of 128-byte rows)")
         if not any(self.fits_arch(a) for a in ARCH_SMEM_LIMIT):
             bad("B_r", f"shared memory {self.smem_bytes} bytes exceeds every arch's limit")
         return errs
@@ -276,10 +315,16 @@ class KernelConfig:
                               "(expected e.g. fwd_bf16_d128_br128_bc64_w4_async1_eager1_swz1"
                               "_q2k2v0_dbuf1_osm1_ctas1_wgmma0)")
         g = m.groupdict()
-        data = {k: (int(v) if k != "dtype" else v) for k, v in g.items()}
+        data = {k: (v if k == "dtype" else int(v)) for k, v in g.items()
+                if k not in _NAME_SUFFIXES}
         for k in ("async_copy", "eager_load_blocks", "swizzled", "mma_double_buffer_loads",
                   "optimized_softmax", "wgmma"):
             data[k] = bool(data[k])
+        data["exp2_softmax"] = g["natexp"] is None
+        data["kv_reverse"] = g["kvfwd"] is None
+        data["d_head_tiled"] = g["untiled"] is None
+        data["o_store_cache"] = {None: "default", "cs": "streaming", "na": "no_allocate"}[
+            g["ostore"]]
         return cls.from_dict(data, where=f"config name {name!r}")
 
 
@@ -289,7 +334,9 @@ _NAME_RE = re.compile(
     r"_q(?P<Q_mma_load_K_fragments>\d+)k(?P<K_mma_load_K_fragments>\d+)"
     r"v(?P<V_mma_load_K_fragments>\d+)"
     r"_dbuf(?P<mma_double_buffer_loads>[01])_osm(?P<optimized_softmax>[01])"
-    r"_ctas(?P<min_ctas_per_sm>\d+)_wgmma(?P<wgmma>[01])")
+    r"_ctas(?P<min_ctas_per_sm>\d+)_wgmma(?P<wgmma>[01])"
+    r"(?P<natexp>_natexp)?(?P<kvfwd>_kvfwd)?(?P<untiled>_untiled)?(?:_o(?P<ostore>cs|na))?")
+_NAME_SUFFIXES = ("natexp", "kvfwd", "untiled", "ostore")  # the optional name tokens
 
 
 BWD_D_HEADS = (64, 128)

@@ -60,6 +60,35 @@ def test_wgmma_config_is_valid_and_hopper_only():
     assert [a for a in (80, 86, 89, 90) if cfg.builds_for(a)] == [90]
 
 
+# The knobs with a default (the optimized choice) appear in the name only when switched away
+# from it, in this order.
+KNOB_SUFFIXES = [
+    ({"exp2_softmax": False}, "_natexp"),
+    ({"kv_reverse": False}, "_kvfwd"),
+    ({"d_head_tiled": False}, "_untiled"),
+    ({"o_store_cache": "streaming"}, "_ocs"),
+    ({"o_store_cache": "no_allocate"}, "_ona"),
+    ({"exp2_softmax": False, "kv_reverse": False, "d_head_tiled": False,
+      "o_store_cache": "no_allocate"}, "_natexp_kvfwd_untiled_ona"),
+]
+
+
+@pytest.mark.parametrize("change,suffix", KNOB_SUFFIXES, ids=[s for _, s in KNOB_SUFFIXES])
+def test_knob_with_default_is_named_only_when_changed(change, suffix):
+    base = KernelConfig.from_dict(BASE)
+    assert base.name.endswith("_wgmma0")  # every default: no suffix
+    cfg = KernelConfig.from_dict({**BASE, **change})
+    assert cfg.name == base.name + suffix
+    assert KernelConfig.from_name(cfg.name) == cfg
+    assert cfg.nvcc_defines() != base.nvcc_defines()
+
+
+def test_knob_defaults_are_optional_in_a_mapping():
+    assert KernelConfig.from_dict(BASE) == KernelConfig.from_dict(
+        {**BASE, "exp2_softmax": True, "kv_reverse": True, "d_head_tiled": True,
+         "o_store_cache": "default"})
+
+
 BAD = [
     ({"dtype": "fp32"}, "dtype"),
     ({"d_head": 96}, "d_head"),
@@ -83,6 +112,11 @@ BAD = [
     ({**WGMMA, "B_r": 128, "n_warps": 4}, "B_r"),
     ({**WGMMA, "B_c": 32}, "B_c"),
     ({**WGMMA, "swizzled": False}, "swizzled"),
+    ({"o_store_cache": "evict_last"}, "o_store_cache"),
+    # one slab at d_head 64: the untiled layout would be the same kernel under another name
+    ({"d_head": 64, "Q_mma_load_K_fragments": 0, "K_mma_load_K_fragments": 0,
+      "mma_double_buffer_loads": False, "d_head_tiled": False}, "d_head_tiled"),
+    ({**WGMMA, "d_head_tiled": False}, "d_head_tiled"),
 ]
 
 
@@ -103,6 +137,8 @@ def test_bad_config_names_config_and_field(change, field):
     ({"swizzled": 1}, "swizzled=1 must be a bool"),
     ({"n_warps": True}, "n_warps=True must be a int"),
     ({"B_m": 64}, "unknown field(s) ['B_m']"),
+    ({"o_store_cache": 1}, "o_store_cache=1 must be a str"),
+    ({"kv_reverse": "yes"}, "kv_reverse='yes' must be a bool"),
 ])
 def test_from_dict_rejects_bad_fields(change, text):
     with pytest.raises(ConfigError) as exc:

@@ -3,7 +3,7 @@
 Compiles the real cuda_src/flash_fwd.cu for sm_90 once per field: a base config and, for each
 field, the base with only that field changed (each variant is itself a valid config). The
 machine code with the variant must differ from the base's. CPU only; needs nvcc (skipped with
-the reason when it is missing). 16 compiles of about 1 s each.
+the reason when it is missing). 21 compiles of about 1 s each.
 """
 
 import dataclasses
@@ -32,6 +32,8 @@ CHANGED = {  # field -> another value that keeps the config valid
     "optimized_softmax": False,
     "min_ctas_per_sm": 3,  # 170 registers instead of 255
     "wgmma": True,  # against WGMMA_BASE below: BASE's fragment fields do not apply to wgmma
+    "exp2_softmax": False, "kv_reverse": False, "d_head_tiled": False,
+    "o_store_cache": "no_allocate",
 }
 # wgmma needs 16 rows per warp and no fragment loading, so its variant changes from this base.
 WGMMA_BASE = dataclasses.replace(BASE, n_warps=8, K_mma_load_K_fragments=0,

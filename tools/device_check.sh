@@ -2,7 +2,10 @@
 # One call on the GPU machine: build every cubin (-j16), run the whole pytest suite (GPU tests
 # included) and the benchmark; full logs under $OUT (default /tmp/cudaflash-out).
 #
-#   tools/device_check.sh [test] [bench] [decode] [tune]     (no argument: test and bench)
+#   tools/device_check.sh [test] [bench] [decode] [tune] [ablation]   (default: test and bench)
+#
+# ablation: builds tools/ablation.py's knob variants into .dev/ablation (sm_90), runs the
+# per-config correctness tests on them and times each variant against its base.
 #
 # Extra pytest arguments go in PYTEST_ARGS, extra bench arguments in BENCH_ARGS.
 set -uo pipefail
@@ -34,6 +37,20 @@ for step in $steps; do
     tune)
         python3 -m cudaflash tune --out "$OUT/tuned-sm90.yaml" > "$OUT/tune.log" 2>&1 || rc=1
         cat "$OUT/tune.log" ;;
+    ablation)
+        python3 tools/ablation.py yaml "$OUT/ablation.yaml"
+        if python3 build_cubins.py -j16 --configs "$OUT/ablation.yaml" --out .dev/ablation \
+                --archs 90 > "$OUT/ablation-build.log" 2>&1; then
+            grep -E "^WARNING|^wrote" "$OUT/ablation-build.log" | tail -40
+            CUDAFLASH_KERNEL_DIR=.dev/ablation python3 -m pytest -q \
+                tests/test_gpu_correctness.py -k test_config > "$OUT/ablation-pytest.log" 2>&1 || rc=1
+            grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/ablation-pytest.log" | tail -20
+            CUDAFLASH_KERNEL_DIR=.dev/ablation PYTHONPATH=. python3 tools/ablation.py bench \
+                --json "$OUT/ablation.json" > "$OUT/ablation.log" 2>&1 || rc=1
+            cat "$OUT/ablation.log"
+        else
+            tail -40 "$OUT/ablation-build.log"; rc=1
+        fi ;;
     *) echo "unknown step $step"; exit 2 ;;
     esac
 done
