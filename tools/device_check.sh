@@ -7,7 +7,8 @@
 # ablation: builds tools/ablation.py's knob variants into .dev/ablation (sm_90), runs the
 # per-config correctness tests on them and times each variant against its base.
 #
-# Extra pytest arguments go in PYTEST_ARGS, extra bench arguments in BENCH_ARGS.
+# Extra pytest arguments go in PYTEST_ARGS, extra bench arguments in BENCH_ARGS, extra
+# tools/ablation.py bench arguments in ABLATION_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cudaflash-out}
@@ -46,7 +47,7 @@ for step in $steps; do
                 tests/test_gpu_correctness.py -k test_config > "$OUT/ablation-pytest.log" 2>&1 || rc=1
             grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/ablation-pytest.log" | tail -20
             CUDAFLASH_KERNEL_DIR=.dev/ablation PYTHONPATH=. python3 tools/ablation.py bench \
-                --json "$OUT/ablation.json" > "$OUT/ablation.log" 2>&1 || rc=1
+                --json "$OUT/ablation.json" ${ABLATION_ARGS:-} > "$OUT/ablation.log" 2>&1 || rc=1
             cat "$OUT/ablation.log"
         else
             tail -40 "$OUT/ablation-build.log"; rc=1
