@@ -28,14 +28,18 @@
 namespace cudaflash {
 
 // One batch entry's sequence: its query rows and keys, and where they start along the seq
-// dimension of q/o and k/v (0 unless the batch is packed: Params::cu_seqlens_q).
+// dimension of q/o and k/v (0 unless the batch is packed: Params::cu_seqlens_q). A padded
+// batch may give each entry's key count (Params::cu_seqlens_k without cu_seqlens_q).
 struct Sequence {
     int len_q, len_k;
     int start_q, start_k;
 };
 
 __device__ __forceinline__ Sequence sequence(const Params& p, int batch) {
-    if (p.cu_seqlens_q == nullptr) return {p.seqlen_q, p.seqlen_k, 0, 0};
+    if (p.cu_seqlens_q == nullptr) {
+        if (p.cu_seqlens_k == nullptr) return {p.seqlen_q, p.seqlen_k, 0, 0};
+        return {p.seqlen_q, min(max(p.cu_seqlens_k[batch], 0), p.seqlen_k), 0, 0};
+    }
     const int q0 = min(max(p.cu_seqlens_q[batch], 0), p.total_q);
     const int q1 = min(max(p.cu_seqlens_q[batch + 1], q0), p.total_q);
     const int k0 = min(max(p.cu_seqlens_k[batch], 0), p.total_k);

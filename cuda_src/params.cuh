@@ -21,7 +21,9 @@ struct Params {
     // strides 0) and keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k and v; seqlen_q and
     // seqlen_k below are then the longest lengths (the grid's extent), and the offsets are
     // clamped into [0, total_q] and [0, total_k], so no value can address memory outside q, k,
-    // v, o.
+    // v, o. Without cu_seqlens_q (a padded batch), cu_seqlens_k is null or holds batch key
+    // counts: batch entry b uses keys [0, cu_seqlens_k[b]) of its seqlen_k (the cache_seqlens
+    // of flash_attn_with_kvcache), clamped into [0, seqlen_k].
     const int32_t* cu_seqlens_q;
     const int32_t* cu_seqlens_k;
 

@@ -3,9 +3,11 @@ CUDA driver API (cuda-python). No compiler and no C++ extension at run time; imp
 touches no GPU.
 """
 
-from .api import flash_attn_func, flash_attn_varlen_func, forward, list_kernels
+from .api import (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, forward,
+                  list_kernels)
 from .config import KernelConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "forward", "list_kernels", "KernelConfig", "__version__"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "forward",
+           "list_kernels", "KernelConfig", "__version__"]

@@ -19,7 +19,7 @@ class Params(ctypes.Structure):
         ("o", ctypes.c_void_p),
         ("lse", ctypes.c_void_p),
         ("cu_seqlens_q", ctypes.c_void_p),  # varlen only, else null
-        ("cu_seqlens_k", ctypes.c_void_p),
+        ("cu_seqlens_k", ctypes.c_void_p),  # varlen offsets, or a padded batch's key counts
         # strides, in elements
         ("q_batch_stride", ctypes.c_int64),
         ("q_seq_stride", ctypes.c_int64),

@@ -276,6 +276,150 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return (out, lse, None) if want_lse else out
 
 
+@torch.compiler.disable  # mutates the cache and reads tensors on the host: runs eagerly
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """Attention of q against a K/V cache whose sequences hold different numbers of
+    positions, optionally appending new keys and values to the cache first; inference only.
+    Drop-in for flash-attn 2.x's function of the same name, without rotary embedding,
+    cache_batch_idx, cache_leftpad and paged K/V (block_table), which raise
+    NotImplementedError, as do a sliding window, softcapping and ALiBi.
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, headdim): usually the new tokens' queries.
+        k_cache, v_cache: (batch, seqlen_cache, nheads_k, headdim); the rules of
+            flash_attn_func's k and v. Written in place when k and v are given.
+        k, v: None, or the new keys and values, (batch, seqlen_new, nheads_k, headdim): they
+            are written into the cache at positions cache_seqlens[b] to cache_seqlens[b] +
+            seqlen_new - 1 of sequence b before the attention, which then includes them.
+        cache_seqlens: how many positions of each sequence's cache are filled (before the
+            append): None (all seqlen_cache of them; k and v must then be None), an int (the
+            same for every sequence), or a (batch,) int32 tensor on q's device. Sequence b
+            attends to cache positions 0 to cache_seqlens[b] + seqlen_new - 1. A tensor is
+            read on the host only to check the append's bounds (0 <= cache_seqlens[b] and
+            cache_seqlens[b] + seqlen_new <= seqlen_cache; one device-to-host copy, so give an
+            int or append outside this call where that copy matters). Without an append,
+            its values are not checked but clamped into [0, seqlen_cache] on the GPU (never an
+            out-of-bounds read); CUDAFLASH_DEBUG=1 checks them and raises.
+        causal: each sequence's mask aligned to its own bottom-right corner: query row i of
+            sequence b sees keys j <= i + seqlen_k(b) - seqlen_q, where seqlen_k(b) =
+            cache_seqlens[b] + seqlen_new.
+        num_splits: 0 lets cudaflash choose (split-KV when the grid would leave the GPU
+            idle, as for decoding); n >= 1 splits each query block's keys into at most n runs.
+        return_softmax_lse: also return the log-sum-exp, float32 (batch, nheads, seqlen_q).
+        softmax_scale: as in flash_attn_func. rotary_interleaved is ignored (no rotary).
+
+    Returns:
+        out (batch, seqlen_q, nheads, headdim), q's dtype; with return_softmax_lse,
+        ``(out, softmax_lse)``.
+
+    Not on flash_attn_func's fast path: every call runs the full argument checks (about
+    30-60 us of host time more per call).
+    """
+    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                        ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+                        ("block_table", block_table)):
+        if value is not None:
+            raise NotImplementedError(f"{name} is a {type(value).__name__}: not implemented in "
+                                      f"cudaflash; pass {name}=None")
+    _reject_unsupported(0.0, window_size, softcap, alibi_slopes)
+    if (not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool)
+            or num_splits < 0):
+        raise ValueError(f"num_splits={num_splits!r}; it must be an int >= 0 (0: cudaflash "
+                         "chooses)")
+    if return_softmax_lse not in (True, False):
+        raise TypeError(f"return_softmax_lse={return_softmax_lse!r}; it must be a bool")
+    _check_qkv(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
+    if (k is None) != (v is None):
+        raise ValueError(f"k is {'None' if k is None else 'a tensor'} and v is "
+                         f"{'None' if v is None else 'a tensor'}: give both (to append them "
+                         "to the cache) or neither")
+    seqlen_cache = k_cache.shape[1]
+    seqlen_new = 0
+    if k is not None:
+        _check_qkv(q, k, v)
+        if k.shape[2] != k_cache.shape[2]:
+            raise ValueError(f"k has {k.shape[2]} heads and k_cache {k_cache.shape[2]}; "
+                             "they must be the same")
+        seqlen_new = k.shape[1]
+        if _overlaps(k, k_cache) or _overlaps(v, v_cache) or _overlaps(k, v_cache) \
+                or _overlaps(v, k_cache):
+            raise ValueError("k or v shares memory with k_cache or v_cache; the new keys "
+                             "and values must be tensors of their own")
+    scale = _softmax_scale(softmax_scale, q.shape[3])
+    if causal not in (True, False):
+        raise TypeError(f"causal={causal!r}; it must be a bool")
+    _check_on_gpu(q)
+    want_lse = bool(return_softmax_lse)
+    splits = num_splits or None
+    index = q.get_device()
+    with torch.cuda.device(index):  # the driver calls work in the current context
+        if cache_seqlens is None:
+            if k is not None:
+                raise ValueError("k and v are written at cache_seqlens, which is None; pass "
+                                 "cache_seqlens (an int or a (batch,) int32 tensor)")
+            out, lse = _run(None, index, q, k_cache, v_cache, None, scale, bool(causal),
+                            want_lse, num_splits=splits)
+        elif isinstance(cache_seqlens, torch.Tensor):
+            seqused = _kvcache_append(cache_seqlens, q, k_cache, v_cache, k, v, seqlen_new,
+                                      _device_kernels(index).debug)
+            out, lse = _run(None, index, q, k_cache, v_cache, None, scale, bool(causal),
+                            want_lse, num_splits=splits, seqused_k=seqused)
+        else:
+            if (not isinstance(cache_seqlens, numbers.Integral)
+                    or isinstance(cache_seqlens, bool)
+                    or not 0 <= cache_seqlens <= seqlen_cache - seqlen_new):
+                raise ValueError(f"cache_seqlens={cache_seqlens!r}; it must be None, a (batch,) "
+                                 f"int32 tensor or an int in [0, {seqlen_cache - seqlen_new}] "
+                                 f"(seqlen_cache={seqlen_cache} minus the {seqlen_new} new "
+                                 "positions)")
+            used = int(cache_seqlens) + seqlen_new
+            if k is not None:
+                k_cache[:, cache_seqlens:used] = k
+                v_cache[:, cache_seqlens:used] = v
+            # Every sequence uses the same prefix: a view of it is a plain padded batch.
+            out, lse = _run(None, index, q, k_cache[:, :used], v_cache[:, :used], None, scale,
+                            bool(causal), want_lse, num_splits=splits)
+    return (out, lse) if want_lse else out
+
+
+def _kvcache_append(cache_seqlens, q, k_cache, v_cache, k, v, seqlen_new: int, debug: bool):
+    """flash_attn_with_kvcache with a tensor cache_seqlens: check it, write k and v (if
+    given) into the caches at each sequence's own position, and return the key count each
+    sequence attends to, as the kernel reads it ((batch,) int32)."""
+    batch, seqlen_cache = q.shape[0], k_cache.shape[1]
+    if cache_seqlens.dtype != torch.int32:
+        raise TypeError(f"cache_seqlens has dtype {cache_seqlens.dtype}; it must be "
+                        "torch.int32")
+    if tuple(cache_seqlens.shape) != (batch,):
+        raise ValueError(f"cache_seqlens has shape {tuple(cache_seqlens.shape)}; it must be "
+                         f"(batch,) = ({batch},)")
+    if cache_seqlens.device != q.device:
+        raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}; "
+                         "they must be on the same device")
+    if cache_seqlens.stride(0) != 1 and batch > 1:
+        raise ValueError(f"cache_seqlens has stride {cache_seqlens.stride(0)}; it must be "
+                         "contiguous")
+    if (k is None and not debug) or batch == 0:
+        return cache_seqlens  # the kernel clamps each count into [0, seqlen_cache]
+    lo, hi = torch.stack(torch.aminmax(cache_seqlens)).tolist()  # the device-to-host copy
+    if lo < 0 or hi + seqlen_new > seqlen_cache:
+        raise ValueError(f"cache_seqlens holds values in [{lo}, {hi}]; with {seqlen_new} new "
+                         f"positions they must be in [0, {seqlen_cache - seqlen_new}] "
+                         f"(seqlen_cache={seqlen_cache})")
+    if k is None:
+        return cache_seqlens
+    positions = cache_seqlens.long()[:, None] + torch.arange(seqlen_new, device=q.device)
+    rows = torch.arange(batch, device=q.device)[:, None]
+    k_cache[rows, positions] = k
+    v_cache[rows, positions] = v
+    return cache_seqlens + seqlen_new
+
+
 def forward(config, q, k, v, out=None, softmax_scale=None, causal=False, num_splits=None):
     """Run one explicit kernel config; returns ``(out, lse)``.
 
@@ -342,45 +486,47 @@ def _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes) -> None:
                                   "not implemented; pass alibi_slopes=None")
 
 
-def _check_qkv(q, k, v, varlen=False):
+def _check_qkv(q, k, v, varlen=False, names=("q", "k", "v")):
     """Raise for anything about q, k, v that the kernels cannot take. ``varlen``: packed
-    (total_seqlen, nheads, headdim) tensors of flash_attn_varlen_func."""
+    (total_seqlen, nheads, headdim) tensors of flash_attn_varlen_func. ``names``: the
+    arguments' names in the caller's signature, for the messages."""
     dims, layout = (3, "(total_seqlen, nheads, headdim)") if varlen else (
         4, "(batch, seqlen, nheads, headdim)")
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    qn, kn, vn = names
+    for name, t in ((qn, q), (kn, k), (vn, v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != dims:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {dims} dims {layout}")
     if q.dtype not in _DTYPES:
-        raise TypeError(f"q has dtype {q.dtype}; cudaflash supports torch.float16 and "
+        raise TypeError(f"{qn} has dtype {q.dtype}; cudaflash supports torch.float16 and "
                         "torch.bfloat16")
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}; they must be "
-                        "the same")
+        raise TypeError(f"{qn}, {kn}, {vn} have dtypes {q.dtype}, {k.dtype}, {v.dtype}; they "
+                        "must be the same")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         # Returning an out without a grad_fn would silently drop the gradient.
         raise NotImplementedError(
-            "q, k or v requires grad, but only flash_attn_func has a backward in cudaflash "
-            "(not flash_attn_varlen_func or cudaflash.forward); call this under "
-            "torch.no_grad() or torch.inference_mode()")
+            f"{qn}, {kn} or {vn} requires grad, but only flash_attn_func has a backward in "
+            "cudaflash (not flash_attn_varlen_func, flash_attn_with_kvcache or "
+            "cudaflash.forward); call this under torch.no_grad() or torch.inference_mode()")
     if k.shape != v.shape:
-        raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must "
-                         "be the same")
+        raise ValueError(f"{kn} has shape {tuple(k.shape)} but {vn} has {tuple(v.shape)}; they "
+                         "must be the same")
     seqlen_q, n_heads, d_head = q.shape[-3:]
     seqlen_k, n_heads_k, d_head_k = k.shape[-3:]
     batch = 1 if varlen else q.shape[0]
     if not varlen and k.shape[0] != batch:
-        raise ValueError(f"q has batch size {batch} but k and v have {k.shape[0]}")
+        raise ValueError(f"{qn} has batch size {batch} but {kn} and {vn} have {k.shape[0]}")
     if d_head_k != d_head:
-        raise ValueError(f"q has head dim {d_head} but k and v have {d_head_k}")
+        raise ValueError(f"{qn} has head dim {d_head} but {kn} and {vn} have {d_head_k}")
     if d_head not in D_HEADS:
         raise ValueError(f"head dim {d_head} is not supported; cudaflash has kernels for head "
                          f"dims {list(D_HEADS)} (pad q, k, v with zeros to the next one, pass "
                          f"softmax_scale={d_head}**-0.5 and slice out, as flash-attn does)")
     if n_heads < 1 or n_heads_k < 1 or n_heads % n_heads_k:
-        raise ValueError(f"q has {n_heads} heads and k, v have {n_heads_k}; nheads must be a "
-                         "positive multiple of nheads_k")
+        raise ValueError(f"{qn} has {n_heads} heads and {kn}, {vn} have {n_heads_k}; nheads "
+                         "must be a positive multiple of nheads_k")
     if batch > _GRID_YZ_MAX or n_heads > _GRID_YZ_MAX:
         raise ValueError(f"batch={batch}, nheads={n_heads}: each must be <= {_GRID_YZ_MAX} "
                          "(the CUDA grid limit); split the call")
@@ -388,9 +534,9 @@ def _check_qkv(q, k, v, varlen=False):
         what = "total_q, total_k" if varlen else "seqlen_q, seqlen_k"
         raise ValueError(f"{what} = {seqlen_q}, {seqlen_k}: each must be < 2**31")
     if k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k, v are on {q.device}, {k.device}, {v.device}; they must be on "
-                         "the same device")
-    for name, t in (("q", q), ("k", k), ("v", v)):
+        raise ValueError(f"{qn}, {kn}, {vn} are on {q.device}, {k.device}, {v.device}; they "
+                         "must be on the same device")
+    for name, t in ((qn, q), (kn, k), (vn, v)):
         s = t.stride()
         if s[-1] != 1:
             raise ValueError(f"{name} has strides {s}; its last (head dim) stride must be 1. "
@@ -576,7 +722,11 @@ def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal
 
 
 def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: bool,
-         plan_key=None, num_splits=None):
+         plan_key=None, num_splits=None, seqused_k=None):
+    """One forward over a padded batch. ``seqused_k``: None, or a (batch,) int32 tensor of
+    each entry's key count (flash_attn_with_kvcache; the kernel clamps it into [0,
+    seqlen_k]), whose data are per call: no plan is recorded with it."""
+    assert seqused_k is None or plan_key is None
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
     rows, heads, causal = _kernel_problem(seqlen_q, n_heads, n_heads_k, causal)
@@ -608,8 +758,10 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
                     rows, seqlen_k, int(causal), 0, 0, scale, scale * _LOG2E)
     launch = _launch_function(kernel, index, q.device, fixed_params, num_splits, rows=rows,
                               heads=heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head)
+    # lse 0: writes no lse; cu_seqlens_q 0: not packed; cu_seqlens_k: the key counts, if any
     launch(_current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-           0 if lse is None else lse.data_ptr(), 0, 0)  # 0: writes no lse; not packed
+           0 if lse is None else lse.data_ptr(), 0,
+           0 if seqused_k is None else seqused_k.data_ptr())
     if plan_key is not None:
         if len(_plans) >= _MAX_PLANS:  # many distinct shapes (varying lengths): start over
             _plans.clear()

@@ -1,0 +1,91 @@
+"""Argument checks of flash_attn_with_kvcache that run on the host before the device check
+(CPU tensors are enough); the cache_seqlens checks, which come after it, are GPU tests in
+test_gpu_kvcache.py."""
+
+import pytest
+import torch
+
+from cudaflash import flash_attn_with_kvcache
+
+F16 = torch.float16
+CPU_ERROR = r"on cpu; cudaflash runs on CUDA GPUs only"
+
+
+def tensors(b=2, sq=1, sc=16, h=4, hk=2, d=64, new=3):
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(F16)
+
+    return (randn(b, sq, h, d), randn(b, sc, hk, d), randn(b, sc, hk, d),
+            randn(b, new, hk, d), randn(b, new, hk, d))
+
+
+def test_valid_cpu_call_reaches_the_device_check():
+    q, kc, vc, k, v = tensors()
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=4)
+
+
+@pytest.mark.parametrize("name", ["rotary_cos", "rotary_sin", "cache_batch_idx",
+                                  "cache_leftpad", "block_table"])
+def test_unimplemented_arguments_are_named(name):
+    q, kc, vc, _, _ = tensors()
+    with pytest.raises(NotImplementedError,
+                       match=f"{name} is a Tensor: not implemented in cudaflash; pass {name}=None"):
+        flash_attn_with_kvcache(q, kc, vc, **{name: torch.zeros(2)})
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(window_size=(8, 0)), "sliding-window attention is not implemented"),
+    (dict(softcap=1.0), "softcapping is not implemented"),
+    (dict(alibi_slopes=torch.zeros(4)), "ALiBi is not implemented"),
+])
+def test_unsupported_features(kwargs, match):
+    q, kc, vc, _, _ = tensors()
+    with pytest.raises(NotImplementedError, match=match):
+        flash_attn_with_kvcache(q, kc, vc, **kwargs)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "2"])
+def test_bad_num_splits(value):
+    q, kc, vc, _, _ = tensors()
+    with pytest.raises(ValueError, match=f"num_splits={value!r}; it must be an int >= 0"):
+        flash_attn_with_kvcache(q, kc, vc, num_splits=value)
+
+
+def test_cache_arguments_are_named_in_messages():
+    q, kc, vc, _, _ = tensors()
+    with pytest.raises(ValueError, match=r"k_cache has shape \(2, 16, 2, 64\) but v_cache has "
+                                         r"\(2, 15, 2, 64\)"):
+        flash_attn_with_kvcache(q, kc, vc[:, :15])
+    with pytest.raises(ValueError, match="q has batch size 2 but k_cache and v_cache have 1"):
+        flash_attn_with_kvcache(q, kc[:1], vc[:1])
+    with pytest.raises(TypeError, match="k_cache must be a torch.Tensor, got list"):
+        flash_attn_with_kvcache(q, [1], vc)
+
+
+def test_k_and_v_come_together():
+    q, kc, vc, k, v = tensors()
+    with pytest.raises(ValueError, match="k is a tensor and v is None: give both"):
+        flash_attn_with_kvcache(q, kc, vc, k=k, cache_seqlens=4)
+
+
+def test_new_keys_need_the_cache_heads():
+    q, kc, vc, _, _ = tensors()
+    k = torch.zeros(2, 3, 4, 64, dtype=F16)  # 4 heads, the cache has 2
+    with pytest.raises(ValueError, match="k has 4 heads and k_cache 2; they must be the same"):
+        flash_attn_with_kvcache(q, kc, vc, k, k.clone(), cache_seqlens=4)
+
+
+def test_new_keys_must_not_alias_the_cache():
+    q, kc, vc, _, _ = tensors()
+    with pytest.raises(ValueError, match="k or v shares memory with k_cache or v_cache"):
+        flash_attn_with_kvcache(q, kc, vc, kc[:, :3], vc[:, :3].clone(), cache_seqlens=4)
+
+
+def test_grad_is_refused():
+    q, kc, vc, _, _ = tensors()
+    q.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="only flash_attn_func has a backward"):
+        flash_attn_with_kvcache(q, kc, vc)
