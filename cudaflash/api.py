@@ -317,9 +317,36 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out (batch, seqlen_q, nheads, headdim), q's dtype; with return_softmax_lse,
         ``(out, softmax_lse)``.
 
-    Not on flash_attn_func's fast path: every call runs the full argument checks (about
-    30-60 us of host time more per call).
+    Repeat calls with a tensor cache_seqlens and no append (a decoding loop's steps) take a
+    cached plan, as flash_attn_func's do; the other forms run the full checks every call.
     """
+    # The decoding step: a signature seen before, lengths in a tensor, nothing to append.
+    if (k is None and v is None and type(cache_seqlens) is torch.Tensor and rotary_cos is None
+            and rotary_sin is None and cache_batch_idx is None and cache_leftpad is None
+            and block_table is None and softcap == 0.0 and alibi_slopes is None
+            and type(window_size) is tuple and window_size == (-1, -1)):
+        try:
+            plan = _kvcache_plans.get(_kvcache_plan_key(q, k_cache, v_cache, cache_seqlens,
+                                                        softmax_scale, causal, num_splits,
+                                                        return_softmax_lse))
+        except (AttributeError, TypeError):  # not tensors, or unhashable: the checks explain
+            plan = None
+        if plan is not None:
+            q_ptr, k_ptr, v_ptr = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+            index = plan.device_index
+            if not ((q_ptr | k_ptr | v_ptr) & 15 or _current_device() != index
+                    or (_is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
+                                                or v_cache.requires_grad))):
+                new_out, new_lse = plan.new_out, plan.new_lse
+                out = _empty_like(q) if new_out is None else new_out()
+                lse = None
+                if return_softmax_lse:
+                    lse = (q.new_empty(plan.lse_shape, dtype=_float32) if new_lse is None
+                           else new_lse())
+                plan.launch(_current_stream(index), q_ptr, k_ptr, v_ptr, out.data_ptr(),
+                            0 if lse is None else lse.data_ptr(), 0, cache_seqlens.data_ptr())
+                return (out, lse) if return_softmax_lse else out
+
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                         ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
                         ("block_table", block_table)):
@@ -365,10 +392,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             out, lse = _run(None, index, q, k_cache, v_cache, None, scale, bool(causal),
                             want_lse, num_splits=splits)
         elif isinstance(cache_seqlens, torch.Tensor):
+            debug = _device_kernels(index).debug
             seqused = _kvcache_append(cache_seqlens, q, k_cache, v_cache, k, v, seqlen_new,
-                                      _device_kernels(index).debug)
+                                      debug)
+            # A plan for the decoding step (no append); none in debug mode, whose length
+            # check the plan would skip.
+            plan_key = None
+            if k is None and not debug:
+                try:
+                    plan_key = _kvcache_plan_key(q, k_cache, v_cache, cache_seqlens,
+                                                 softmax_scale, causal, num_splits,
+                                                 return_softmax_lse)
+                    hash(plan_key)
+                except TypeError:
+                    plan_key = None
             out, lse = _run(None, index, q, k_cache, v_cache, None, scale, bool(causal),
-                            want_lse, num_splits=splits, seqused_k=seqused)
+                            want_lse, plan_key=plan_key, num_splits=splits, seqused_k=seqused,
+                            plans=_kvcache_plans)
         else:
             if (not isinstance(cache_seqlens, numbers.Integral)
                     or isinstance(cache_seqlens, bool)
@@ -385,6 +425,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             out, lse = _run(None, index, q, k_cache[:, :used], v_cache[:, :used], None, scale,
                             bool(causal), want_lse, num_splits=splits)
     return (out, lse) if want_lse else out
+
+
+def _kvcache_plan_key(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, num_splits,
+                      return_softmax_lse):
+    """The argument signature a flash_attn_with_kvcache _Plan is valid for (see _plan_key);
+    the lengths' values are data (the kernel reads them)."""
+    return (_plan_key(q, k_cache, v_cache, softmax_scale, causal, return_softmax_lse),
+            cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.get_device(),
+            cache_seqlens.is_contiguous(), num_splits)
 
 
 def _kvcache_append(cache_seqlens, q, k_cache, v_cache, k, v, seqlen_new: int, debug: bool):
@@ -465,6 +514,7 @@ def clear_caches() -> None:
     _config_kernels.clear()
     _plans.clear()
     _varlen_plans.clear()
+    _kvcache_plans.clear()
     _backward.clear_cache()
 
 
@@ -722,11 +772,11 @@ def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal
 
 
 def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: bool,
-         plan_key=None, num_splits=None, seqused_k=None):
+         plan_key=None, num_splits=None, seqused_k=None, plans=None):
     """One forward over a padded batch. ``seqused_k``: None, or a (batch,) int32 tensor of
     each entry's key count (flash_attn_with_kvcache; the kernel clamps it into [0,
-    seqlen_k]), whose data are per call: no plan is recorded with it."""
-    assert seqused_k is None or plan_key is None
+    seqlen_k]). With a ``plan_key`` the launch is recorded in ``plans`` (default
+    flash_attn_func's); the plan takes the key counts' pointer per call."""
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
     rows, heads, causal = _kernel_problem(seqlen_q, n_heads, n_heads_k, causal)
@@ -763,12 +813,13 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
            0 if lse is None else lse.data_ptr(), 0,
            0 if seqused_k is None else seqused_k.data_ptr())
     if plan_key is not None:
-        if len(_plans) >= _MAX_PLANS:  # many distinct shapes (varying lengths): start over
-            _plans.clear()
-        _plans[plan_key] = _Plan(device_index=index, launch=launch,
-                                 lse_shape=(batch, n_heads, seqlen_q),
-                                 new_out=_fast_allocator(out),
-                                 new_lse=None if lse is None else _fast_allocator(lse))
+        plans = _plans if plans is None else plans
+        if len(plans) >= _MAX_PLANS:  # many distinct shapes (varying lengths): start over
+            plans.clear()
+        plans[plan_key] = _Plan(device_index=index, launch=launch,
+                                lse_shape=(batch, n_heads, seqlen_q),
+                                new_out=_fast_allocator(out),
+                                new_lse=None if lse is None else _fast_allocator(lse))
     return out, lse
 
 
@@ -1026,6 +1077,7 @@ def _fast_allocator(like: torch.Tensor,
 _MAX_PLANS = 4096
 _plans: dict[tuple, _Plan] = {}
 _varlen_plans: dict[tuple, _Plan] = {}  # flash_attn_varlen_func's
+_kvcache_plans: dict[tuple, _Plan] = {}  # flash_attn_with_kvcache's decoding steps
 _devices: dict[int, _DeviceKernels] = {}
 _auto_kernels: dict[tuple, _Kernel] = {}
 _config_kernels: dict[tuple, _Kernel] = {}

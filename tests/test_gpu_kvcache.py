@@ -174,3 +174,19 @@ def test_cuda_graph_capture_and_replay():
     torch.cuda.synchronize()
     _, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, return_softmax_lse=True)
     check_each_sequence(out, lse, q, kc, vc, [512, 7, 0, 64], False)
+
+
+def test_repeat_calls_take_new_lengths_and_tensors():
+    """The second call of a signature takes the cached plan: it must still read this call's
+    tensors and lengths, and still refuse what the plan cannot serve."""
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    for seed, lens in enumerate(([5, 300, 1], [300, 0, 77], [1, 1, 1])):
+        q, kc, vc, _, _ = cache(3, 1, 300, 8, 2, d, DTYPES[dtype], seed=10 + seed)
+        seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
+                                           return_softmax_lse=True)
+        check_each_sequence(out, lse, q, kc, vc, lens, False)
+    assert api._kvcache_plans, "the decoding step should have recorded a plan"
+    q.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="only flash_attn_func has a backward"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, return_softmax_lse=True)
