@@ -60,7 +60,7 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas", "-v")
 PARAMS_HEADER = "params.cuh"  # holds `constexpr int kParamsBytes = N;`
 BWD_PARAMS_HEADER = "bwd_params.cuh"  # holds `constexpr int kBwdParamsBytes = N;`
 MANIFEST_NAME = "manifest.json"
-MANIFEST_SCHEMA = 4
+MANIFEST_SCHEMA = 5  # cudaflash/manifest.py SCHEMA says what each bump means
 YAML_KEYS = ("archs", "ptx_arch", "defaults", "configs", "selection", "backward")
 
 

@@ -1,4 +1,5 @@
-"""Public API: ``flash_attn_func`` (flash-attn 2.x semantics) and ``forward`` (one config).
+"""Public API: ``flash_attn_func``, ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache``
+(flash-attn 2.x semantics) and ``forward`` (one config).
 
 A call goes: check the arguments on the host (nothing bad reaches a kernel) -> get the kernel
 (cached per context and problem class; on a miss: selection rules filtered by what the
@@ -11,7 +12,8 @@ Repeated calls are the common case (every layer of every step has the same shape
 flash_attn_func remembers a ``_Plan`` per argument signature (shapes, strides, dtypes,
 devices, scale, causal): what the checks concluded, the kernel, the grid and the Params fields
 that do not change. A repeat call then only checks what the signature does not fix (data
-alignment, autograd, the current device), allocates out and launches.
+alignment, autograd, the current device), allocates out and launches. flash_attn_varlen_func
+and flash_attn_with_kvcache's decoding steps (tensor lengths, no append) keep plans too.
 """
 
 import bisect
@@ -310,8 +312,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             cache_seqlens[b] + seqlen_new.
         num_splits: 0 lets cudaflash choose (split-KV when the grid would leave the GPU
             idle, as for decoding); n >= 1 splits each query block's keys into at most n runs.
-        return_softmax_lse: also return the log-sum-exp, float32 (batch, nheads, seqlen_q).
+        return_softmax_lse: also return the log-sum-exp, float32 (batch, nheads, seqlen_q):
+            -inf on rows that see no key (an empty cache), whose out is 0.
         softmax_scale: as in flash_attn_func. rotary_interleaved is ignored (no rotary).
+        The caches follow flash_attn_func's rules for k and v (last stride 1, 16-byte aligned
+        data); the new k and v may have any layout (torch copies them). cache_seqlens as a
+        tensor must be contiguous. Appending at a tensor cache_seqlens cannot be captured in
+        a CUDA graph (its bounds check reads the tensor): append with torch ops, then capture
+        the call without k and v.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim), q's dtype; with return_softmax_lse,
@@ -368,10 +376,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     seqlen_cache = k_cache.shape[1]
     seqlen_new = 0
     if k is not None:
-        _check_qkv(q, k, v)
-        if k.shape[2] != k_cache.shape[2]:
-            raise ValueError(f"k has {k.shape[2]} heads and k_cache {k_cache.shape[2]}; "
-                             "they must be the same")
+        _check_new_kv(k, v, k_cache)
         seqlen_new = k.shape[1]
         if _overlaps(k, k_cache) or _overlaps(v, v_cache) or _overlaps(k, v_cache) \
                 or _overlaps(v, k_cache):
@@ -392,6 +397,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             out, lse = _run(None, index, q, k_cache, v_cache, None, scale, bool(causal),
                             want_lse, num_splits=splits)
         elif isinstance(cache_seqlens, torch.Tensor):
+            # The kernel first: a call that cannot run must not have changed the cache.
+            _kvcache_kernel(index, q, k_cache, causal, seqlen_cache)
             debug = _device_kernels(index).debug
             seqused = _kvcache_append(cache_seqlens, q, k_cache, v_cache, k, v, seqlen_new,
                                       debug)
@@ -419,6 +426,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                  "positions)")
             used = int(cache_seqlens) + seqlen_new
             if k is not None:
+                _kvcache_kernel(index, q, k_cache, causal, used)  # before changing the cache
                 k_cache[:, cache_seqlens:used] = k
                 v_cache[:, cache_seqlens:used] = v
             # Every sequence uses the same prefix: a view of it is a plain padded batch.
@@ -427,13 +435,51 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return (out, lse) if want_lse else out
 
 
+def _kvcache_kernel(index: int, q, k_cache, causal: bool, seqlen_k: int) -> None:
+    """Select (and load) the kernel the call will run, so that a call that cannot run raises
+    before it writes into the cache."""
+    rows, _, kernel_causal = _kernel_problem(q.shape[1], q.shape[2], k_cache.shape[2],
+                                             bool(causal))
+    _auto_kernel(_driver.current_context(index), index, q.dtype, q.shape[3], kernel_causal,
+                 rows, seqlen_k)
+
+
 def _kvcache_plan_key(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, num_splits,
                       return_softmax_lse):
     """The argument signature a flash_attn_with_kvcache _Plan is valid for (see _plan_key);
-    the lengths' values are data (the kernel reads them)."""
+    the lengths' values are data (the kernel reads them). The types of the scalar arguments
+    are in it too: True == 1 as dict keys, but only one of them passes the checks."""
     return (_plan_key(q, k_cache, v_cache, softmax_scale, causal, return_softmax_lse),
             cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.get_device(),
-            cache_seqlens.is_contiguous(), num_splits)
+            cache_seqlens.is_contiguous(), num_splits, type(num_splits), type(causal),
+            type(return_softmax_lse), type(softmax_scale))
+
+
+def _check_new_kv(k, v, k_cache) -> None:
+    """The new keys and values of flash_attn_with_kvcache: torch copies them into the cache,
+    so any layout will do; they must match the cache's batch, heads, head dim, dtype and
+    device, and not share its memory."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected 4 dims (batch, "
+                             "seqlen_new, nheads_k, headdim)")
+        if t.dtype != k_cache.dtype or t.device != k_cache.device:
+            raise ValueError(f"{name} is {t.dtype} on {t.device}; it must be k_cache's "
+                             f"{k_cache.dtype} on {k_cache.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must "
+                         "be the same")
+    b, _, hk, d = k_cache.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (b, hk, d):
+        raise ValueError(f"k and v have shape {tuple(k.shape)}; they must be (batch, "
+                         f"seqlen_new, nheads_k, headdim) with k_cache's batch={b}, "
+                         f"nheads_k={hk}, headdim={d}")
+    if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+        raise NotImplementedError("k or v requires grad, but flash_attn_with_kvcache has no "
+                                  "backward; call it under torch.no_grad() or "
+                                  "torch.inference_mode()")
 
 
 def _kvcache_append(cache_seqlens, q, k_cache, v_cache, k, v, seqlen_new: int, debug: bool):
@@ -455,6 +501,11 @@ def _kvcache_append(cache_seqlens, q, k_cache, v_cache, k, v, seqlen_new: int, d
                          "contiguous")
     if (k is None and not debug) or batch == 0:
         return cache_seqlens  # the kernel clamps each count into [0, seqlen_cache]
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("flash_attn_with_kvcache appends k and v at a tensor cache_seqlens "
+                           "after checking its bounds on the host, which a CUDA graph being "
+                           "captured cannot do; capture the call without k and v (write them "
+                           "into the cache with torch ops first) or pass an int cache_seqlens")
     lo, hi = torch.stack(torch.aminmax(cache_seqlens)).tolist()  # the device-to-host copy
     if lo < 0 or hi + seqlen_new > seqlen_cache:
         raise ValueError(f"cache_seqlens holds values in [{lo}, {hi}]; with {seqlen_new} new "
@@ -1039,7 +1090,8 @@ class _Rules:
 
 @dataclass(frozen=True)
 class _Plan:
-    """What the checked path concluded for one flash_attn_func argument signature."""
+    """What the checked path concluded for one argument signature of flash_attn_func (or of
+    flash_attn_varlen_func, or a flash_attn_with_kvcache decoding step)."""
 
     device_index: int
     # Launcher.launch, bound once: the kernel, geometry and fixed Params fields (out laid out

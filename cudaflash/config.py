@@ -30,8 +30,9 @@ Field semantics follow the seed kernel (see docs/design.md):
   tensor cores read Q, K and V straight from the swizzled shared tiles, so the fragment-loading
   fields (``*_mma_load_K_fragments``, ``mma_double_buffer_loads``) do not apply and must be 0.
 
-Four more of the seed's optimizations are knobs with a default (the optimized choice), so
-they are optional in configs.yaml and appear in the name only when they differ from it:
+Four more of the seed's optimizations are knobs with a default (what the knob ablations
+measured best, or no worse: docs/perf-log.md), so they are optional in configs.yaml and
+appear in the name only when they differ from it:
 
 - ``exp2_softmax`` (seed step 6): scores in base-2 units, softmax_scale * log2(e) folded into
   one FFMA before MUFU.EX2 (true); or natural units, exp(x) as ex2(x * log2(e)): one more

@@ -18,7 +18,9 @@ from ._params import BWD_PARAMS_BYTES, PARAMS_BYTES
 from .config import BackwardConfig, KernelConfig
 from .selection import Rule, parse_rules
 
-SCHEMA = 4
+# 5: a padded batch's cu_seqlens_k holds key counts (flash_attn_with_kvcache); kernels of
+# schema 4 would ignore them and attend to the whole cache, so they are refused.
+SCHEMA = 5
 KINDS = ("cubin", "ptx")
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from cudaflash._params import BWD_PARAMS_BYTES, PARAMS_BYTES
 from cudaflash.config import BackwardConfig, KernelConfig
+from cudaflash.manifest import SCHEMA
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,7 +125,7 @@ def write_fake_kernel_dir(root, kernels=FAKE_KERNELS, selection=FAKE_SELECTION,
             "schemes": ["atomic", "deterministic"],
             "registers": 200 if kind == "cubin" else None,
             "spill_bytes": 0 if kind == "cubin" else None})
-    manifest = {"schema": 4, "nvcc_version": "13.0.88", "source_hash": "f" * 64,
+    manifest = {"schema": SCHEMA, "nvcc_version": "13.0.88", "source_hash": "f" * 64,
                 "params_bytes": params_bytes, "bwd_params_bytes": BWD_PARAMS_BYTES,
                 "entries": ["cudaflash_fwd", "cudaflash_fwd_split", "cudaflash_combine"],
                 "backward_entries": list(BackwardConfig.ENTRIES),

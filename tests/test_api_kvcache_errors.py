@@ -74,8 +74,25 @@ def test_k_and_v_come_together():
 def test_new_keys_need_the_cache_heads():
     q, kc, vc, _, _ = tensors()
     k = torch.zeros(2, 3, 4, 64, dtype=F16)  # 4 heads, the cache has 2
-    with pytest.raises(ValueError, match="k has 4 heads and k_cache 2; they must be the same"):
+    with pytest.raises(ValueError, match=r"k and v have shape \(2, 3, 4, 64\); they must be "
+                                         r"\(batch, seqlen_new, nheads_k, headdim\) with "
+                                         "k_cache's batch=2, nheads_k=2, headdim=64"):
         flash_attn_with_kvcache(q, kc, vc, k, k.clone(), cache_seqlens=4)
+
+
+def test_new_keys_need_the_cache_dtype():
+    q, kc, vc, k, v = tensors()
+    with pytest.raises(ValueError, match="k is torch.float32 on cpu; it must be k_cache's "
+                                         "torch.float16 on cpu"):
+        flash_attn_with_kvcache(q, kc, vc, k.float(), v, cache_seqlens=4)
+
+
+def test_new_keys_may_have_any_layout():
+    """Only torch copies them: a non-contiguous k passes the checks (to the device check)."""
+    q, kc, vc, k, v = tensors()
+    k_strided = k.transpose(1, 3).contiguous().transpose(1, 3)  # last stride != 1
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        flash_attn_with_kvcache(q, kc, vc, k_strided, v, cache_seqlens=4)
 
 
 def test_new_keys_must_not_alias_the_cache():

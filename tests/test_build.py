@@ -333,7 +333,7 @@ ENTRIES = ["cudaflash_fwd", "cudaflash_fwd_split", "cudaflash_combine"]
 
 def check_manifest(m: dict, out_dir: Path) -> None:
     assert set(m) == TOP_KEYS
-    assert m["schema"] == 4 and m["entries"] == ENTRIES
+    assert m["schema"] == 5 and m["entries"] == ENTRIES
     assert m["backward_entries"] == BACKWARD_ENTRIES
     assert re.fullmatch(r"\d+\.\d+\.\d+", m["nvcc_version"])
     assert re.fullmatch(r"[0-9a-f]{64}", m["source_hash"])

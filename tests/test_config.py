@@ -60,8 +60,8 @@ def test_wgmma_config_is_valid_and_hopper_only():
     assert [a for a in (80, 86, 89, 90) if cfg.builds_for(a)] == [90]
 
 
-# The knobs with a default (the optimized choice) appear in the name only when switched away
-# from it, in this order.
+# The knobs with a default appear in the name only when switched away from it, in this
+# order.
 KNOB_SUFFIXES = [
     ({"exp2_softmax": False}, "_natexp"),
     ({"kv_reverse": False}, "_kvfwd"),

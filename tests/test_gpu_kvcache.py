@@ -79,8 +79,9 @@ def test_int_cache_seqlens_is_a_prefix_of_every_sequence():
                                        return_softmax_lse=True)
     assert torch.equal(kc[:, 50:54], k) and torch.equal(kc[:, 54:], kc0[:, 54:])
     check_each_sequence(out, lse, q, kc, vc, [54] * 3, True)
-    # The same prefix as a tensor of equal lengths runs the same kernel on the same keys.
-    same = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.full(
+    # The same prefix as a tensor of equal lengths over a cache of that length: the same
+    # kernel and split count on the same keys, so the same bits.
+    same = flash_attn_with_kvcache(q, kc[:, :54], vc[:, :54], cache_seqlens=torch.full(
         (3,), 54, dtype=torch.int32, device="cuda"), causal=True)
     assert torch.equal(same, out)
 
@@ -190,3 +191,36 @@ def test_repeat_calls_take_new_lengths_and_tensors():
     q.requires_grad_(True)
     with pytest.raises(NotImplementedError, match="only flash_attn_func has a backward"):
         flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, return_softmax_lse=True)
+
+
+def test_append_with_tensor_lengths_is_refused_inside_graph_capture():
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    q, kc, vc, k, v = cache(2, 1, 64, 2, 2, d, DTYPES[dtype], new=1, seed=9)
+    seqlens = torch.tensor([3, 9], dtype=torch.int32, device="cuda")
+    flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)  # load the module outside
+    kc0 = kc.clone()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="which a CUDA graph being captured cannot do"):
+        with torch.cuda.graph(graph):
+            flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens)
+    torch.cuda.synchronize()
+    assert torch.equal(kc, kc0)
+    out = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens)  # eagerly: fine
+    lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens + 1,
+                                  return_softmax_lse=True)[1]
+    check_each_sequence(out, lse, q, kc, vc, [4, 10], False)
+
+
+def test_no_kernel_for_the_head_dim_leaves_the_cache():
+    """A call that cannot run raises before it writes into the cache."""
+    dtype = COMBOS[0][0]
+    built = {dh for dt, dh in COMBOS if dt == dtype}
+    missing = [dh for dh in (64, 128, 256) if dh not in built]
+    if not missing:
+        pytest.skip(f"every head dim has a {dtype} kernel here")
+    q, kc, vc, k, v = cache(1, 1, 16, 2, 2, missing[0], DTYPES[dtype], new=1)
+    kc0 = kc.clone()
+    for lengths in (3, torch.tensor([3], dtype=torch.int32, device="cuda")):
+        with pytest.raises(ValueError, match=f"no {dtype} kernel with head dim {missing[0]}"):
+            flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lengths)
+    assert torch.equal(kc, kc0)
