@@ -3,11 +3,15 @@ CUDA driver API (cuda-python). No compiler and no C++ extension at run time; imp
 touches no GPU.
 """
 
-from .api import (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, forward,
+from .api import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                  flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                  flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache, forward,
                   list_kernels)
 from .config import KernelConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "forward",
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+           "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "forward",
            "list_kernels", "KernelConfig", "__version__"]

@@ -278,6 +278,71 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return (out, lse, None) if want_lse else out
 
 
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False):
+    """flash_attn_func for q, k, v packed in one tensor; drop-in for flash-attn 2.x's.
+
+    qkv: (batch, seqlen, 3, nheads, headdim). q, k, v are its three slices along dim 2, run
+    in place (no copy: the kernels take their strides); with gradients, the grad of qkv is
+    the three grads stacked. Other arguments and the result as in ``flash_attn_func``.
+    """
+    q, k, v = _unpack("qkv", qkv, 5, 3, "(batch, seqlen, 3, nheads, headdim)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False):
+    """flash_attn_func with k and v packed in one tensor; drop-in for flash-attn 2.x's.
+
+    kv: (batch, seqlen_k, 2, nheads_k, headdim), run in place as flash_attn_qkvpacked_func's
+    qkv. Other arguments and the result as in ``flash_attn_func``.
+    """
+    k, v = _unpack("kv", kv, 5, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash_attn_varlen_func for a packed batch whose q, k, v share one tensor and one set of
+    offsets; drop-in for flash-attn 2.x's. qkv: (total, 3, nheads, headdim); cu_seqlens and
+    max_seqlen serve as both the query and the key offsets and maxima. Forward only, as
+    ``flash_attn_varlen_func``."""
+    q, k, v = _unpack("qkv", qkv, 4, 3, "(total, 3, nheads, headdim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False):
+    """flash_attn_varlen_func with k and v packed in one tensor, kv: (total_k, 2, nheads_k,
+    headdim); drop-in for flash-attn 2.x's. Forward only, as ``flash_attn_varlen_func``."""
+    k, v = _unpack("kv", kv, 4, 2, "(total_k, 2, nheads_k, headdim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                  softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def _unpack(name: str, packed, dims: int, parts: int, layout: str) -> tuple:
+    """The ``parts`` views of a packed tensor along its pack dim (dims - 3), after checking
+    that it is one."""
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(packed).__name__}")
+    pack_dim = dims - 3
+    if packed.dim() != dims or packed.shape[pack_dim] != parts:
+        raise ValueError(f"{name} has shape {tuple(packed.shape)}; expected {layout}")
+    return packed.unbind(pack_dim)
+
+
 @torch.compiler.disable  # mutates the cache and reads tensors on the host: runs eagerly
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                             rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
