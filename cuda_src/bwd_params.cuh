@@ -32,8 +32,9 @@ struct BwdParams {
     void* dq;
     void* dk;
     void* dv;
-    // The atomic scheme's float32 dQ accumulator, (batch, n_heads, seqlen_q, d_head)
-    // contiguous; null in the deterministic scheme.
+    // The atomic scheme's float32 dQ accumulator, d_head floats per query row at lse's
+    // (batch, head, row) index (row-major (batch, n_heads, seqlen_q, d_head)); null in the
+    // deterministic scheme.
     float* dq_accum;
 
     // Strides in elements (the last dimension is contiguous).
@@ -51,9 +52,18 @@ struct BwdParams {
 
     float softmax_scale;
     float scale_log2;  // softmax_scale * log2(e)
+
+    // Packed (varlen) batches, else null: as Params::cu_seqlens_q/k (params.cuh). Tensors are
+    // then (total, n_heads, d_head) with batch strides 0, lse, delta (n_heads, total_q) and
+    // dq_accum (n_heads, total_q, d_head); seqlen_q/seqlen_k are the longest lengths (the
+    // grid's extent) and total_q/total_k the packed rows every offset is clamped into.
+    const int32_t* cu_seqlens_q;
+    const int32_t* cu_seqlens_k;
+    int32_t total_q;
+    int32_t total_k;
 };
 
-constexpr int kBwdParamsBytes = 328;
+constexpr int kBwdParamsBytes = 352;
 static_assert(sizeof(BwdParams) == kBwdParamsBytes,
               "BwdParams layout changed: update cudaflash/_params.py");
 

@@ -177,10 +177,37 @@ __device__ __forceinline__ void acc_to_tile(elem_t* tile, const float (&acc)[kN]
         }
 }
 
-// Row `row` of query head `head` in the float32 dQ accumulator: (batch, n_heads, seqlen_q, d).
+// Row `row` of query head `head` in the float32 dQ accumulator: kD floats per row, at the
+// row's lse index ((batch, n_heads, seqlen_q, d), or (n_heads, total_q, d) when packed).
 __device__ __forceinline__ float* dq_accum_row(const BwdParams& p, int batch, int head,
                                                int row) {
-    return p.dq_accum + ((int64_t(batch) * p.n_heads + head) * p.seqlen_q + row) * kD;
+    return p.dq_accum + (batch * p.lse_batch_stride + head * p.lse_head_stride + row) * kD;
+}
+
+// Batch entry `batch` of a packed batch (p.cu_seqlens_q non-null) as a batch of its own: its
+// lengths, and every pointer moved to the sequence's first query row or key. The host passes
+// batch strides of 0, so the kernels index the result exactly as a padded batch. Offsets are
+// clamped into the packed tensors: no value addresses memory outside them.
+__device__ __forceinline__ BwdParams sequence_view(const BwdParams& p, int batch) {
+    const int q0 = min(max(p.cu_seqlens_q[batch], 0), p.total_q);
+    const int q1 = min(max(p.cu_seqlens_q[batch + 1], q0), p.total_q);
+    const int k0 = min(max(p.cu_seqlens_k[batch], 0), p.total_k);
+    const int k1 = min(max(p.cu_seqlens_k[batch + 1], k0), p.total_k);
+    BwdParams s = p;
+    s.seqlen_q = q1 - q0;
+    s.seqlen_k = k1 - k0;
+    s.q = static_cast<const elem_t*>(p.q) + q0 * p.q_strides.seq;
+    s.o = static_cast<const elem_t*>(p.o) + q0 * p.o_strides.seq;
+    s.dout = static_cast<const elem_t*>(p.dout) + q0 * p.do_strides.seq;
+    s.dq = static_cast<elem_t*>(p.dq) + q0 * p.dq_strides.seq;
+    s.k = static_cast<const elem_t*>(p.k) + k0 * p.k_strides.seq;
+    s.v = static_cast<const elem_t*>(p.v) + k0 * p.v_strides.seq;
+    s.dk = static_cast<elem_t*>(p.dk) + k0 * p.dk_strides.seq;
+    s.dv = static_cast<elem_t*>(p.dv) + k0 * p.dv_strides.seq;
+    s.lse = p.lse + q0;
+    s.delta = p.delta + q0;
+    if (p.dq_accum != nullptr) s.dq_accum = p.dq_accum + int64_t(q0) * kD;
+    return s;
 }
 
 // ---- delta = rowsum(dO * O) -----------------------------------------------------------------
@@ -301,7 +328,8 @@ __device__ __forceinline__ void add_dq_share(const BwdParams& p, const LaneOffse
     // would put LaneOffsets in local memory).
     // A = dS (queries x keys) is the stored dS^T read transposed; the lanes' matrix order
     // (keys 0-7 / 8-15 by lane / 16, query halves by lane / 8 % 2) is the kB pattern.
-    const uint32_t a_base = ds_tile + lo.b_row + LaneOffsets::col_bytes(m0 / 16, lane / 8 % 2, lane);
+    const uint32_t a_base =
+        ds_tile + lo.b_row + LaneOffsets::col_bytes(m0 / 16, lane / 8 % 2, lane);
     // B = K (keys x d_head columns c0..), read transposed with the kA pattern (load_b_trans).
     constexpr int kSlices = kCols / 16;
     uint32_t b_addr[kSlices];
@@ -412,6 +440,7 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int key0 = blockIdx.x * kKeys;
+    if (key0 >= p.seqlen_k) return;  // only in a packed batch: a sequence shorter than the grid
     const int key_rows = min(kKeys, p.seqlen_k - key0);
     const int group = p.n_heads / p.n_heads_k;
     const int shift = p.seqlen_k - p.seqlen_q;  // query i sees keys j <= i + shift (causal)
@@ -608,6 +637,7 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int q0 = q_block * kRows;
+    if (q0 >= p.seqlen_q) return;  // only in a packed batch: a sequence shorter than the grid
     const int q_rows = min(kRows, p.seqlen_q - q0);
     const int shift = p.seqlen_k - p.seqlen_q;
 
@@ -705,16 +735,30 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
 
 }  // namespace cudaflash
 
+// The deterministic scheme's entries run their kernel on the padded batch as given, or on the
+// CTA's sequence of a packed batch (sequence_view): two instances, so the padded path pays
+// nothing for varlen.
 extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
     cudaflash_bwd_preprocess(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_preprocess(p);
+    if (p.cu_seqlens_q == nullptr) {
+        cudaflash::bwd_preprocess(p);
+    } else {
+        cudaflash::bwd_preprocess(cudaflash::sequence_view(p, blockIdx.z));
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dkdv(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dkdv<false>(p);
+    if (p.cu_seqlens_q == nullptr) {
+        cudaflash::bwd_dkdv<false>(p);
+    } else {
+        cudaflash::bwd_dkdv<false>(cudaflash::sequence_view(p, blockIdx.z));
+    }
 }
 
+// The atomic scheme's kernels take padded batches only: a packed batch runs the
+// deterministic scheme (the per-sequence pointers of a second instance pushed the fused
+// dK/dV + dQ kernel, at 255 registers already, into spills).
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dkdv_dq(const __grid_constant__ cudaflash::BwdParams p) {
     cudaflash::bwd_dkdv<true>(p);
@@ -727,5 +771,9 @@ extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dq(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dq(p);
+    if (p.cu_seqlens_q == nullptr) {
+        cudaflash::bwd_dq(p);
+    } else {
+        cudaflash::bwd_dq(cudaflash::sequence_view(p, blockIdx.z));
+    }
 }

@@ -70,7 +70,7 @@ PARAMS_STRUCT_FORMAT = (PARAMS_POINTERS_FORMAT + PARAMS_FIXED_FORMAT[1:]
                         + PARAMS_WORKSPACE_FORMAT[1:])
 
 
-BWD_PARAMS_BYTES = 328
+BWD_PARAMS_BYTES = 352
 
 
 class Strides(ctypes.Structure):
@@ -98,4 +98,8 @@ class BwdParams(ctypes.Structure):
     ] + [
         ("softmax_scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),
+        ("cu_seqlens_q", ctypes.c_void_p),  # packed (varlen) batches only, else null
+        ("cu_seqlens_k", ctypes.c_void_p),
+        ("total_q", ctypes.c_int32),
+        ("total_k", ctypes.c_int32),
     ]

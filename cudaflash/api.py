@@ -225,6 +225,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise NotImplementedError(f"block_table is a {type(block_table).__name__}: paged K/V is "
                                   "not implemented; pass block_table=None")
     if _is_compiling():
+        if _is_grad_enabled() and (getattr(q, "requires_grad", False)
+                                   or getattr(k, "requires_grad", False)
+                                   or getattr(v, "requires_grad", False)):
+            raise NotImplementedError(
+                "flash_attn_varlen_func with gradients under torch.compile is not implemented "
+                "(its custom op has no autograd yet); run it eagerly, or under torch.no_grad()")
         out, lse = _varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale, causal)
         return (out, lse, None) if return_attn_probs else out
@@ -255,6 +261,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                         cu_seqlens_k.data_ptr())
             return (out, lse, None) if want_lse else out
 
+    if _is_grad_enabled() and (getattr(q, "requires_grad", False)
+                               or getattr(k, "requires_grad", False)
+                               or getattr(v, "requires_grad", False)):
+        out, lse = _FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                  max_seqlen_q, max_seqlen_k, softmax_scale,
+                                                  causal, deterministic)
+        return (out, lse, None) if want_lse else out
     _check_qkv(q, k, v, varlen=True)
     _check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k)
     max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
@@ -585,6 +598,37 @@ def _kvcache_append(cache_seqlens, q, k_cache, v_cache, k, v, seqlen_new: int, d
     return cache_seqlens + seqlen_new
 
 
+class _FlashAttnVarlenFunction(torch.autograd.Function):
+    """flash_attn_varlen_func with gradients: the forward keeps the lse, the backward runs
+    backward.run_varlen (the deterministic kernels, whatever ``deterministic`` says)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale, causal, deterministic):
+        _check_deterministic(deterministic)
+        out, lse, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                             max_seqlen_k, softmax_scale=softmax_scale,
+                                             causal=causal, return_attn_probs=True)
+        # Fail now, not in the backward after a whole forward pass of work.
+        _backward.check_supported(q.get_device(), q.dtype, q.shape[2], "deterministic")
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.max_seqlens = (int(max_seqlen_q), int(max_seqlen_k))
+        ctx.scale = _softmax_scale(softmax_scale, q.shape[2])
+        ctx.causal = bool(causal)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        with torch.cuda.device(q.get_device()):
+            dq, dk, dv = _backward.run_varlen(dout, q, k, v, out, lse, cu_seqlens_q,
+                                              cu_seqlens_k, *ctx.max_seqlens, ctx.scale,
+                                              ctx.causal)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
 def forward(config, q, k, v, out=None, softmax_scale=None, causal=False, num_splits=None):
     """Run one explicit kernel config; returns ``(out, lse)``.
 
@@ -673,9 +717,10 @@ def _check_qkv(q, k, v, varlen=False, names=("q", "k", "v")):
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         # Returning an out without a grad_fn would silently drop the gradient.
         raise NotImplementedError(
-            f"{qn}, {kn} or {vn} requires grad, but only flash_attn_func has a backward in "
-            "cudaflash (not flash_attn_varlen_func, flash_attn_with_kvcache or "
-            "cudaflash.forward); call this under torch.no_grad() or torch.inference_mode()")
+            f"{qn}, {kn} or {vn} requires grad, but only flash_attn_func and "
+            "flash_attn_varlen_func have a backward in cudaflash (not flash_attn_with_kvcache "
+            "or cudaflash.forward); call this under torch.no_grad() or "
+            "torch.inference_mode()")
     if k.shape != v.shape:
         raise ValueError(f"{kn} has shape {tuple(k.shape)} but {vn} has {tuple(v.shape)}; they "
                          "must be the same")

@@ -16,8 +16,11 @@ asked for (effective_scheme: they are faster there). The module for a call is th
 backward config the manifest has for the GPU, dtype, head
 dim and scheme (configs.yaml, ``backward``: an entry's ``scheme`` says which it serves).
 
-Only flash_attn_func's autograd function (api.py) calls this; it has already checked q, k, v
-(the forward's checks) and made q's device current.
+Packed (varlen) batches (run_varlen) always take the deterministic kernels, each CTA on its
+own sequence (flash_bwd.cu, sequence_view).
+
+Only the autograd functions of flash_attn_func and flash_attn_varlen_func (api.py) call this;
+they have already checked q, k, v (the forward's checks) and made q's device current.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ from .manifest import BackwardEntry
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _LOG2E = math.log2(math.e)
 
-# cuda_src/bwd_params.cuh: 11 pointers, 8 x 3 tensor strides + 2 lse strides, 6 sizes, 2 scales.
-_PACK = struct.Struct("=11Q26q6i2f")
+# cuda_src/bwd_params.cuh: 11 pointers, 8 x 3 tensor strides + 2 lse strides, 6 sizes, 2
+# scales, then the packed batch's 2 offset pointers and 2 totals.
+_PACK = struct.Struct("=11Q26q6i2f2Q2i")
 assert _PACK.size == BWD_PARAMS_BYTES
 
 
@@ -179,7 +183,8 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
         lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
         0 if dq_accum is None else dq_accum.data_ptr(), *strides, n_heads * seqlen_q, seqlen_q,
-        batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal), scale, scale * _LOG2E))
+        batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal), scale, scale * _LOG2E,
+        0, 0, 0, 0))  # not a packed batch
 
     stream = torch._C._cuda_getCurrentRawStream(index)
     fns, sync = kernel.fns, kernel.synchronize
@@ -197,6 +202,61 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             fns.dq_convert, f"cuLaunchKernel({entry.name} dq_convert)", row_grid,
             entry.preprocess_threads, 0, stream, args, sync)
         return dq, dk, dv
+    _driver.launch_packed(
+        fns.dkdv, f"cuLaunchKernel({entry.name} dkdv)",
+        ((seqlen_k + rows - 1) // rows, n_heads_k, batch), entry.threads,
+        entry.dkdv_smem_bytes, stream, args, sync)
+    _driver.launch_packed(
+        fns.dq, f"cuLaunchKernel({entry.name} dq)",
+        ((seqlen_q + rows - 1) // rows, n_heads, batch), entry.threads, entry.dq_smem_bytes,
+        stream, args, sync)
+    return dq, dk, dv
+
+
+def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+               causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of flash_attn_varlen_func, laid out like q, k, v ((total, nheads,
+    headdim)); ``lse`` is its forward's (nheads, total_q). Rows of no sequence get zero
+    gradients, as do rows of a sequence past max_seqlen_q (the forward did not compute
+    them). The deterministic kernels run whatever was asked: bitwise reproducible."""
+    total_q, n_heads, d_head = q.shape
+    total_k, n_heads_k = k.shape[0], k.shape[1]
+    batch = cu_seqlens_q.numel() - 1
+    if dout.dtype != q.dtype or dout.shape != q.shape:
+        raise ValueError(f"the gradient of out has dtype {dout.dtype} and shape "
+                         f"{tuple(dout.shape)}; expected {q.dtype} and {tuple(q.shape)}")
+    if not _kernel_ready(dout):
+        dout = torch.empty_like(dout, memory_format=torch.contiguous_format).copy_(dout)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    seqlen_q, seqlen_k = min(max_seqlen_q, total_q), min(max_seqlen_k, total_k)
+    if batch == 0 or seqlen_q == 0 or seqlen_k == 0:
+        return dq, dk, dv
+
+    index = q.get_device()
+    kernel = _kernel(_driver.current_context(index), index, q.dtype, d_head, "deterministic")
+    entry = kernel.entry
+    delta = torch.empty((n_heads, total_q), dtype=torch.float32, device=q.device)
+    lse = lse.contiguous()  # the forward's own: (nheads, total_q)
+    strides = []
+    for t in (q, k, v, out, dout, dq, dk, dv):  # (total, nheads, headdim): batch stride 0
+        s = t.stride()
+        strides += [0, s[0], s[1]]
+    args = _driver.PackedArgs(_PACK.pack(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
+        lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0,
+        *strides, 0, total_q, batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal),
+        scale, scale * _LOG2E, cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), total_q,
+        total_k))
+
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    fns, sync = kernel.fns, kernel.synchronize
+    rows = entry.cta_rows
+    _driver.launch_packed(
+        fns.preprocess, f"cuLaunchKernel({entry.name} preprocess)",
+        ((seqlen_q + entry.preprocess_rows - 1) // entry.preprocess_rows, n_heads, batch),
+        entry.preprocess_threads, 0, stream, args, sync)
     _driver.launch_packed(
         fns.dkdv, f"cuLaunchKernel({entry.name} dkdv)",
         ((seqlen_k + rows - 1) // rows, n_heads_k, batch), entry.threads,

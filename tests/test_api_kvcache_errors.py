@@ -104,5 +104,6 @@ def test_new_keys_must_not_alias_the_cache():
 def test_grad_is_refused():
     q, kc, vc, _, _ = tensors()
     q.requires_grad_(True)
-    with pytest.raises(NotImplementedError, match="only flash_attn_func has a backward"):
+    with pytest.raises(NotImplementedError,
+                       match="only flash_attn_func and flash_attn_varlen_func have a backward"):
         flash_attn_with_kvcache(q, kc, vc)

@@ -189,7 +189,8 @@ def test_repeat_calls_take_new_lengths_and_tensors():
         check_each_sequence(out, lse, q, kc, vc, lens, False)
     assert api._kvcache_plans, "the decoding step should have recorded a plan"
     q.requires_grad_(True)
-    with pytest.raises(NotImplementedError, match="only flash_attn_func has a backward"):
+    with pytest.raises(NotImplementedError,
+                       match="only flash_attn_func and flash_attn_varlen_func have a backward"):
         flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, return_softmax_lse=True)
 
 

@@ -1,0 +1,80 @@
+"""flash_attn_varlen_func's backward on a GPU: each packed sequence's dq, dk, dv against
+autograd through the attention math in PyTorch (test_gpu_backward's accuracy rule), rows of
+no sequence zero, and bitwise reproducible (the deterministic kernels always run)."""
+
+import pytest
+import torch
+
+from cudaflash import flash_attn_varlen_func
+from test_gpu_backward import BWD_COMBOS, check_grads
+from test_gpu_correctness import (DTYPES, _combo_id,  # noqa: F401 (autouse fixture)
+                                  fp32_reference_without_tf32)
+from test_gpu_varlen import packed
+
+pytestmark = pytest.mark.requires_gpu
+
+
+def run_with_grad(q, k, v, cu_q, cu_k, max_q, max_k, dout, **kwargs):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, **kwargs)
+    assert out.grad_fn is not None
+    out.backward(dout)
+    return out.detach(), [t.grad for t in leaves]
+
+
+def check_each_sequence(grads, q, k, v, dout, cu_q, cu_k, causal):
+    """Each sequence's gradients as those of its own batch-1 problem; rows outside every
+    sequence zero."""
+    dq, dk, dv = grads
+    oq, ok = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(oq) - 1):
+        rows, keys = slice(oq[b], oq[b + 1]), slice(ok[b], ok[b + 1])
+        check_grads([dq[rows][None], dk[keys][None], dv[keys][None]], q[rows][None],
+                    k[keys][None], v[keys][None], dout[rows][None], causal)
+    assert not dq[oq[-1]:].any() and not dk[ok[-1]:].any() and not dv[ok[-1]:].any()
+
+
+# (query lengths, key lengths, nheads, nheads_k)
+SHAPES = [
+    ([113, 1, 300, 64], [113, 1, 300, 64], 4, 2),  # self-attention, tails, GQA
+    ([17, 200, 5, 40], [1000, 50, 0, 40], 3, 3),  # cross lengths; no keys; rows that see none
+    ([129, 640], [700, 640], 2, 1),  # several tiles, blocks on the diagonal, MQA
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"b{len(s[0])}_h{s[2]}_hk{s[3]}")
+@pytest.mark.parametrize("combo", BWD_COMBOS, ids=_combo_id)
+def test_varlen_gradients(combo, shape, causal):
+    lens_q, lens_k, h, hk = shape
+    dtype, d = combo
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k, h, hk, d, DTYPES[dtype], seed=len(lens_q))
+    # A spare row after the last sequence in q and k: its gradients must stay zero.
+    q, k, v = (torch.cat([t, torch.randn_like(t[:1])]) for t in (q, k, v))
+    dout = torch.randn_like(q)
+    _, grads = run_with_grad(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), dout,
+                             causal=causal)
+    check_each_sequence(grads, q, k, v, dout, cu_q, cu_k, causal)
+
+
+def test_varlen_gradients_are_reproducible():
+    dtype, d = BWD_COMBOS[-1]
+    q, k, v, cu_q, cu_k = packed([300, 77, 1000], [300, 500, 1000], 4, 2, d, DTYPES[dtype])
+    dout = torch.randn_like(q)
+    first = run_with_grad(q, k, v, cu_q, cu_k, 1000, 1000, dout, causal=True)[1]
+    again = run_with_grad(q, k, v, cu_q, cu_k, 1000, 1000, dout, causal=True)[1]
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+def test_varlen_gradients_through_packed_qkv():
+    """The usual training layout: one (total, 3, h, d) tensor, unbound into q, k, v."""
+    from cudaflash import flash_attn_varlen_qkvpacked_func
+
+    dtype, d = BWD_COMBOS[0]
+    lens = [50, 300, 7]
+    q, k, v, cu, _ = packed(lens, lens, 2, 2, d, DTYPES[dtype], seed=3)
+    qkv = torch.stack([q, k, v], dim=1).requires_grad_()
+    dout = torch.randn_like(q)
+    flash_attn_varlen_qkvpacked_func(qkv, cu, max(lens), causal=True).backward(dout)
+    check_each_sequence(qkv.grad.unbind(1), q, k, v, dout, cu, cu, True)
