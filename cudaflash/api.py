@@ -195,8 +195,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None):
-    """Attention over a packed batch of sequences of different lengths, forward only; drop-in
-    for flash-attn 2.x's function of the same name.
+    """Attention over a packed batch of sequences of different lengths; drop-in for flash-attn
+    2.x's function of the same name.
 
     Arguments:
         q: (total_q, nheads, headdim): the batch's query rows, sequence after sequence.
@@ -208,9 +208,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         max_seqlen_q, max_seqlen_k: ints, the longest query and key lengths of the batch. As in
             flash-attn they are trusted, not checked against the offsets on the GPU (that
             would cost a device-to-host copy per call): rows of a sequence longer than
-            max_seqlen_q are not computed. CUDAFLASH_DEBUG=1 checks the offsets and the maxima
-            on every call. Offsets outside [0, total] are clamped: never an out-of-bounds access.
+            max_seqlen_q are not computed, and with maxima below the real lengths the
+            gradients of such a sequence are undefined (as in flash-attn). CUDAFLASH_DEBUG=1
+            checks the offsets and the maxima on every call. Offsets outside [0, total] are
+            clamped: never an out-of-bounds access.
         causal: the mask of each sequence aligned to its bottom-right corner.
+        deterministic: ignored; the backward always runs the deterministic kernels here.
+        Gradients: when q, k or v requires grad (and grad mode is on), out has a grad_fn and
+            its backward computes dq, dk, dv per sequence (head dims 64 and 128), bitwise
+            reproducible; rows of no sequence get zero gradients. Under torch.compile the
+            call runs eagerly (a graph break: its custom op has no autograd formula yet).
         block_table: paged K/V is not implemented; only None.
         Other arguments as in ``flash_attn_func``.
 
@@ -228,9 +235,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if _is_grad_enabled() and (getattr(q, "requires_grad", False)
                                    or getattr(k, "requires_grad", False)
                                    or getattr(v, "requires_grad", False)):
-            raise NotImplementedError(
-                "flash_attn_varlen_func with gradients under torch.compile is not implemented "
-                "(its custom op has no autograd yet); run it eagerly, or under torch.no_grad()")
+            out, lse = _varlen_with_grad_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                 max_seqlen_q, max_seqlen_k, softmax_scale,
+                                                 causal, deterministic)
+            return (out, lse, None) if return_attn_probs else out
         out, lse = _varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale, causal)
         return (out, lse, None) if return_attn_probs else out
@@ -324,8 +332,8 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      return_attn_probs=False):
     """flash_attn_varlen_func for a packed batch whose q, k, v share one tensor and one set of
     offsets; drop-in for flash-attn 2.x's. qkv: (total, 3, nheads, headdim); cu_seqlens and
-    max_seqlen serve as both the query and the key offsets and maxima. Forward only, as
-    ``flash_attn_varlen_func``."""
+    max_seqlen serve as both the query and the key offsets and maxima. Gradients as in
+    ``flash_attn_varlen_func`` (the grad of qkv is the three grads stacked)."""
     q, k, v = _unpack("qkv", qkv, 4, 3, "(total, 3, nheads, headdim)")
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
@@ -338,7 +346,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     alibi_slopes=None, deterministic=False,
                                     return_attn_probs=False):
     """flash_attn_varlen_func with k and v packed in one tensor, kv: (total_k, 2, nheads_k,
-    headdim); drop-in for flash-attn 2.x's. Forward only, as ``flash_attn_varlen_func``."""
+    headdim); drop-in for flash-attn 2.x's. Gradients as in ``flash_attn_varlen_func``."""
     k, v = _unpack("kv", kv, 4, 2, "(total_k, 2, nheads_k, headdim)")
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
@@ -596,6 +604,13 @@ def _kvcache_append(cache_seqlens, q, k_cache, v_cache, k, v, seqlen_new: int, d
     k_cache[rows, positions] = k
     v_cache[rows, positions] = v
     return cache_seqlens + seqlen_new
+
+
+@torch.compiler.disable  # no custom op with autograd for varlen yet: a graph break
+def _varlen_with_grad_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              softmax_scale, causal, deterministic):
+    return _FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, softmax_scale, causal, deterministic)
 
 
 class _FlashAttnVarlenFunction(torch.autograd.Function):

@@ -219,8 +219,9 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of flash_attn_varlen_func, laid out like q, k, v ((total, nheads,
     headdim)); ``lse`` is its forward's (nheads, total_q). Rows of no sequence get zero
-    gradients, as do rows of a sequence past max_seqlen_q (the forward did not compute
-    them). The deterministic kernels run whatever was asked: bitwise reproducible."""
+    gradients. The maxima must be at least the real lengths (flash-attn's contract): a
+    sequence longer than them has undefined gradients (the forward did not compute all of
+    its rows). The deterministic kernels run whatever was asked: bitwise reproducible."""
     total_q, n_heads, d_head = q.shape
     total_k, n_heads_k = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.numel() - 1

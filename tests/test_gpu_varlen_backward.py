@@ -39,6 +39,7 @@ SHAPES = [
     ([113, 1, 300, 64], [113, 1, 300, 64], 4, 2),  # self-attention, tails, GQA
     ([17, 200, 5, 40], [1000, 50, 0, 40], 3, 3),  # cross lengths; no keys; rows that see none
     ([129, 640], [700, 640], 2, 1),  # several tiles, blocks on the diagonal, MQA
+    ([0, 64, 33], [10, 64, 0], 2, 2),  # a sequence with keys but no query rows, one without keys
 ]
 
 
@@ -78,3 +79,28 @@ def test_varlen_gradients_through_packed_qkv():
     dout = torch.randn_like(q)
     flash_attn_varlen_qkvpacked_func(qkv, cu, max(lens), causal=True).backward(dout)
     check_each_sequence(qkv.grad.unbind(1), q, k, v, dout, cu, cu, True)
+
+
+def test_maxima_larger_than_the_longest_sequence():
+    dtype, d = BWD_COMBOS[-1]
+    lens_q, lens_k = [100, 3], [60, 200]
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k, 2, 1, d, DTYPES[dtype], seed=4)
+    dout = torch.randn_like(q)
+    _, grads = run_with_grad(q, k, v, cu_q, cu_k, 1000, 5000, dout, causal=True)
+    check_each_sequence(grads, q, k, v, dout, cu_q, cu_k, True)
+
+
+def test_gradients_under_torch_compile():
+    """No autograd formula for the varlen custom op yet: the call runs eagerly inside the
+    compiled function (a graph break), with the same gradients."""
+    dtype, d = BWD_COMBOS[0]
+    lens = [77, 200]
+    q, k, v, cu, _ = packed(lens, lens, 2, 2, d, DTYPES[dtype], seed=5)
+    dout = torch.randn_like(q)
+
+    def attention(q, k, v):
+        return flash_attn_varlen_func(q, k, v, cu, cu, 200, 200, causal=True) * 2.0
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    torch.compile(attention)(*leaves).backward(dout)
+    check_each_sequence([t.grad / 2.0 for t in leaves], q, k, v, dout, cu, cu, True)
