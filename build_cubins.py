@@ -84,8 +84,8 @@ def _load_cudaflash_modules():
 config, selection = _load_cudaflash_modules()
 ConfigError = config.ConfigError
 ENTRY, SPLIT_ENTRY, COMBINE_ENTRY = config.KernelConfig.ENTRIES
-(PREPROCESS_ENTRY, DKDV_ENTRY, DQ_ENTRY, DKDV_DQ_ENTRY,
- DQ_CONVERT_ENTRY) = config.BackwardConfig.ENTRIES
+(PREPROCESS_ENTRY, DKDV_ENTRY, DQ_ENTRY, DKDV_DQ_ENTRY, DQ_CONVERT_ENTRY,
+ *VARLEN_ENTRIES) = config.BackwardConfig.ENTRIES
 
 
 class BuildError(RuntimeError):
@@ -572,6 +572,7 @@ def manifest_dict(spec: Spec, jobs: Sequence[Job], stats: dict, *, out_dir: Path
                 "dq_entry": DQ_ENTRY,
                 "dkdv_dq_entry": DKDV_DQ_ENTRY,
                 "dq_convert_entry": DQ_CONVERT_ENTRY,
+                "varlen_entries": VARLEN_ENTRIES,  # preprocess, dkdv, dq on packed batches
                 "threads": job.cfg.threads,
                 "preprocess_threads": job.cfg.PREPROCESS_THREADS,
                 "preprocess_rows": job.cfg.PREPROCESS_ROWS,

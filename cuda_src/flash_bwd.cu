@@ -13,6 +13,8 @@
 //                             dS K (dS through shared memory), to a float32 accumulator with
 //                             atomics: FlashAttention-2's 5 GEMMs instead of 7.
 //   cudaflash_bwd_dq_convert  dQ = softmax_scale * accumulator, in the input dtype.
+//   cudaflash_bwd_{preprocess,dkdv,dq}_varlen  the same kernels, each CTA on its sequence of
+//                             a packed (varlen) batch (the deterministic scheme only).
 // Two schemes, chosen per call (flash_attn_func's `deterministic`):
 //   deterministic      preprocess, dkdv, dq: dQ in its own kernel recomputes S and dP (7
 //                      GEMMs), and every gradient is written once, by one CTA, in a fixed
@@ -735,30 +737,21 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
 
 }  // namespace cudaflash
 
-// The deterministic scheme's entries run their kernel on the padded batch as given, or on the
-// CTA's sequence of a packed batch (sequence_view): two instances, so the padded path pays
-// nothing for varlen.
+// The padded batch's entries; each kernel of the deterministic scheme has a second entry,
+// *_varlen, that runs it on the CTA's sequence of a packed batch (sequence_view). Separate
+// entries keep the padded kernels' registers as they were (ptxas sizes an entry for its
+// largest path). The atomic scheme takes padded batches only: its fused kernel (255
+// registers already) spilled with the per-sequence pointers.
 extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
     cudaflash_bwd_preprocess(const __grid_constant__ cudaflash::BwdParams p) {
-    if (p.cu_seqlens_q == nullptr) {
-        cudaflash::bwd_preprocess(p);
-    } else {
-        cudaflash::bwd_preprocess(cudaflash::sequence_view(p, blockIdx.z));
-    }
+    cudaflash::bwd_preprocess(p);
 }
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dkdv(const __grid_constant__ cudaflash::BwdParams p) {
-    if (p.cu_seqlens_q == nullptr) {
-        cudaflash::bwd_dkdv<false>(p);
-    } else {
-        cudaflash::bwd_dkdv<false>(cudaflash::sequence_view(p, blockIdx.z));
-    }
+    cudaflash::bwd_dkdv<false>(p);
 }
 
-// The atomic scheme's kernels take padded batches only: a packed batch runs the
-// deterministic scheme (the per-sequence pointers of a second instance pushed the fused
-// dK/dV + dQ kernel, at 255 registers already, into spills).
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dkdv_dq(const __grid_constant__ cudaflash::BwdParams p) {
     cudaflash::bwd_dkdv<true>(p);
@@ -771,9 +764,20 @@ extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dq(const __grid_constant__ cudaflash::BwdParams p) {
-    if (p.cu_seqlens_q == nullptr) {
-        cudaflash::bwd_dq(p);
-    } else {
-        cudaflash::bwd_dq(cudaflash::sequence_view(p, blockIdx.z));
-    }
+    cudaflash::bwd_dq(p);
+}
+
+extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
+    cudaflash_bwd_preprocess_varlen(const __grid_constant__ cudaflash::BwdParams p) {
+    cudaflash::bwd_preprocess(cudaflash::sequence_view(p, blockIdx.z));
+}
+
+extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
+    cudaflash_bwd_dkdv_varlen(const __grid_constant__ cudaflash::BwdParams p) {
+    cudaflash::bwd_dkdv<false>(cudaflash::sequence_view(p, blockIdx.z));
+}
+
+extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
+    cudaflash_bwd_dq_varlen(const __grid_constant__ cudaflash::BwdParams p) {
+    cudaflash::bwd_dq(cudaflash::sequence_view(p, blockIdx.z));
 }

@@ -143,6 +143,10 @@ class BackwardFunctions:
     dq: object  # cudaflash_bwd_dq
     dkdv_dq: object  # cudaflash_bwd_dkdv_dq: dK, dV and atomic dQ accumulation
     dq_convert: object  # cudaflash_bwd_dq_convert
+    # packed (varlen) batches: cudaflash_bwd_{preprocess,dkdv,dq}_varlen
+    preprocess_varlen: object
+    dkdv_varlen: object
+    dq_varlen: object
 
 
 _functions: dict[tuple[int, int, str], Functions | BackwardFunctions] = {}
@@ -205,7 +209,12 @@ def _load(entry: KernelEntry | BackwardEntry):
                                 dq=function(entry.dq_entry, entry.dq_smem_bytes),
                                 dkdv_dq=function(entry.dkdv_dq_entry,
                                                  entry.dkdv_dq_smem_bytes),
-                                dq_convert=function(entry.dq_convert_entry, 0))
+                                dq_convert=function(entry.dq_convert_entry, 0),
+                                preprocess_varlen=function(entry.varlen_entries[0], 0),
+                                dkdv_varlen=function(entry.varlen_entries[1],
+                                                     entry.dkdv_smem_bytes),
+                                dq_varlen=function(entry.varlen_entries[2],
+                                                   entry.dq_smem_bytes))
         log.debug("loaded %s (%s sm_%d) from %s", entry.name, entry.kind, entry.arch,
                   entry.path)
         return fns

@@ -255,15 +255,15 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     fns, sync = kernel.fns, kernel.synchronize
     rows = entry.cta_rows
     _driver.launch_packed(
-        fns.preprocess, f"cuLaunchKernel({entry.name} preprocess)",
+        fns.preprocess_varlen, f"cuLaunchKernel({entry.name} preprocess_varlen)",
         ((seqlen_q + entry.preprocess_rows - 1) // entry.preprocess_rows, n_heads, batch),
         entry.preprocess_threads, 0, stream, args, sync)
     _driver.launch_packed(
-        fns.dkdv, f"cuLaunchKernel({entry.name} dkdv)",
+        fns.dkdv_varlen, f"cuLaunchKernel({entry.name} dkdv_varlen)",
         ((seqlen_k + rows - 1) // rows, n_heads_k, batch), entry.threads,
         entry.dkdv_smem_bytes, stream, args, sync)
     _driver.launch_packed(
-        fns.dq, f"cuLaunchKernel({entry.name} dq)",
+        fns.dq_varlen, f"cuLaunchKernel({entry.name} dq_varlen)",
         ((seqlen_q + rows - 1) // rows, n_heads, batch), entry.threads, entry.dq_smem_bytes,
         stream, args, sync)
     return dq, dk, dv

@@ -370,7 +370,10 @@ class BackwardConfig:
 
     SOURCE = "flash_bwd.cu"
     ENTRIES = ("cudaflash_bwd_preprocess", "cudaflash_bwd_dkdv", "cudaflash_bwd_dq",
-               "cudaflash_bwd_dkdv_dq", "cudaflash_bwd_dq_convert")
+               "cudaflash_bwd_dkdv_dq", "cudaflash_bwd_dq_convert",
+               # the deterministic scheme's kernels on a packed (varlen) batch
+               "cudaflash_bwd_preprocess_varlen", "cudaflash_bwd_dkdv_varlen",
+               "cudaflash_bwd_dq_varlen")
     PREPROCESS_THREADS = 128  # kPreprocessThreads: one warp per query row, 4 rows per CTA
     PREPROCESS_ROWS = 4
 

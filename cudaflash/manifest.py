@@ -57,6 +57,8 @@ class BackwardEntry:
     dq_entry: str
     dkdv_dq_entry: str  # dK, dV and the atomic dQ accumulation (non-deterministic scheme)
     dq_convert_entry: str  # dQ = scale * accumulator
+    # preprocess, dkdv and dq of a packed (varlen) batch, each CTA on its own sequence
+    varlen_entries: tuple[str, str, str]
     threads: int  # per block of the dK/dV and dQ kernels
     preprocess_threads: int
     preprocess_rows: int  # query rows per preprocess block
@@ -188,7 +190,7 @@ def _parse(data: dict, path: Path) -> Manifest:
             path=path.parent / k["file"], preprocess_entry=k["preprocess_entry"],
             dkdv_entry=k["dkdv_entry"], dq_entry=k["dq_entry"],
             dkdv_dq_entry=k["dkdv_dq_entry"], dq_convert_entry=k["dq_convert_entry"],
-            threads=int(k["threads"]),
+            varlen_entries=tuple(k["varlen_entries"]), threads=int(k["threads"]),
             preprocess_threads=int(k["preprocess_threads"]),
             preprocess_rows=int(k["preprocess_rows"]), cta_rows=int(k["cta_rows"]),
             dkdv_smem_bytes=int(k["dkdv_smem_bytes"]), dq_smem_bytes=int(k["dq_smem_bytes"]),
