@@ -7,8 +7,9 @@
 // batch). It streams K/V blocks of B_c keys through shared memory (last block first unless
 // the config says otherwise: kv_reverse), keeping S,
 // P and the O accumulator in registers. Tails of both sequences are masked here; causal masking
-// is bottom-right aligned (query i sees keys j <= i + seqlen_k - seqlen_q) and blocks wholly
-// above the diagonal are never loaded.
+// is bottom-right aligned (query i sees keys j <= i + seqlen_k - seqlen_q), a sliding window
+// bounds the keys of each row on both sides (Params::window_left/right), and blocks no row of
+// the CTA sees are never loaded.
 //
 // Split-KV, for grids too small to fill the GPU (decoding, one long sequence): the module also
 // exports cudaflash_fwd_split, the same kernel over one run of a query block's KV blocks per
@@ -80,26 +81,36 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     const elem_t* v = static_cast<const elem_t*>(p.v) + batch * p.v_batch_stride +
                       head_k * p.v_head_stride + int64_t(seq.start_k) * p.v_seq_stride;
 
-    // KV blocks [0, n_blocks) are visible to some row of this CTA; blocks >= mask_from hold a
-    // key that some row must not see (the seqlen_k tail, or keys right of the causal diagonal).
+    // KV blocks [kv_lo, n_blocks) are visible to some row of this CTA; blocks >= mask_from
+    // and blocks starting before key below_keys hold a key that some row must not see (the
+    // seqlen_k tail, keys right of the causal diagonal or of the window, keys left of it).
     const int causal_shift = seq.len_k - seq.len_q;
     const int n_kv = (seq.len_k + C::kBc - 1) / C::kBc;
     int n_blocks = n_kv;
     int mask_from = seq.len_k % C::kBc ? n_kv - 1 : n_kv;
-    if (p.is_causal) {
-        const int last_key = q_row0 + q_rows - 1 + causal_shift;  // of the CTA's last row
+    if (p.window_right >= 0) {  // causal: window_right = 0
+        const int last_key = q_row0 + q_rows - 1 + causal_shift + p.window_right;  // last row's
         n_blocks = last_key < 0 ? 0 : min(n_kv, last_key / C::kBc + 1);
-        const int first_row_keys = q_row0 + causal_shift + 1;  // keys the first row sees
+        const int first_row_keys = q_row0 + causal_shift + p.window_right + 1;  // [0, this)
         mask_from = min(mask_from, max(first_row_keys, 0) / C::kBc);
     }
+    // With a left bound, blocks before the first row's first key are not loaded, and blocks
+    // that start before the last row's first key (below_keys) are masked.
+    int kv_lo = 0, below_keys = 0;
+    if (p.window_left >= 0) {
+        const int first_key = q_row0 + causal_shift - p.window_left;  // the first row's first
+        kv_lo = max(first_key, 0) / C::kBc;
+        below_keys = first_key + q_rows - 1;
+    }
     // This CTA's KV blocks: [kv_begin, n_blocks). A split past the causal diagonal (or the
-    // end of a short sequence) gets none and writes O = 0, lse = -inf, which the combine
-    // weights by zero. The last split takes every block left, so a packed sequence longer
-    // than the seqlen_k the splits were sized for still sees all of its keys.
-    int kv_begin = 0;
+    // end of a short sequence, or before the window) gets none and writes O = 0, lse = -inf,
+    // which the combine weights by zero. The last split takes every block left, so a packed
+    // sequence longer than the seqlen_k the splits were sized for still sees all of its keys.
+    int kv_begin = kv_lo;
     if constexpr (kSplit) {
-        kv_begin = split * p.kv_blocks_per_split;
-        if (split < p.n_splits - 1) n_blocks = min(n_blocks, kv_begin + p.kv_blocks_per_split);
+        const int split_begin = split * p.kv_blocks_per_split;
+        kv_begin = max(kv_lo, split_begin);
+        if (split < p.n_splits - 1) n_blocks = min(n_blocks, split_begin + p.kv_blocks_per_split);
     }
 
     using QCopy = TileCopy<C, C::kBr>;
@@ -176,9 +187,9 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
             copy_wait_all<C>();
             __syncthreads();
         }
-        if (block >= mask_from)
+        if (block >= mask_from || block * C::kBc < below_keys)
             OnlineSoftmax<C>::mask(S, block * C::kBc, q_row0 + warp * C::kRowsPerWarp,
-                                   seq.len_q, seq.len_k, p.is_causal, lane);
+                                   seq.len_q, seq.len_k, p.window_left, p.window_right, lane);
         softmax.template update<kFirst>(S, O, OnlineSoftmax<C>::score_scale(p.scale_log2));
         gemm.pv(O, S);
     };

@@ -44,6 +44,12 @@ struct Params {
     int32_t is_causal;  // 0 or 1; causal mask aligned bottom-right (flash-attn >= 2.1)
     int32_t total_q;    // varlen: rows of q and o, keys of k and v (unused otherwise)
     int32_t total_k;
+    // The keys query row i sees: [i + shift - window_left, i + shift + window_right] with
+    // shift = seqlen_k - seqlen_q (per sequence), each side unbounded when negative. Causal
+    // calls have window_right = 0 (flash-attn's sliding window, causal = a right bound of 0);
+    // is_causal itself only orders the CTAs.
+    int32_t window_left;
+    int32_t window_right;
 
     // Scales. softmax_scale multiplies q.k; scale_log2 = softmax_scale * log2(e) is folded into
     // one FFMA before exp2.
@@ -62,7 +68,7 @@ struct Params {
     float* lse_accum;
 };
 
-constexpr int kParamsBytes = 232;
+constexpr int kParamsBytes = 240;
 static_assert(sizeof(Params) == kParamsBytes, "Params layout changed: update cudaflash/_params.py");
 
 }  // namespace cudaflash

@@ -4,6 +4,7 @@
 // Each thread holds 2 rows per m16 tile (lane / 4 and lane / 4 + 8); a row's 4 owners are the
 // lanes of one quad, so row reductions are two xor-shuffles.
 #pragma once
+#include <climits>
 #include <cmath>
 #include "kernel_config.cuh"
 #include "params.cuh"
@@ -79,24 +80,30 @@ struct OnlineSoftmax {
             }
     }
 
-    // Scores of keys a row must not see become -inf: keys >= seqlen_k (the tail) and, when
-    // causal, keys > row + seqlen_k - seqlen_q. `row0` is the warp's first query row.
+    // Scores of keys a row must not see become -inf: keys >= seqlen_k (the tail) and keys
+    // outside the row's window [row + shift - left, row + shift + right] (params.cuh; a
+    // negative side is unbounded; causal is right = 0). `row0` is the warp's first query row.
     __device__ __forceinline__ static void mask(float (&S)[kM][C::kSTiles][4], int kv0, int row0,
-                                                int seqlen_q, int seqlen_k, int is_causal,
-                                                int lane) {
+                                                int seqlen_q, int seqlen_k, int window_left,
+                                                int window_right, int lane) {
+        // An unbounded side becomes INT_MAX, which no offset (key - diagonal) exceeds for any
+        // sequence that fits in a GPU's memory.
+        const int right = window_right >= 0 ? window_right : INT_MAX;
+        const int left = window_left >= 0 ? window_left : INT_MAX;
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int row = row0 + mi * 16 + lane / 4 + 8 * r;
-                const int limit =
-                    is_causal ? min(seqlen_k, row + seqlen_k - seqlen_q + 1) : seqlen_k;
+                const int diagonal = row + seqlen_k - seqlen_q;
 #pragma unroll
                 for (int nj = 0; nj < C::kSTiles; ++nj)
 #pragma unroll
                     for (int e = 2 * r; e < 2 * r + 2; ++e) {
                         const int key = kv0 + nj * 8 + 2 * (lane % 4) + e % 2;
-                        if (key >= limit) S[mi][nj][e] = -INFINITY;
+                        const int offset = key - diagonal;  // from the row's diagonal
+                        if (key >= seqlen_k || offset > right || offset < -left)
+                            S[mi][nj][e] = -INFINITY;
                     }
             }
     }

@@ -7,7 +7,7 @@ with ``ctypes.sizeof(Params)`` by the tests.
 
 import ctypes
 
-PARAMS_BYTES = 232
+PARAMS_BYTES = 240
 
 
 class Params(ctypes.Structure):
@@ -44,6 +44,8 @@ class Params(ctypes.Structure):
         ("is_causal", ctypes.c_int32),
         ("total_q", ctypes.c_int32),  # varlen only
         ("total_k", ctypes.c_int32),
+        ("window_left", ctypes.c_int32),  # sliding window; < 0: unbounded
+        ("window_right", ctypes.c_int32),  # 0 when causal
         # scales
         ("softmax_scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),
@@ -62,10 +64,10 @@ class Params(ctypes.Structure):
 # packed once per plan; the split-KV workspace pointers at the end change per call of a
 # split launch and are 0 otherwise.
 PARAMS_POINTERS_FORMAT = "=7Q"  # q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k
-PARAMS_FIXED_FORMAT = "=14q8i2f2i"  # strides, sizes, scales, n_splits, kv_blocks_per_split
+PARAMS_FIXED_FORMAT = "=14q10i2f2i"  # strides, sizes, window, scales, split counts
 PARAMS_WORKSPACE_FORMAT = "=2Q"  # o_accum, lse_accum
 PARAMS_POINTERS_BYTES = 56
-PARAMS_WORKSPACE_OFFSET = 216
+PARAMS_WORKSPACE_OFFSET = 224
 PARAMS_STRUCT_FORMAT = (PARAMS_POINTERS_FORMAT + PARAMS_FIXED_FORMAT[1:]
                         + PARAMS_WORKSPACE_FORMAT[1:])
 

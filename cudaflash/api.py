@@ -98,7 +98,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     # accepts an equivalent value such as window_size=[-1, -1].
     if not (dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
             and type(window_size) is tuple and window_size == (-1, -1)):
-        _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+        _reject_unsupported(dropout_p, softcap, alibi_slopes)
+        window = _check_window(window_size)
+        if window != (-1, -1):
+            return _windowed_attention(q, k, v, softmax_scale, causal, window, deterministic,
+                                       return_attn_probs)
     if _is_compiling():
         out, lse = _fwd_op(q, k, v, softmax_scale, causal, deterministic)
         return (out, lse, None) if return_attn_probs else out
@@ -225,12 +229,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out: (total_q, nheads, headdim), q's dtype. With return_attn_probs,
         ``(out, softmax_lse, None)``: softmax_lse float32 (nheads, total_q), flash-attn's layout.
     """
+    window = (-1, -1)
     if not (dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
             and type(window_size) is tuple and window_size == (-1, -1)):
-        _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+        _reject_unsupported(dropout_p, softcap, alibi_slopes)
+        window = _check_window(window_size)
+        if window != (-1, -1):
+            _check_no_grad_with_window(window, q, k, v)
     if block_table is not None:
         raise NotImplementedError(f"block_table is a {type(block_table).__name__}: paged K/V is "
                                   "not implemented; pass block_table=None")
+    if _is_compiling() and window != (-1, -1):  # the custom op has no window: run eagerly
+        out, lse = _varlen_windowed_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                            max_seqlen_k, softmax_scale, causal, window)
+        return (out, lse, None) if return_attn_probs else out
     if _is_compiling():
         if _is_grad_enabled() and (getattr(q, "requires_grad", False)
                                    or getattr(k, "requires_grad", False)
@@ -247,7 +259,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     # A repeat signature takes its plan, as in flash_attn_func (the key through its function
     # here: this path is not tuned for tiny calls the way flash_attn_func's is).
     try:
-        plan = _varlen_plans.get(_varlen_plan_key(
+        plan = None if window != (-1, -1) else _varlen_plans.get(_varlen_plan_key(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
             causal, want_lse))
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks explain
@@ -290,12 +302,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if debug:
             _check_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
                            max_seqlen_k)
-        # Plans skip the offset check, so none are recorded while CUDAFLASH_DEBUG is on.
-        plan_key = None if debug else _varlen_plan_key(
+        # Plans skip the offset check, so none are recorded while CUDAFLASH_DEBUG is on; nor
+        # for a sliding window (not in the plan key).
+        plan_key = None if debug or window != (-1, -1) else _varlen_plan_key(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
             causal, want_lse)
         out, lse = _run_varlen(index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                               max_seqlen_k, scale, bool(causal), want_lse, plan_key)
+                               max_seqlen_k, scale, bool(causal), want_lse, plan_key, window)
     return (out, lse, None) if want_lse else out
 
 
@@ -447,7 +460,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if value is not None:
             raise NotImplementedError(f"{name} is a {type(value).__name__}: not implemented in "
                                       f"cudaflash; pass {name}=None")
-    _reject_unsupported(0.0, window_size, softcap, alibi_slopes)
+    _reject_unsupported(0.0, softcap, alibi_slopes)
+    window = _check_window(window_size)
     if (not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool)
             or num_splits < 0):
         raise ValueError(f"num_splits={num_splits!r}; it must be an int >= 0 (0: cudaflash "
@@ -481,17 +495,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 raise ValueError("k and v are written at cache_seqlens, which is None; pass "
                                  "cache_seqlens (an int or a (batch,) int32 tensor)")
             out, lse = _run(None, index, q, k_cache, v_cache, None, scale, bool(causal),
-                            want_lse, num_splits=splits)
+                            want_lse, num_splits=splits, window=window)
         elif isinstance(cache_seqlens, torch.Tensor):
             # The kernel first: a call that cannot run must not have changed the cache.
-            _kvcache_kernel(index, q, k_cache, causal, seqlen_cache)
+            _kvcache_kernel(index, q, k_cache, causal, seqlen_cache, window)
             debug = _device_kernels(index).debug
             seqused = _kvcache_append(cache_seqlens, q, k_cache, v_cache, k, v, seqlen_new,
                                       debug)
             # A plan for the decoding step (no append); none in debug mode, whose length
             # check the plan would skip.
             plan_key = None
-            if k is None and not debug:
+            if k is None and not debug and window == (-1, -1):
                 try:
                     plan_key = _kvcache_plan_key(q, k_cache, v_cache, cache_seqlens,
                                                  softmax_scale, causal, num_splits,
@@ -501,7 +515,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                     plan_key = None
             out, lse = _run(None, index, q, k_cache, v_cache, None, scale, bool(causal),
                             want_lse, plan_key=plan_key, num_splits=splits, seqused_k=seqused,
-                            plans=_kvcache_plans)
+                            plans=_kvcache_plans, window=window)
         else:
             if (not isinstance(cache_seqlens, numbers.Integral)
                     or isinstance(cache_seqlens, bool)
@@ -512,20 +526,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                  "positions)")
             used = int(cache_seqlens) + seqlen_new
             if k is not None:
-                _kvcache_kernel(index, q, k_cache, causal, used)  # before changing the cache
+                _kvcache_kernel(index, q, k_cache, causal, used, window)  # before the append
                 k_cache[:, cache_seqlens:used] = k
                 v_cache[:, cache_seqlens:used] = v
             # Every sequence uses the same prefix: a view of it is a plain padded batch.
             out, lse = _run(None, index, q, k_cache[:, :used], v_cache[:, :used], None, scale,
-                            bool(causal), want_lse, num_splits=splits)
+                            bool(causal), want_lse, num_splits=splits, window=window)
     return (out, lse) if want_lse else out
 
 
-def _kvcache_kernel(index: int, q, k_cache, causal: bool, seqlen_k: int) -> None:
+def _kvcache_kernel(index: int, q, k_cache, causal: bool, seqlen_k: int, window) -> None:
     """Select (and load) the kernel the call will run, so that a call that cannot run raises
     before it writes into the cache."""
     rows, _, kernel_causal = _kernel_problem(q.shape[1], q.shape[2], k_cache.shape[2],
-                                             bool(causal))
+                                             bool(causal), window[0])
     _auto_kernel(_driver.current_context(index), index, q.dtype, q.shape[3], kernel_causal,
                  rows, seqlen_k)
 
@@ -644,7 +658,8 @@ class _FlashAttnVarlenFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def forward(config, q, k, v, out=None, softmax_scale=None, causal=False, num_splits=None):
+def forward(config, q, k, v, out=None, softmax_scale=None, causal=False, num_splits=None,
+            window_size=(-1, -1)):
     """Run one explicit kernel config; returns ``(out, lse)``.
 
     ``config`` is a KernelConfig or its canonical name (``list_kernels(device)`` lists the
@@ -653,7 +668,8 @@ def forward(config, q, k, v, out=None, softmax_scale=None, causal=False, num_spl
     q, k or v. ``num_splits``: how many runs each query block's keys are cut into (split-KV,
     then a second kernel combines them); None chooses as flash_attn_func does (split only
     grids too small to fill the GPU), 1 never splits, n splits into at most n runs of at
-    least one KV block. Other arguments as in ``flash_attn_func``.
+    least one KV block. ``window_size``: the sliding window, as in ``flash_attn_func``. Other
+    arguments as in ``flash_attn_func``.
     """
     if isinstance(config, str):
         config = KernelConfig.from_name(config)
@@ -663,7 +679,9 @@ def forward(config, q, k, v, out=None, softmax_scale=None, causal=False, num_spl
     if num_splits is not None and (not isinstance(num_splits, numbers.Integral)
                                    or isinstance(num_splits, bool) or num_splits < 1):
         raise ValueError(f"num_splits={num_splits!r}; it must be None or an int >= 1")
-    return _forward(config, q, k, v, out, softmax_scale, causal, num_splits=num_splits)
+    window = _check_window(window_size)
+    return _forward(config, q, k, v, out, softmax_scale, causal, num_splits=num_splits,
+                    window=window)
 
 
 def list_kernels(device=None) -> list[KernelEntry]:
@@ -696,19 +714,56 @@ def clear_caches() -> None:
 # ---- argument checks (host only: no GPU state is touched) --------------------------------
 
 
-def _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes) -> None:
+def _reject_unsupported(dropout_p, softcap, alibi_slopes) -> None:
     if dropout_p != 0.0:
         raise NotImplementedError(f"dropout_p={dropout_p!r}: cudaflash has no dropout (it is a "
                                   "forward for inference); pass dropout_p=0.0")
-    if not (isinstance(window_size, (tuple, list)) and list(window_size) == [-1, -1]):
-        raise NotImplementedError(f"window_size={window_size!r}: sliding-window attention is "
-                                  "not implemented; pass window_size=(-1, -1)")
     if softcap != 0.0:
         raise NotImplementedError(f"softcap={softcap!r}: softcapping is not implemented; pass "
                                   "softcap=0.0")
     if alibi_slopes is not None:
         raise NotImplementedError(f"alibi_slopes is a {type(alibi_slopes).__name__}: ALiBi is "
                                   "not implemented; pass alibi_slopes=None")
+
+
+def _check_window(window_size) -> tuple[int, int]:
+    """flash-attn's window_size as (left, right): each an int >= -1, -1 meaning unbounded."""
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= -1
+                       for w in window_size)):
+        raise ValueError(f"window_size={window_size!r}; it must be (left, right): two ints >= "
+                         "-1 (-1: unbounded on that side; query i sees keys i + seqlen_k - "
+                         "seqlen_q - left to i + seqlen_k - seqlen_q + right)")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _check_no_grad_with_window(window, q, k, v) -> None:
+    if _is_grad_enabled() and (getattr(q, "requires_grad", False)
+                               or getattr(k, "requires_grad", False)
+                               or getattr(v, "requires_grad", False)):
+        raise NotImplementedError(
+            f"window_size={window} with gradients: the backward has no sliding window yet; "
+            "call this under torch.no_grad() or torch.inference_mode()")
+
+
+@torch.compiler.disable  # the custom ops have no window argument: a graph break
+def _windowed_attention(q, k, v, softmax_scale, causal, window, deterministic,
+                        return_attn_probs):
+    """flash_attn_func with a sliding window: forward only, through the checked path (no
+    plan: the plan key has no window)."""
+    _check_no_grad_with_window(window, q, k, v)
+    _check_deterministic(deterministic)
+    want_lse = True if return_attn_probs else False
+    out, lse = _forward(None, q, k, v, None, softmax_scale, causal, want_lse, window=window)
+    return (out, lse, None) if want_lse else out
+
+
+@torch.compiler.disable  # the varlen custom op has no window argument: a graph break
+def _varlen_windowed_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             softmax_scale, causal, window):
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+                                  window_size=window, return_attn_probs=True)[:2]
 
 
 def _check_qkv(q, k, v, varlen=False, names=("q", "k", "v")):
@@ -917,11 +972,12 @@ def _plan_key(q, k, v, softmax_scale, causal, want_lse):
 
 
 def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal,
-             want_lse=True, num_splits=None):
+             want_lse=True, num_splits=None, window=(-1, -1)):
     _check_qkv(q, k, v)
-    # flash_attn_func records a plan for the signature, if it is hashable.
+    # flash_attn_func records a plan for the signature, if it is hashable (and has no window,
+    # which the plan key leaves out).
     plan_key = None
-    if config is None and out is None:
+    if config is None and out is None and window == (-1, -1):
         try:
             plan_key = _plan_key(q, k, v, softmax_scale, causal, want_lse)
             hash(plan_key)
@@ -942,20 +998,21 @@ def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal
         # The driver calls work in the current context: make q's device current.
         with torch.cuda.device(index):
             return _run(config, index, q, k, v, out, scale, bool(causal), want_lse, plan_key,
-                        num_splits)
+                        num_splits, window=window)
     return _run(config, index, q, k, v, out, scale, bool(causal), want_lse, plan_key,
-                num_splits)
+                num_splits, window=window)
 
 
 def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: bool,
-         plan_key=None, num_splits=None, seqused_k=None, plans=None):
+         plan_key=None, num_splits=None, seqused_k=None, plans=None, window=(-1, -1)):
     """One forward over a padded batch. ``seqused_k``: None, or a (batch,) int32 tensor of
     each entry's key count (flash_attn_with_kvcache; the kernel clamps it into [0,
     seqlen_k]). With a ``plan_key`` the launch is recorded in ``plans`` (default
-    flash_attn_func's); the plan takes the key counts' pointer per call."""
+    flash_attn_func's); the plan takes the key counts' pointer per call. ``window``: the
+    sliding window (left, right), -1 unbounded."""
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
-    rows, heads, causal = _kernel_problem(seqlen_q, n_heads, n_heads_k, causal)
+    rows, heads, causal = _kernel_problem(seqlen_q, n_heads, n_heads_k, causal, window[0])
     ctx = _driver.current_context(index)
     if config is None:
         kernel = _auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k)
@@ -981,7 +1038,8 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
     # exp(s * scale) = exp2(s * scale * log2(e)).
     fixed_params = (qs[0], q_seq, q_head, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
                     os_[0], o_seq, o_head, n_heads * seqlen_q, rows, batch, heads, n_heads_k,
-                    rows, seqlen_k, int(causal), 0, 0, scale, scale * _LOG2E)
+                    rows, seqlen_k, int(causal), 0, 0, *_window_params(window, causal),
+                    scale, scale * _LOG2E)
     launch = _launch_function(kernel, index, q.device, fixed_params, num_splits, rows=rows,
                               heads=heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head)
     # lse 0: writes no lse; cu_seqlens_q 0: not packed; cu_seqlens_k: the key counts, if any
@@ -1013,7 +1071,8 @@ def _varlen_plan_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 
 def _run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
-                max_seqlen_k: int, scale: float, causal: bool, want_lse: bool, plan_key=None):
+                max_seqlen_k: int, scale: float, causal: bool, want_lse: bool, plan_key=None,
+                window=(-1, -1)):
     total_q, n_heads, d_head = q.shape
     total_k, n_heads_k = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.numel() - 1
@@ -1037,7 +1096,7 @@ def _run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
     # Batch strides 0: a sequence's place comes from its offsets. lse: (n_heads, total_q).
     fixed_params = (0, qs[0], qs[1], 0, ks[0], ks[1], 0, vs[0], vs[1], 0, os_[0], os_[1],
                     0, total_q, batch, n_heads, n_heads_k, rows, seqlen_k, int(causal),
-                    total_q, total_k, scale, scale * _LOG2E)
+                    total_q, total_k, *_window_params(window, causal), scale, scale * _LOG2E)
     launch = _launch_function(kernel, index, q.device, fixed_params, None, rows=rows,
                               heads=n_heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head)
     launch(_current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
@@ -1071,19 +1130,26 @@ def _launch_function(kernel: "_Kernel", index: int, device: torch.device, fixed_
                          batch=batch, rows=rows, d_head=d_head, num_splits=num_splits)
 
 
-def _kernel_problem(seqlen_q: int, n_heads: int, n_heads_k: int,
-                    causal: bool) -> tuple[int, int, bool]:
+def _kernel_problem(seqlen_q: int, n_heads: int, n_heads_k: int, causal: bool,
+                    window_left: int = -1) -> tuple[int, int, bool]:
     """(query rows per head, heads, causal) of the problem the kernel runs for a call.
 
     Decoding with GQA/MQA (one query row, several query heads per K/V head): the query heads
     that share a K/V head become rows of one head (their data are consecutive heads of q and
     out), so each K/V block is read once for all of them instead of once per query head. One
     query row sees every key under the bottom-right causal mask, so the rows are not causal.
+    Not with a left window bound, which the kernel would apply per row.
     """
     group = n_heads // n_heads_k
-    if seqlen_q == 1 and group > 1:
+    if seqlen_q == 1 and group > 1 and window_left < 0:
         return group, n_heads_k, False
     return seqlen_q, n_heads, causal
+
+
+def _window_params(window, causal: bool) -> tuple[int, int]:
+    """Params.window_left/right: flash-attn's (left, right), -1 unbounded, with causal as a
+    right bound of 0 (the kernel masks by the window alone)."""
+    return window[0], 0 if causal else window[1]
 
 
 # Split-KV: a grid of fewer CTAs than the GPU holds at once leaves SMs idle for the whole call

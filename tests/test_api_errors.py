@@ -132,15 +132,34 @@ def test_non_unit_last_stride_is_refused(name):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(dropout_p=0.1), r"dropout_p=0.1: cudaflash has no dropout.*dropout_p=0.0"),
-    (dict(window_size=(128, 0)), r"window_size=\(128, 0\): sliding-window attention is not "
-                                 r"implemented; pass window_size=\(-1, -1\)"),
-    (dict(window_size=None), r"window_size=None"),
     (dict(softcap=30.0), r"softcap=30.0: softcapping is not implemented; pass softcap=0.0"),
     (dict(alibi_slopes=torch.ones(2)), r"alibi_slopes is a Tensor: ALiBi is not implemented"),
 ])
 def test_unsupported_features(kwargs, message):
     with pytest.raises(NotImplementedError, match=message):
         flash_attn_func(*qkv(), **kwargs)
+
+
+@pytest.mark.parametrize("window", [None, (128,), (1, 2, 3), (-2, 0), (1.5, 0), (True, 0),
+                                    "ab"])
+def test_bad_window_size(window):
+    with pytest.raises(ValueError, match=r"window_size=.*; it must be \(left, right\): two "
+                                         r"ints >= -1"):
+        flash_attn_func(*qkv(), window_size=window)
+
+
+@pytest.mark.parametrize("window", [(128, 0), [3, -1], (-1, 5)])
+def test_valid_window_reaches_the_device_check(window):
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        flash_attn_func(*qkv(), window_size=window)
+
+
+def test_window_with_gradients_is_refused():
+    q, k, v = qkv()
+    q.requires_grad_()
+    with pytest.raises(NotImplementedError, match=r"window_size=\(8, 0\) with gradients: the "
+                                                  "backward has no sliding window yet"):
+        flash_attn_func(q, k, v, window_size=(8, 0))
 
 
 def test_defaults_and_deterministic_are_accepted():

@@ -37,13 +37,14 @@ def test_unimplemented_arguments_are_named(name):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(window_size=(8, 0)), "sliding-window attention is not implemented"),
+    (dict(window_size=(8, 0, 1)), r"window_size=\(8, 0, 1\); it must be \(left, right\)"),
     (dict(softcap=1.0), "softcapping is not implemented"),
     (dict(alibi_slopes=torch.zeros(4)), "ALiBi is not implemented"),
 ])
 def test_unsupported_features(kwargs, match):
     q, kc, vc, _, _ = tensors()
-    with pytest.raises(NotImplementedError, match=match):
+    with pytest.raises(ValueError if "window_size" in kwargs else NotImplementedError,
+                       match=match):
         flash_attn_with_kvcache(q, kc, vc, **kwargs)
 
 

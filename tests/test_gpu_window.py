@@ -1,0 +1,123 @@
+"""Sliding-window attention (window_size) on a GPU: flash_attn_func, every built kernel
+config, flash_attn_varlen_func and flash_attn_with_kvcache against the attention math in
+PyTorch with the window mask, under FlashAttention's accuracy rule (test_gpu_correctness)."""
+
+import math
+
+import pytest
+import torch
+
+from cudaflash import (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
+                       forward)
+from test_gpu_correctness import (COMBOS, DTYPES, KERNELS, _assert_within, _combo_id,
+                                  _pick_combo, fp32_reference_without_tf32,  # noqa: F401
+                                  make_qkv)
+from test_gpu_varlen import packed
+
+pytestmark = pytest.mark.requires_gpu
+
+
+def window_ref(q, k, v, left, right, causal, upcast):
+    """(out, lse) of softmax(q k^T / sqrt(d) with the window mask) v in BSHD: query i sees
+    keys j with i + shift - left <= j <= i + shift + right (a side unbounded when -1; causal
+    is right = 0), shift = seqlen_k - seqlen_q."""
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    groups = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    sq, sk = q.shape[1], k.shape[1]
+    offset = (torch.arange(sk, device=q.device)[None, :]
+              - torch.arange(sq, device=q.device)[:, None] - (sk - sq))
+    right = 0 if causal else right
+    hidden = torch.zeros_like(offset, dtype=torch.bool)
+    if right >= 0:
+        hidden |= offset > right
+    if left >= 0:
+        hidden |= offset < -left
+    scores = scores.masked_fill(hidden, -math.inf)
+    lse = torch.logsumexp(scores.float(), dim=-1)
+    p = torch.softmax(scores, dim=-1)
+    p = torch.where(torch.isneginf(lse)[..., None], 0.0, p).to(v.dtype)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
+
+
+def check_window(out, lse, q, k, v, left, right, causal):
+    ref, ref_lse = window_ref(q, k, v, left, right, causal, True)
+    lowp, lowp_lse = window_ref(q, k, v, left, right, causal, False)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    _assert_within("out", out.float(), ref, lowp.float())
+    no_key = torch.isneginf(ref_lse)
+    assert (out.transpose(1, 2)[no_key] == 0).all(), "rows that see no key must be 0"
+    if lse is not None:
+        assert torch.equal(torch.isneginf(lse), no_key)
+        _assert_within("lse", lse[~no_key], ref_lse[~no_key], lowp_lse[~no_key])
+
+
+WINDOWS = [(0, 0), (16, 0), (100, -1), (-1, 50), (300, 300), (5, 7), (0, -1)]
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k)
+SHAPES = [
+    (2, 257, 257, 4, 2),
+    (1, 100, 1000, 2, 2),  # fewer queries than keys
+    (1, 1000, 100, 2, 1),  # more queries than keys: rows whose window holds no key
+    (2, 1, 2049, 8, 2),  # decoding with GQA: small grid, split-KV
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}_hk{}".format(*s))
+def test_flash_attn_func_window(shape, window, causal):
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    q, k, v = make_qkv(*shape, d, DTYPES[dtype], seed=sum(shape))
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                  return_attn_probs=True)
+    check_window(out, lse, q, k, v, *window, causal)
+
+
+@pytest.mark.parametrize("entry", KERNELS, ids=lambda e: e.name)
+def test_every_config_with_a_window(entry):
+    cfg = entry.config
+    q, k, v = make_qkv(1, 300, 700, 2, 2, cfg.d_head, DTYPES[cfg.dtype], seed=7)
+    for window, splits in (((64, 32), 1), ((200, -1), 3)):
+        out, lse = forward(cfg, q, k, v, window_size=window, num_splits=splits)
+        check_window(out, lse, q, k, v, *window, False)
+
+
+def test_default_window_is_plain_attention():
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    q, k, v = make_qkv(2, 300, 300, 2, 2, d, DTYPES[dtype])
+    assert torch.equal(flash_attn_func(q, k, v, causal=True, window_size=(-1, -1)),
+                       flash_attn_func(q, k, v, causal=True))
+    # A window wider than the sequence: the same attention.
+    wide = flash_attn_func(q, k, v, causal=True, window_size=(4096, 4096))
+    assert (wide.float() - flash_attn_func(q, k, v, causal=True).float()).abs().max() < 1e-2
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=_combo_id)
+def test_varlen_window(combo):
+    dtype, d = combo
+    lens_q, lens_k = [100, 1, 300], [100, 500, 250]
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k, 4, 2, d, DTYPES[dtype], seed=2)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 300, 500, causal=True,
+                                         window_size=(40, 0), return_attn_probs=True)
+    oq, ok = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(lens_q)):
+        rows, keys = slice(oq[b], oq[b + 1]), slice(ok[b], ok[b + 1])
+        check_window(out[rows][None], lse[:, rows][None], q[rows][None], k[keys][None],
+                     v[keys][None], 40, 0, True)
+
+
+def test_kvcache_window():
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(3, 1, 8, d, generator=g, device="cuda", dtype=DTYPES[dtype])
+    kc = torch.randn(3, 600, 2, d, generator=g, device="cuda", dtype=DTYPES[dtype])
+    vc = torch.randn_like(kc)
+    lens = [600, 37, 300]
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor(
+        lens, dtype=torch.int32, device="cuda"), causal=True, window_size=(128, 0),
+        return_softmax_lse=True)
+    for b, n in enumerate(lens):
+        check_window(out[b:b + 1], lse[b:b + 1], q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n],
+                     128, 0, True)
