@@ -1,0 +1,54 @@
+"""Sliding-window attention (window_size=(w, 0), causal) against full causal attention:
+device time and TFLOP/s of the work inside the window. CUDA events, L2 flushed, median of 30.
+
+    PYTHONPATH=. python3 tools/window_bench.py
+"""
+
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cudaflash import bench, flash_attn_func  # noqa: E402
+
+
+def window_flops(seqlen: int, window: int, nheads: int, d: int) -> float:
+    """4 * d per (query, visible key) pair: row i sees min(i, window) + 1 keys."""
+    pairs = sum(min(i, window) + 1 for i in range(seqlen)) if window >= 0 else \
+        seqlen * (seqlen + 1) // 2
+    return 4.0 * pairs * d * nheads
+
+
+def main() -> int:
+    device = torch.device("cuda", torch.cuda.current_device())
+    flush = bench.flush_buffer(device)
+    print(f"{torch.cuda.get_device_name(device)}, bf16, causal, batch 1; median ms over 30 "
+          "calls; TFLOP/s of the pairs inside the window")
+    rows = []
+    with torch.inference_mode():
+        for seqlen, nheads, d in ((16384, 16, 128), (32768, 16, 128), (16384, 32, 64)):
+            q, k, v = bench.make_qkv(1, seqlen, nheads, d, "bf16", device)
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+            for window in (-1, 4096, 1024, 256):
+                fn = (lambda w=window: flash_attn_func(q, k, v, causal=True,
+                                                       window_size=(w, 0)))
+                ms = statistics.median(bench.time_calls(fn, iters=30, warmup=5, flush=flush))
+                flops = window_flops(seqlen, window, nheads, d)
+                rows.append((seqlen, nheads, d, "full" if window < 0 else window,
+                             f"{ms:.3f}", f"{flops / ms / 1e9:.0f}"))
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                ms = statistics.median(bench.time_calls(
+                    lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
+                    iters=30, warmup=5, flush=flush))
+            rows.append((seqlen, nheads, d, "SDPA flash full", f"{ms:.3f}",
+                         f"{window_flops(seqlen, -1, nheads, d) / ms / 1e9:.0f}"))
+    print(bench.format_table(("S", "H", "d", "window", "ms", "TFLOP/s"), rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
