@@ -85,8 +85,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         return_attn_probs: also return the softmax log-sum-exp.
         Gradients: when q, k or v requires grad (and grad mode is on), out has a grad_fn and
             its backward computes dq, dk, dv (head dims 64 and 128; see deterministic).
-        dropout_p, window_size, softcap, alibi_slopes: only their defaults (no dropout, no
-            sliding window, no softcapping, no ALiBi); anything else raises NotImplementedError.
+        window_size: (left, right), sliding-window attention as in flash-attn: query i sees
+            keys i + seqlen_k - seqlen_q - left to i + seqlen_k - seqlen_q + right; -1 (or a
+            side at least seqlen_k long) is unbounded; causal makes right 0. Forward only:
+            with gradients it raises NotImplementedError.
+        dropout_p, softcap, alibi_slopes: only their defaults (no dropout, no softcapping,
+            no ALiBi); anything else raises NotImplementedError.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype, laid out like q (torch.empty_like,
@@ -539,7 +543,7 @@ def _kvcache_kernel(index: int, q, k_cache, causal: bool, seqlen_k: int, window)
     """Select (and load) the kernel the call will run, so that a call that cannot run raises
     before it writes into the cache."""
     rows, _, kernel_causal = _kernel_problem(q.shape[1], q.shape[2], k_cache.shape[2],
-                                             bool(causal), window[0])
+                                             bool(causal), _clamp_window(window, seqlen_k))
     _auto_kernel(_driver.current_context(index), index, q.dtype, q.shape[3], kernel_causal,
                  rows, seqlen_k)
 
@@ -729,12 +733,20 @@ def _reject_unsupported(dropout_p, softcap, alibi_slopes) -> None:
 def _check_window(window_size) -> tuple[int, int]:
     """flash-attn's window_size as (left, right): each an int >= -1, -1 meaning unbounded."""
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= -1
-                       for w in window_size)):
-        raise ValueError(f"window_size={window_size!r}; it must be (left, right): two ints >= "
-                         "-1 (-1: unbounded on that side; query i sees keys i + seqlen_k - "
-                         "seqlen_q - left to i + seqlen_k - seqlen_q + right)")
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool)
+                       and -1 <= w <= _INT32_MAX for w in window_size)):
+        raise ValueError(f"window_size={window_size!r}; it must be (left, right): two ints in "
+                         "[-1, 2**31) (-1: unbounded on that side; query i sees keys i + "
+                         "seqlen_k - seqlen_q - left to i + seqlen_k - seqlen_q + right)")
     return int(window_size[0]), int(window_size[1])
+
+
+def _clamp_window(window, seqlen_k: int) -> tuple[int, int]:
+    """flash-attn's normalisation: a side at least seqlen_k long is unbounded (-1). Besides
+    matching flash-attn where seqlen_q > seqlen_k, it keeps the kernel's sums of rows, keys
+    and bounds far from int32 overflow."""
+    left, right = window
+    return (-1 if left >= seqlen_k else left, -1 if right >= seqlen_k else right)
 
 
 def _check_no_grad_with_window(window, q, k, v) -> None:
@@ -1012,7 +1024,8 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
     sliding window (left, right), -1 unbounded."""
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
-    rows, heads, causal = _kernel_problem(seqlen_q, n_heads, n_heads_k, causal, window[0])
+    window = _clamp_window(window, seqlen_k)
+    rows, heads, causal = _kernel_problem(seqlen_q, n_heads, n_heads_k, causal, window)
     ctx = _driver.current_context(index)
     if config is None:
         kernel = _auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k)
@@ -1090,6 +1103,7 @@ def _run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
     # The kernel reads each sequence's key count from cu_seqlens_k; seqlen_k only sizes the
     # split-KV runs (the last one takes every block left), so a 0 here is not trusted.
     seqlen_k = max(seqlen_k, 1)
+    window = _clamp_window(window, max_seqlen_k)  # as flash-attn, by the longest sequence
     ctx = _driver.current_context(index)
     kernel = _auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k)
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
@@ -1131,17 +1145,18 @@ def _launch_function(kernel: "_Kernel", index: int, device: torch.device, fixed_
 
 
 def _kernel_problem(seqlen_q: int, n_heads: int, n_heads_k: int, causal: bool,
-                    window_left: int = -1) -> tuple[int, int, bool]:
+                    window=(-1, -1)) -> tuple[int, int, bool]:
     """(query rows per head, heads, causal) of the problem the kernel runs for a call.
 
     Decoding with GQA/MQA (one query row, several query heads per K/V head): the query heads
     that share a K/V head become rows of one head (their data are consecutive heads of q and
     out), so each K/V block is read once for all of them instead of once per query head. One
     query row sees every key under the bottom-right causal mask, so the rows are not causal.
-    Not with a left window bound, which the kernel would apply per row.
+    Not with a sliding window (``window``, clamped), whose bounds the kernel would apply to
+    each of those rows as if it were another query position.
     """
     group = n_heads // n_heads_k
-    if seqlen_q == 1 and group > 1 and window_left < 0:
+    if seqlen_q == 1 and group > 1 and window == (-1, -1):
         return group, n_heads_k, False
     return seqlen_q, n_heads, causal
 

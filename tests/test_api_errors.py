@@ -141,10 +141,10 @@ def test_unsupported_features(kwargs, message):
 
 
 @pytest.mark.parametrize("window", [None, (128,), (1, 2, 3), (-2, 0), (1.5, 0), (True, 0),
-                                    "ab"])
+                                    "ab", (2**31, 0)])
 def test_bad_window_size(window):
     with pytest.raises(ValueError, match=r"window_size=.*; it must be \(left, right\): two "
-                                         r"ints >= -1"):
+                                         r"ints in \[-1, 2\*\*31\)"):
         flash_attn_func(*qkv(), window_size=window)
 
 

@@ -19,8 +19,10 @@ pytestmark = pytest.mark.requires_gpu
 
 def window_ref(q, k, v, left, right, causal, upcast):
     """(out, lse) of softmax(q k^T / sqrt(d) with the window mask) v in BSHD: query i sees
-    keys j with i + shift - left <= j <= i + shift + right (a side unbounded when -1; causal
-    is right = 0), shift = seqlen_k - seqlen_q."""
+    keys j with i + shift - left <= j <= i + shift + right (a side unbounded when -1, or when
+    at least seqlen_k, flash-attn's rule; causal is right = 0), shift = seqlen_k - seqlen_q."""
+    left = -1 if left >= k.shape[1] else left
+    right = -1 if right >= k.shape[1] else right
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
     groups = q.shape[2] // k.shape[2]
@@ -54,7 +56,8 @@ def check_window(out, lse, q, k, v, left, right, causal):
         _assert_within("lse", lse[~no_key], ref_lse[~no_key], lowp_lse[~no_key])
 
 
-WINDOWS = [(0, 0), (16, 0), (100, -1), (-1, 50), (300, 300), (5, 7), (0, -1)]
+WINDOWS = [(0, 0), (16, 0), (100, -1), (-1, 50), (300, 300), (5, 7), (0, -1), (-1, 0),
+           (2**31 - 1, 2**31 - 1)]
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k)
 SHAPES = [
     (2, 257, 257, 4, 2),
@@ -121,3 +124,26 @@ def test_kvcache_window():
     for b, n in enumerate(lens):
         check_window(out[b:b + 1], lse[b:b + 1], q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n],
                      128, 0, True)
+
+
+@pytest.mark.parametrize("window", [(-1, 0), (-1, 2), (3, -1), (0, 0)],
+                         ids=lambda w: f"w{w[0]}_{w[1]}")
+def test_gqa_decoding_with_a_window(window):
+    """One query row, 8 query heads per K/V head: without a window the heads run as rows of
+    one head; with one they must not (each would get another position's bounds)."""
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    q, k, v = make_qkv(2, 1, 300, 8, 1, d, DTYPES[dtype], seed=11)
+    for causal in (False, True):
+        out, lse, _ = flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                      return_attn_probs=True)
+        check_window(out, lse, q, k, v, *window, causal)
+
+
+def test_a_side_as_long_as_the_keys_is_unbounded():
+    """flash-attn's rule, which matters where seqlen_q > seqlen_k: (-1, 300) with 256 keys is
+    no window at all, not a bound 300 keys right of each row's diagonal."""
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    q, k, v = make_qkv(1, 512, 256, 2, 2, d, DTYPES[dtype], seed=12)
+    assert torch.equal(flash_attn_func(q, k, v, window_size=(-1, 300)), flash_attn_func(q, k, v))
+    assert torch.equal(flash_attn_func(q, k, v, window_size=(256, 256)),
+                       flash_attn_func(q, k, v))
