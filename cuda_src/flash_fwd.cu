@@ -108,8 +108,9 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     // sequence longer than the seqlen_k the splits were sized for still sees all of its keys.
     int kv_begin = kv_lo;
     if constexpr (kSplit) {
-        const int split_begin = split * p.kv_blocks_per_split;
-        kv_begin = max(kv_lo, split_begin);
+        // The runs cover the CTA's blocks from kv_lo (the host sizes them over the window).
+        const int split_begin = kv_lo + split * p.kv_blocks_per_split;
+        kv_begin = split_begin;
         if (split < p.n_splits - 1) n_blocks = min(n_blocks, split_begin + p.kv_blocks_per_split);
     }
 

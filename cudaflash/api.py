@@ -1054,7 +1054,8 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
                     rows, seqlen_k, int(causal), 0, 0, *_window_params(window, causal),
                     scale, scale * _LOG2E)
     launch = _launch_function(kernel, index, q.device, fixed_params, num_splits, rows=rows,
-                              heads=heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head)
+                              heads=heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
+                              window=_window_params(window, causal))
     # lse 0: writes no lse; cu_seqlens_q 0: not packed; cu_seqlens_k: the key counts, if any
     launch(_current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
            0 if lse is None else lse.data_ptr(), 0,
@@ -1112,7 +1113,8 @@ def _run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
                     0, total_q, batch, n_heads, n_heads_k, rows, seqlen_k, int(causal),
                     total_q, total_k, *_window_params(window, causal), scale, scale * _LOG2E)
     launch = _launch_function(kernel, index, q.device, fixed_params, None, rows=rows,
-                              heads=n_heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head)
+                              heads=n_heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
+                              window=_window_params(window, causal))
     launch(_current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
            0 if lse is None else lse.data_ptr(), cu_seqlens_q.data_ptr(),
            cu_seqlens_k.data_ptr())
@@ -1128,10 +1130,14 @@ def _run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
 
 def _launch_function(kernel: "_Kernel", index: int, device: torch.device, fixed_params: tuple,
                      num_splits: Optional[int], *, rows: int, heads: int, batch: int,
-                     seqlen_k: int, d_head: int):
+                     seqlen_k: int, d_head: int, window=(-1, -1)):
     """The launch of a call: ``fixed_params`` (every Params field between the pointers and
-    the split counts) plus the split counts, as one Launcher, or a split-KV pair."""
+    the split counts) plus the split counts, as one Launcher, or a split-KV pair. With a
+    left window bound (clamped) a CTA visits at most its rows plus the window's keys, and
+    its split-KV runs start at its first visible block: they are sized over that span."""
     q_blocks = (rows + kernel.block_rows - 1) // kernel.block_rows
+    if window[0] >= 0:
+        seqlen_k = min(seqlen_k, window[0] + min(rows, kernel.block_rows) + max(window[1], 0))
     num_splits, per_split = _splits(kernel, index, num_splits, q_blocks=q_blocks, rows=rows,
                                     heads=heads, batch=batch, seqlen_k=seqlen_k)
     fixed_params = fixed_params + (num_splits, per_split)

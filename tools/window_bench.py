@@ -47,6 +47,19 @@ def main() -> int:
             rows.append((seqlen, nheads, d, "SDPA flash full", f"{ms:.3f}",
                          f"{window_flops(seqlen, -1, nheads, d) / ms / 1e9:.0f}"))
     print(bench.format_table(("S", "H", "d", "window", "ms", "TFLOP/s"), rows))
+
+    # Decoding: one query row against a long cache, 32 query heads on 8 K/V heads, d 128.
+    print("\ndecoding (batch 1, one query row, 32/8 heads, d 128, cache 131072; median ms):")
+    rows = []
+    with torch.inference_mode():
+        q = torch.randn(1, 1, 32, 128, device=device, dtype=torch.bfloat16)
+        k = torch.randn(1, 131072, 8, 128, device=device, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        for window in (-1, 4096):
+            fn = (lambda w=window: flash_attn_func(q, k, v, causal=True, window_size=(w, 0)))
+            ms = statistics.median(bench.time_calls(fn, iters=30, warmup=5, flush=flush))
+            rows.append(("full" if window < 0 else window, f"{ms:.3f}"))
+    print(bench.format_table(("window", "ms"), rows))
     return 0
 
 
