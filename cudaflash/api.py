@@ -149,9 +149,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             plan.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(), 0, 0, 0)
             return out
 
-    if _is_grad_enabled() and (getattr(q, "requires_grad", False)
-                               or getattr(k, "requires_grad", False)
-                               or getattr(v, "requires_grad", False)):
+    if _wants_grad(q, k, v):
         out, lse = _FlashAttnFunction.apply(q, k, v, softmax_scale, causal, deterministic)
         return (out, lse, None) if want_lse else out
     out, lse = _forward(None, q, k, v, None, softmax_scale, causal, want_lse)
@@ -243,17 +241,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if block_table is not None:
         raise NotImplementedError(f"block_table is a {type(block_table).__name__}: paged K/V is "
                                   "not implemented; pass block_table=None")
-    if _is_compiling() and window != (-1, -1):  # the custom op has no window: run eagerly
-        out, lse = _varlen_windowed_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                            max_seqlen_k, softmax_scale, causal, window)
-        return (out, lse, None) if return_attn_probs else out
     if _is_compiling():
-        if _is_grad_enabled() and (getattr(q, "requires_grad", False)
-                                   or getattr(k, "requires_grad", False)
-                                   or getattr(v, "requires_grad", False)):
-            out, lse = _varlen_with_grad_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                 max_seqlen_q, max_seqlen_k, softmax_scale,
-                                                 causal, deterministic)
+        # The custom op has neither a window argument nor an autograd formula: those calls
+        # run eagerly (a graph break).
+        if window != (-1, -1) or _wants_grad(q, k, v):
+            out, lse = _varlen_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k, softmax_scale, causal, window,
+                                       deterministic)
             return (out, lse, None) if return_attn_probs else out
         out, lse = _varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale, causal)
@@ -269,25 +263,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks explain
         plan = None
     if plan is not None:
-        q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
-        index = plan.device_index
-        if not ((q_ptr | k_ptr | v_ptr) & 15 or _current_device() != index
-                or (_is_grad_enabled()
-                    and (q.requires_grad or k.requires_grad or v.requires_grad))):
-            new_out, new_lse = plan.new_out, plan.new_lse
-            out = _empty_like(q) if new_out is None else new_out()
-            lse = None
-            if want_lse:
-                lse = (q.new_empty(plan.lse_shape, dtype=_float32) if new_lse is None
-                       else new_lse())
-            plan.launch(_current_stream(index), q_ptr, k_ptr, v_ptr, out.data_ptr(),
-                        0 if lse is None else lse.data_ptr(), cu_seqlens_q.data_ptr(),
-                        cu_seqlens_k.data_ptr())
+        done = _replay(plan, q, k, v, want_lse, cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr())
+        if done is not None:
+            out, lse = done
             return (out, lse, None) if want_lse else out
 
-    if _is_grad_enabled() and (getattr(q, "requires_grad", False)
-                               or getattr(k, "requires_grad", False)
-                               or getattr(v, "requires_grad", False)):
+    if _wants_grad(q, k, v):
         out, lse = _FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                   max_seqlen_q, max_seqlen_k, softmax_scale,
                                                   causal, deterministic)
@@ -443,20 +424,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         except (AttributeError, TypeError):  # not tensors, or unhashable: the checks explain
             plan = None
         if plan is not None:
-            q_ptr, k_ptr, v_ptr = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
-            index = plan.device_index
-            if not ((q_ptr | k_ptr | v_ptr) & 15 or _current_device() != index
-                    or (_is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
-                                                or v_cache.requires_grad))):
-                new_out, new_lse = plan.new_out, plan.new_lse
-                out = _empty_like(q) if new_out is None else new_out()
-                lse = None
-                if return_softmax_lse:
-                    lse = (q.new_empty(plan.lse_shape, dtype=_float32) if new_lse is None
-                           else new_lse())
-                plan.launch(_current_stream(index), q_ptr, k_ptr, v_ptr, out.data_ptr(),
-                            0 if lse is None else lse.data_ptr(), 0, cache_seqlens.data_ptr())
-                return (out, lse) if return_softmax_lse else out
+            done = _replay(plan, q, k_cache, v_cache, return_softmax_lse, 0,
+                           cache_seqlens.data_ptr())
+            if done is not None:
+                return done if return_softmax_lse else done[0]
 
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                         ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
@@ -537,6 +508,27 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             out, lse = _run(None, index, q, k_cache[:, :used], v_cache[:, :used], None, scale,
                             bool(causal), want_lse, num_splits=splits, window=window)
     return (out, lse) if want_lse else out
+
+
+def _replay(plan: "_Plan", q, k, v, want_lse, cu_seqlens_q: int, cu_seqlens_k: int):
+    """``(out, lse)`` from ``plan``'s launch on this call's tensors (lse None unless
+    ``want_lse``), or None where the plan cannot serve the call (data alignment, the current
+    device, autograd: the checked path then explains or switches). The repeat path of
+    flash_attn_varlen_func and flash_attn_with_kvcache; flash_attn_func keeps the same steps
+    inline, as its per-call host time is the one the budget counts."""
+    q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    index = plan.device_index
+    if ((q_ptr | k_ptr | v_ptr) & 15 or _current_device() != index
+            or (_is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        return None
+    new_out, new_lse = plan.new_out, plan.new_lse
+    out = _empty_like(q) if new_out is None else new_out()
+    lse = None
+    if want_lse:
+        lse = q.new_empty(plan.lse_shape, dtype=_float32) if new_lse is None else new_lse()
+    plan.launch(_current_stream(index), q_ptr, k_ptr, v_ptr, out.data_ptr(),
+                0 if lse is None else lse.data_ptr(), cu_seqlens_q, cu_seqlens_k)
+    return out, lse
 
 
 def _kvcache_kernel(index: int, q, k_cache, causal: bool, seqlen_k: int, window) -> None:
@@ -622,13 +614,6 @@ def _kvcache_append(cache_seqlens, q, k_cache, v_cache, k, v, seqlen_new: int, d
     k_cache[rows, positions] = k
     v_cache[rows, positions] = v
     return cache_seqlens + seqlen_new
-
-
-@torch.compiler.disable  # no custom op with autograd for varlen yet: a graph break
-def _varlen_with_grad_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              softmax_scale, causal, deterministic):
-    return _FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                          max_seqlen_k, softmax_scale, causal, deterministic)
 
 
 class _FlashAttnVarlenFunction(torch.autograd.Function):
@@ -749,10 +734,16 @@ def _clamp_window(window, seqlen_k: int) -> tuple[int, int]:
     return (-1 if left >= seqlen_k else left, -1 if right >= seqlen_k else right)
 
 
+def _wants_grad(q, k, v) -> bool:
+    """Grad mode is on and q, k or v requires grad (getattr: the arguments are not checked
+    yet and may not be tensors; the checks explain those)."""
+    return _is_grad_enabled() and (getattr(q, "requires_grad", False)
+                                   or getattr(k, "requires_grad", False)
+                                   or getattr(v, "requires_grad", False))
+
+
 def _check_no_grad_with_window(window, q, k, v) -> None:
-    if _is_grad_enabled() and (getattr(q, "requires_grad", False)
-                               or getattr(k, "requires_grad", False)
-                               or getattr(v, "requires_grad", False)):
+    if _wants_grad(q, k, v):
         raise NotImplementedError(
             f"window_size={window} with gradients: the backward has no sliding window yet; "
             "call this under torch.no_grad() or torch.inference_mode()")
@@ -770,12 +761,14 @@ def _windowed_attention(q, k, v, softmax_scale, causal, window, deterministic,
     return (out, lse, None) if want_lse else out
 
 
-@torch.compiler.disable  # the varlen custom op has no window argument: a graph break
-def _varlen_windowed_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             softmax_scale, causal, window):
+@torch.compiler.disable  # outside the graph: flash_attn_varlen_func's eager path
+def _varlen_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, causal, window, deterministic):
+    """(out, lse) of flash_attn_varlen_func run eagerly, gradients included."""
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
-                                  window_size=window, return_attn_probs=True)[:2]
+                                  window_size=window, deterministic=deterministic,
+                                  return_attn_probs=True)[:2]
 
 
 def _check_qkv(q, k, v, varlen=False, names=("q", "k", "v")):
@@ -1044,6 +1037,7 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
 
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
     q_seq, q_head, o_seq, o_head = qs[1], qs[2], os_[1], os_[2]
+    kernel_window = _window_params(window, causal)
     if rows != seqlen_q:  # GQA decoding: row r of head h is query head h * rows + r
         q_seq, q_head, o_seq, o_head = qs[2], rows * qs[2], os_[2], rows * os_[2]
     # Params after the pointers, up to the split counts: strides (the lse's: (batch, n_heads,
@@ -1051,11 +1045,10 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
     # exp(s * scale) = exp2(s * scale * log2(e)).
     fixed_params = (qs[0], q_seq, q_head, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
                     os_[0], o_seq, o_head, n_heads * seqlen_q, rows, batch, heads, n_heads_k,
-                    rows, seqlen_k, int(causal), 0, 0, *_window_params(window, causal),
-                    scale, scale * _LOG2E)
+                    rows, seqlen_k, int(causal), 0, 0, *kernel_window, scale, scale * _LOG2E)
     launch = _launch_function(kernel, index, q.device, fixed_params, num_splits, rows=rows,
                               heads=heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
-                              window=_window_params(window, causal))
+                              window=kernel_window)
     # lse 0: writes no lse; cu_seqlens_q 0: not packed; cu_seqlens_k: the key counts, if any
     launch(_current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
            0 if lse is None else lse.data_ptr(), 0,
@@ -1104,17 +1097,18 @@ def _run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
     # The kernel reads each sequence's key count from cu_seqlens_k; seqlen_k only sizes the
     # split-KV runs (the last one takes every block left), so a 0 here is not trusted.
     seqlen_k = max(seqlen_k, 1)
-    window = _clamp_window(window, max_seqlen_k)  # as flash-attn, by the longest sequence
+    # As flash-attn, clamped by the longest sequence.
+    kernel_window = _window_params(_clamp_window(window, max_seqlen_k), causal)
     ctx = _driver.current_context(index)
     kernel = _auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k)
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
     # Batch strides 0: a sequence's place comes from its offsets. lse: (n_heads, total_q).
     fixed_params = (0, qs[0], qs[1], 0, ks[0], ks[1], 0, vs[0], vs[1], 0, os_[0], os_[1],
                     0, total_q, batch, n_heads, n_heads_k, rows, seqlen_k, int(causal),
-                    total_q, total_k, *_window_params(window, causal), scale, scale * _LOG2E)
+                    total_q, total_k, *kernel_window, scale, scale * _LOG2E)
     launch = _launch_function(kernel, index, q.device, fixed_params, None, rows=rows,
                               heads=n_heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
-                              window=_window_params(window, causal))
+                              window=kernel_window)
     launch(_current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
            0 if lse is None else lse.data_ptr(), cu_seqlens_q.data_ptr(),
            cu_seqlens_k.data_ptr())

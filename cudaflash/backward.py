@@ -143,6 +143,56 @@ def _kernel_ready(t: torch.Tensor) -> bool:
     return s[-1] == 1 and t.data_ptr() % 16 == 0 and not any(x % 8 for x in s[:-1])
 
 
+def _kernel_dout(dout: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The gradient of out as the kernels take it: q's dtype and shape (else ValueError), and
+    a copy where its layout is not kernel-ready (e.g. the expanded gradient of out.sum():
+    strides 0)."""
+    if dout.dtype != q.dtype or dout.shape != q.shape:
+        raise ValueError(f"the gradient of out has dtype {dout.dtype} and shape "
+                         f"{tuple(dout.shape)}; expected {q.dtype} and {tuple(q.shape)}")
+    if not _kernel_ready(dout):
+        dout = torch.empty_like(dout, memory_format=torch.contiguous_format).copy_(dout)
+    return dout
+
+
+@dataclass(frozen=True)
+class _Launches:
+    """The launches of one backward call, all with one packed BwdParams: the grid of each
+    kernel follows from what it iterates over (query rows, key tiles, query tiles)."""
+
+    kernel: _BackwardKernel
+    stream: int
+    args: "_driver.PackedArgs"
+    seqlen_q: int
+    seqlen_k: int
+    n_heads: int
+    n_heads_k: int
+    batch: int
+
+    def _launch(self, fn, what: str, grid: tuple, threads: int, smem: int) -> None:
+        _driver.launch_packed(fn, f"cuLaunchKernel({self.kernel.entry.name} {what})", grid,
+                              threads, smem, self.stream, self.args, self.kernel.synchronize)
+
+    def per_row(self, fn, what: str) -> None:
+        """preprocess, dq_convert: a few query rows per CTA, no dynamic shared memory."""
+        e = self.kernel.entry
+        grid = ((self.seqlen_q + e.preprocess_rows - 1) // e.preprocess_rows, self.n_heads,
+                self.batch)
+        self._launch(fn, what, grid, e.preprocess_threads, 0)
+
+    def per_key_tile(self, fn, what: str, smem: int) -> None:
+        """dkdv, dkdv_dq: one CTA per tile of keys and K/V head."""
+        e = self.kernel.entry
+        tiles = (self.seqlen_k + e.cta_rows - 1) // e.cta_rows
+        self._launch(fn, what, (tiles, self.n_heads_k, self.batch), e.threads, smem)
+
+    def per_query_tile(self, fn, what: str, smem: int) -> None:
+        """dq: one CTA per tile of query rows and query head."""
+        e = self.kernel.entry
+        tiles = (self.seqlen_q + e.cta_rows - 1) // e.cta_rows
+        self._launch(fn, what, (tiles, self.n_heads, self.batch), e.threads, smem)
+
+
 def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool,
         scheme: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -151,11 +201,7 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     "deterministic" (see the module docstring)."""
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
-    if dout.dtype != q.dtype or dout.shape != q.shape:
-        raise ValueError(f"the gradient of out has dtype {dout.dtype} and shape "
-                         f"{tuple(dout.shape)}; expected {q.dtype} and {tuple(q.shape)}")
-    if not _kernel_ready(dout):  # e.g. the expanded gradient of out.sum(): strides 0
-        dout = torch.empty_like(dout, memory_format=torch.contiguous_format).copy_(dout)
+    dout = _kernel_dout(dout, q)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if batch == 0 or seqlen_q == 0 or seqlen_k == 0:
         # No query row or no key: every gradient is zero (out was zero-filled).
@@ -175,10 +221,7 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dq_accum = None if deterministic else torch.empty(
         (batch, n_heads, seqlen_q, d_head), dtype=torch.float32, device=q.device)
 
-    strides = []
-    for t in (q, k, v, out, dout, dq, dk, dv):
-        s = t.stride()
-        strides += [s[0], s[1], s[2]]
+    strides = [x for t in (q, k, v, out, dout, dq, dk, dv) for x in t.stride()[:3]]
     args = _driver.PackedArgs(_PACK.pack(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
         lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
@@ -186,30 +229,16 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal), scale, scale * _LOG2E,
         0, 0, 0, 0))  # not a packed batch
 
-    stream = torch._C._cuda_getCurrentRawStream(index)
-    fns, sync = kernel.fns, kernel.synchronize
-    rows = entry.cta_rows
-    row_grid = ((seqlen_q + entry.preprocess_rows - 1) // entry.preprocess_rows, n_heads, batch)
-    _driver.launch_packed(
-        fns.preprocess, f"cuLaunchKernel({entry.name} preprocess)", row_grid,
-        entry.preprocess_threads, 0, stream, args, sync)
+    fns = kernel.fns
+    go = _Launches(kernel, torch._C._cuda_getCurrentRawStream(index), args, seqlen_q,
+                   seqlen_k, n_heads, n_heads_k, batch)
+    go.per_row(fns.preprocess, "preprocess")
     if not deterministic:
-        _driver.launch_packed(
-            fns.dkdv_dq, f"cuLaunchKernel({entry.name} dkdv_dq)",
-            ((seqlen_k + rows - 1) // rows, n_heads_k, batch), entry.threads,
-            entry.dkdv_dq_smem_bytes, stream, args, sync)
-        _driver.launch_packed(
-            fns.dq_convert, f"cuLaunchKernel({entry.name} dq_convert)", row_grid,
-            entry.preprocess_threads, 0, stream, args, sync)
-        return dq, dk, dv
-    _driver.launch_packed(
-        fns.dkdv, f"cuLaunchKernel({entry.name} dkdv)",
-        ((seqlen_k + rows - 1) // rows, n_heads_k, batch), entry.threads,
-        entry.dkdv_smem_bytes, stream, args, sync)
-    _driver.launch_packed(
-        fns.dq, f"cuLaunchKernel({entry.name} dq)",
-        ((seqlen_q + rows - 1) // rows, n_heads, batch), entry.threads, entry.dq_smem_bytes,
-        stream, args, sync)
+        go.per_key_tile(fns.dkdv_dq, "dkdv_dq", entry.dkdv_dq_smem_bytes)
+        go.per_row(fns.dq_convert, "dq_convert")
+    else:
+        go.per_key_tile(fns.dkdv, "dkdv", entry.dkdv_smem_bytes)
+        go.per_query_tile(fns.dq, "dq", entry.dq_smem_bytes)
     return dq, dk, dv
 
 
@@ -225,11 +254,7 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     total_q, n_heads, d_head = q.shape
     total_k, n_heads_k = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.numel() - 1
-    if dout.dtype != q.dtype or dout.shape != q.shape:
-        raise ValueError(f"the gradient of out has dtype {dout.dtype} and shape "
-                         f"{tuple(dout.shape)}; expected {q.dtype} and {tuple(q.shape)}")
-    if not _kernel_ready(dout):
-        dout = torch.empty_like(dout, memory_format=torch.contiguous_format).copy_(dout)
+    dout = _kernel_dout(dout, q)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     seqlen_q, seqlen_k = min(max_seqlen_q, total_q), min(max_seqlen_k, total_k)
     if batch == 0 or seqlen_q == 0 or seqlen_k == 0:
@@ -240,10 +265,8 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     entry = kernel.entry
     delta = torch.empty((n_heads, total_q), dtype=torch.float32, device=q.device)
     lse = lse.contiguous()  # the forward's own: (nheads, total_q)
-    strides = []
-    for t in (q, k, v, out, dout, dq, dk, dv):  # (total, nheads, headdim): batch stride 0
-        s = t.stride()
-        strides += [0, s[0], s[1]]
+    # (total, nheads, headdim): batch stride 0
+    strides = [x for t in (q, k, v, out, dout, dq, dk, dv) for x in (0, *t.stride()[:2])]
     args = _driver.PackedArgs(_PACK.pack(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
         lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0,
@@ -251,19 +274,10 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         scale, scale * _LOG2E, cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), total_q,
         total_k))
 
-    stream = torch._C._cuda_getCurrentRawStream(index)
-    fns, sync = kernel.fns, kernel.synchronize
-    rows = entry.cta_rows
-    _driver.launch_packed(
-        fns.preprocess_varlen, f"cuLaunchKernel({entry.name} preprocess_varlen)",
-        ((seqlen_q + entry.preprocess_rows - 1) // entry.preprocess_rows, n_heads, batch),
-        entry.preprocess_threads, 0, stream, args, sync)
-    _driver.launch_packed(
-        fns.dkdv_varlen, f"cuLaunchKernel({entry.name} dkdv_varlen)",
-        ((seqlen_k + rows - 1) // rows, n_heads_k, batch), entry.threads,
-        entry.dkdv_smem_bytes, stream, args, sync)
-    _driver.launch_packed(
-        fns.dq_varlen, f"cuLaunchKernel({entry.name} dq_varlen)",
-        ((seqlen_q + rows - 1) // rows, n_heads, batch), entry.threads, entry.dq_smem_bytes,
-        stream, args, sync)
+    fns = kernel.fns
+    go = _Launches(kernel, torch._C._cuda_getCurrentRawStream(index), args, seqlen_q,
+                   seqlen_k, n_heads, n_heads_k, batch)
+    go.per_row(fns.preprocess_varlen, "preprocess_varlen")
+    go.per_key_tile(fns.dkdv_varlen, "dkdv_varlen", entry.dkdv_smem_bytes)
+    go.per_query_tile(fns.dq_varlen, "dq_varlen", entry.dq_smem_bytes)
     return dq, dk, dv

@@ -100,9 +100,9 @@ def bench(args) -> int:
     with torch.inference_mode():
         for name in BASES:
             base = KernelConfig.from_name(name)
-            runnable = [(label, step, v) for label, step, v in variants(base)
-                        if isinstance(v, KernelConfig)]
-            for label, step, why in variants(base):
+            found = variants(base)
+            runnable = [(label, step, v) for label, step, v in found if isinstance(v, KernelConfig)]
+            for label, step, why in found:
                 if isinstance(why, str):
                     rows.append((name, f"{label} (step {step})", "-", "-", "-", "-", "-",
                                  f"n/a: {why}"))
