@@ -60,7 +60,7 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas", "-v")
 PARAMS_HEADER = "params.cuh"  # holds `constexpr int kParamsBytes = N;`
 BWD_PARAMS_HEADER = "bwd_params.cuh"  # holds `constexpr int kBwdParamsBytes = N;`
 MANIFEST_NAME = "manifest.json"
-MANIFEST_SCHEMA = 5  # cudaflash/manifest.py SCHEMA says what each bump means
+MANIFEST_SCHEMA = 6  # cudaflash/manifest.py SCHEMA says what each bump means
 YAML_KEYS = ("archs", "ptx_arch", "defaults", "configs", "selection", "backward")
 
 
@@ -85,7 +85,7 @@ config, selection = _load_cudaflash_modules()
 ConfigError = config.ConfigError
 ENTRY, SPLIT_ENTRY, COMBINE_ENTRY = config.KernelConfig.ENTRIES
 (PREPROCESS_ENTRY, DKDV_ENTRY, DQ_ENTRY, DKDV_DQ_ENTRY, DQ_CONVERT_ENTRY,
- *VARLEN_ENTRIES) = config.BackwardConfig.ENTRIES
+ DKDV_DQ_WINDOW_ENTRY, *VARLEN_ENTRIES) = config.BackwardConfig.ENTRIES
 
 
 class BuildError(RuntimeError):
@@ -572,6 +572,7 @@ def manifest_dict(spec: Spec, jobs: Sequence[Job], stats: dict, *, out_dir: Path
                 "dq_entry": DQ_ENTRY,
                 "dkdv_dq_entry": DKDV_DQ_ENTRY,
                 "dq_convert_entry": DQ_CONVERT_ENTRY,
+                "dkdv_dq_window_entry": DKDV_DQ_WINDOW_ENTRY,
                 "varlen_entries": VARLEN_ENTRIES,  # preprocess, dkdv, dq on packed batches
                 "threads": job.cfg.threads,
                 "preprocess_threads": job.cfg.PREPROCESS_THREADS,

@@ -61,9 +61,16 @@ struct BwdParams {
     const int32_t* cu_seqlens_k;
     int32_t total_q;
     int32_t total_k;
+
+    // The keys query row i sees, as in Params (params.cuh): [i + shift - window_left, i +
+    // shift + window_right], shift = seqlen_k - seqlen_q, a side unbounded when negative.
+    // Causal calls have window_right = 0: the kernels mask by the window alone, and
+    // is_causal only orders the dQ kernel's CTAs.
+    int32_t window_left;
+    int32_t window_right;
 };
 
-constexpr int kBwdParamsBytes = 352;
+constexpr int kBwdParamsBytes = 360;
 static_assert(sizeof(BwdParams) == kBwdParamsBytes,
               "BwdParams layout changed: update cudaflash/_params.py");
 

@@ -11,7 +11,8 @@
 //                             streams the K/V tiles: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K.
 //   cudaflash_bwd_dkdv_dq     cudaflash_bwd_dkdv that also adds each step's dQ share,
 //                             dS K (dS through shared memory), to a float32 accumulator with
-//                             atomics: FlashAttention-2's 5 GEMMs instead of 7.
+//                             atomics: FlashAttention-2's 5 GEMMs instead of 7. Causal or
+//                             full attention; cudaflash_bwd_dkdv_dq_window with a window.
 //   cudaflash_bwd_dq_convert  dQ = softmax_scale * accumulator, in the input dtype.
 //   cudaflash_bwd_{preprocess,dkdv,dq}_varlen  the same kernels, each CTA on its sequence of
 //                             a packed (varlen) batch (the deterministic scheme only).
@@ -23,7 +24,7 @@
 //                      float32 atomics add in an order that varies from run to run.
 //
 // Layouts, masking and causal alignment are the forward's (flash_fwd.cu): bottom-right causal
-// mask, sequence tails masked here, query rows whose lse is -inf (they saw no key) give zero
+// mask and sliding window (BwdParams::window_left/right), sequence tails masked here, query rows whose lse is -inf (they saw no key) give zero
 // gradients. GEMMs are mma.sync m16n8k16 with fp32 accumulators (sm_80+), except in modules
 // built with wgmma (BwdConfig::kWgmma, sm_90a), whose dK/dV kernels run Hopper's warpgroup MMA.
 #include "bwd_config.cuh"
@@ -33,6 +34,7 @@
 #include "smem_layout.cuh"
 #include "wgmma.cuh"
 
+#include <climits>
 #include <cmath>
 
 namespace cudaflash {
@@ -211,6 +213,33 @@ __device__ __forceinline__ BwdParams sequence_view(const BwdParams& p, int batch
     if (p.dq_accum != nullptr) s.dq_accum = p.dq_accum + int64_t(q0) * kD;
     return s;
 }
+
+// ---- the window -------------------------------------------------------------------------------
+
+// Query row i sees key j when lo <= j - i - shift <= hi (BwdParams::window_left/right; an
+// unbounded side is the int range's end). Masks test the key's offset from the row's
+// diagonal with one unsigned comparison, offset - lo > hi - lo (modulo 2^32: an offset below
+// lo wraps above the width): one per-element value against uniform bounds, no more registers
+// than the causal test alone (two comparisons spilled the 255-register dK/dV kernels).
+struct WindowBounds {
+    int lo, hi;
+    uint32_t width;  // hi - lo, modulo 2^32 (all ones: no bound at all)
+
+    __device__ __forceinline__ explicit WindowBounds(const BwdParams& p)
+        : lo(p.window_left >= 0 ? -p.window_left : INT_MIN),
+          hi(p.window_right >= 0 ? p.window_right : INT_MAX),
+          width(uint32_t(hi) - uint32_t(lo)) {}
+
+    // Whether a key at this offset from a row's diagonal is outside its window.
+    __device__ __forceinline__ bool hides(int offset) const {
+        return uint32_t(offset) - uint32_t(lo) > width;
+    }
+
+    // Whether a block whose offsets span [min_offset, max_offset] has a hidden element.
+    __device__ __forceinline__ bool cuts(int min_offset, int max_offset) const {
+        return max_offset > hi || min_offset < lo;
+    }
+};
 
 // ---- delta = rowsum(dO * O) -----------------------------------------------------------------
 
@@ -420,7 +449,12 @@ __device__ __forceinline__ void ds_k(float (&acc)[C::kDqWgCols / 8][4], uint32_t
 // ---- dK, dV ---------------------------------------------------------------------------------
 
 // kFuseDq: also add dQ += dS K for every step to the float32 accumulator (atomic scheme).
-template <bool kFuseDq>
+// kWindow: mask by the sliding window (BwdParams::window_left/right); without it only by the
+// causal diagonal (is_causal), the window fields unread. The fused kernel has an entry of
+// each: at 252-255 registers, the window's bounds and second comparison cost its causal and
+// full calls 2-5% (perf log "Sliding window backward"). The deterministic kernels measured
+// no such cost and always take the window.
+template <bool kFuseDq, bool kWindow>
 __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
     constexpr int kKeys = C::kCtaRows;
     constexpr int kQ = C::kBr;
@@ -446,11 +480,24 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
     const int key_rows = min(kKeys, p.seqlen_k - key0);
     const int group = p.n_heads / p.n_heads_k;
     const int shift = p.seqlen_k - p.seqlen_q;  // query i sees keys j <= i + shift (causal)
+    const WindowBounds window(p);
 
-    // Query tiles that see some key of this CTA: causal, from the one holding row key0 - shift.
+    // The query tiles that see some key of this CTA. With the window: rows from the first
+    // whose window reaches key0 (right side) to the last whose window starts at or before the
+    // last key (left side). Causal only: from the tile holding row key0 - shift.
     const int n_q_tiles = (p.seqlen_q + kQ - 1) / kQ;
-    const int first_tile = p.is_causal ? min(max(key0 - shift, 0) / kQ, n_q_tiles) : 0;
-    const int tiles_per_head = n_q_tiles - first_tile;
+    int first_tile, tiles_per_head;
+    if constexpr (kWindow) {
+        const int first_row = p.window_right >= 0 ? max(key0 - shift - p.window_right, 0) : 0;
+        const int end_row =
+            p.window_left >= 0 ? min(key0 + key_rows - shift + p.window_left, p.seqlen_q)
+                               : p.seqlen_q;
+        first_tile = min(first_row / kQ, n_q_tiles);
+        tiles_per_head = end_row > first_row ? (end_row + kQ - 1) / kQ - first_tile : 0;
+    } else {
+        first_tile = p.is_causal ? min(max(key0 - shift, 0) / kQ, n_q_tiles) : 0;
+        tiles_per_head = n_q_tiles - first_tile;
+    }
     const int n_steps = group * tiles_per_head;  // (query head, query tile) pairs, in order
 
     using KeyCopy = TileCopy<C, kKeys>;
@@ -511,8 +558,12 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
         const float* delta = sDelta + buf * kQ;
 
         // P^T = exp(scale * K Q^T - lse), in place of the scores: element (key, query) of the
-        // warp's 16 keys. Keys right of some row's diagonal, only in tiles that reach below it.
-        const bool mask = p.is_causal && q0 + shift < key0 + kKeys - 1;
+        // warp's 16 keys. Masked only in tiles the window's edges (or the causal diagonal)
+        // cut: their offsets key - query - shift span [key0 - (q0 + kQ - 1) - shift, key0 +
+        // kKeys - 1 - q0 - shift].
+        const bool mask =
+            kWindow ? window.cuts(key0 - (q0 + kQ - 1) - shift, key0 + kKeys - 1 - q0 - shift)
+                    : p.is_causal && q0 + shift < key0 + kKeys - 1;
         auto probabilities = [&](float (&P)[kQ / 8][4]) {
 #pragma unroll
             for (int nj = 0; nj < kQ / 8; ++nj)
@@ -521,7 +572,9 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
                     const int col = nj * 8 + 2 * (lane % 4) + e % 2;
                     float x = ex2(fmaf(P[nj][e], p.scale_log2, -lse[col]));
                     const int key = key0 + row0 + lane / 4 + 8 * (e / 2);
-                    if (mask && key > q0 + col + shift) x = 0.f;
+                    if (mask && (kWindow ? window.hides(key - q0 - col - shift)
+                                         : key > q0 + col + shift))
+                        x = 0.f;
                     P[nj][e] = x;
                 }
         };
@@ -643,15 +696,23 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
     const int q_rows = min(kRows, p.seqlen_q - q0);
     const int shift = p.seqlen_k - p.seqlen_q;
 
-    // KV tiles [0, n_tiles) are visible to some row; tiles >= mask_from hold a key some row
-    // must not see (the seqlen_k tail, or keys right of the causal diagonal).
+    // KV tiles [first_tile, end_tile) are visible to some row; tiles >= mask_from hold a key
+    // some row must not see (the seqlen_k tail, or keys right of the first row's window), as
+    // do tiles < mask_below (keys left of the last row's window).
+    const WindowBounds window(p);
     const int n_kv = (p.seqlen_k + kKv - 1) / kKv;
-    int n_tiles = n_kv;
+    int end_tile = n_kv;
     int mask_from = p.seqlen_k % kKv ? n_kv - 1 : n_kv;
-    if (p.is_causal) {
-        const int last_key = q0 + q_rows - 1 + shift;
-        n_tiles = last_key < 0 ? 0 : min(n_kv, last_key / kKv + 1);
-        mask_from = min(mask_from, max(q0 + shift + 1, 0) / kKv);
+    if (p.window_right >= 0) {
+        const int last_key = q0 + q_rows - 1 + shift + p.window_right;
+        end_tile = last_key < 0 ? 0 : min(n_kv, last_key / kKv + 1);
+        mask_from = min(mask_from, max(q0 + shift + p.window_right + 1, 0) / kKv);
+    }
+    int first_tile = 0, mask_below = 0;
+    if (p.window_left >= 0) {
+        first_tile = min(max(q0 + shift - p.window_left, 0) / kKv, end_tile);
+        const int last_row_first_key = q0 + q_rows - 1 + shift - p.window_left;
+        mask_below = last_row_first_key > 0 ? (last_row_first_key + kKv - 1) / kKv : 0;
     }
 
     using RowCopy = TileCopy<C, kRows>;
@@ -669,7 +730,7 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
         KvCopy::load(sV + buf * kKv * kD, v + int64_t(tile) * kKv * p.v_strides.seq,
                      p.v_strides.seq, rows);
     };
-    if (n_tiles > 0) load_tile(0, 0);
+    if (first_tile < end_tile) load_tile(first_tile, 0);
     copy_commit<C>();
 
     // This thread's two query rows (of each m16 tile: lane / 4 and lane / 4 + 8).
@@ -692,18 +753,18 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
 
     const uint32_t q_tile = smem_addr(sQ), do_tile = smem_addr(sdO);
     const LaneOffsets lo;
-    for (int tile = 0; tile < n_tiles; ++tile) {
-        const int buf = tile % 2;
+    for (int tile = first_tile; tile < end_tile; ++tile) {
+        const int buf = (tile - first_tile) % 2;
         copy_wait_all<C>();
         __syncthreads();
-        if (tile + 1 < n_tiles) load_tile(tile + 1, buf ^ 1);
+        if (tile + 1 < end_tile) load_tile(tile + 1, buf ^ 1);
         copy_commit<C>();
         const uint32_t k_tile = smem_addr(sK + buf * kKv * kD);
         const uint32_t v_tile = smem_addr(sV + buf * kKv * kD);
 
         float P[1][kKv / 8][4];
         gemm_rows_rows<kRows, kKv>(P, lo, q_tile, row0, k_tile);
-        const bool mask = tile >= mask_from;
+        const bool mask = tile >= mask_from || tile < mask_below;
 #pragma unroll
         for (int nj = 0; nj < kKv / 8; ++nj)
 #pragma unroll
@@ -712,7 +773,7 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
                 if (mask) {
                     const int key = tile * kKv + nj * 8 + 2 * (lane % 4) + e % 2;
                     const int row = q0 + row0 + lane / 4 + 8 * (e / 2);
-                    if (key >= p.seqlen_k || (p.is_causal && key > row + shift)) x = 0.f;
+                    if (key >= p.seqlen_k || window.hides(key - row - shift)) x = 0.f;
                 }
                 P[0][nj][e] = x;
             }
@@ -749,12 +810,19 @@ extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dkdv(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dkdv<false>(p);
+    cudaflash::bwd_dkdv<false, true>(p);
 }
 
+// The atomic scheme's fused kernel: causal or full attention (the window fields unread) ...
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dkdv_dq(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dkdv<true>(p);
+    cudaflash::bwd_dkdv<true, false>(p);
+}
+
+// ... and with a sliding window.
+extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
+    cudaflash_bwd_dkdv_dq_window(const __grid_constant__ cudaflash::BwdParams p) {
+    cudaflash::bwd_dkdv<true, true>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
@@ -774,7 +842,7 @@ extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dkdv_varlen(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dkdv<false>(cudaflash::sequence_view(p, blockIdx.z));
+    cudaflash::bwd_dkdv<false, true>(cudaflash::sequence_view(p, blockIdx.z));
 }
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)

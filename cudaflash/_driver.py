@@ -143,6 +143,7 @@ class BackwardFunctions:
     dq: object  # cudaflash_bwd_dq
     dkdv_dq: object  # cudaflash_bwd_dkdv_dq: dK, dV and atomic dQ accumulation
     dq_convert: object  # cudaflash_bwd_dq_convert
+    dkdv_dq_window: object  # cudaflash_bwd_dkdv_dq_window: dkdv_dq with a sliding window
     # packed (varlen) batches: cudaflash_bwd_{preprocess,dkdv,dq}_varlen
     preprocess_varlen: object
     dkdv_varlen: object
@@ -210,6 +211,8 @@ def _load(entry: KernelEntry | BackwardEntry):
                                 dkdv_dq=function(entry.dkdv_dq_entry,
                                                  entry.dkdv_dq_smem_bytes),
                                 dq_convert=function(entry.dq_convert_entry, 0),
+                                dkdv_dq_window=function(entry.dkdv_dq_window_entry,
+                                                        entry.dkdv_dq_smem_bytes),
                                 preprocess_varlen=function(entry.varlen_entries[0], 0),
                                 dkdv_varlen=function(entry.varlen_entries[1],
                                                      entry.dkdv_smem_bytes),

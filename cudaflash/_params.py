@@ -72,7 +72,7 @@ PARAMS_STRUCT_FORMAT = (PARAMS_POINTERS_FORMAT + PARAMS_FIXED_FORMAT[1:]
                         + PARAMS_WORKSPACE_FORMAT[1:])
 
 
-BWD_PARAMS_BYTES = 352
+BWD_PARAMS_BYTES = 360
 
 
 class Strides(ctypes.Structure):
@@ -104,4 +104,6 @@ class BwdParams(ctypes.Structure):
         ("cu_seqlens_k", ctypes.c_void_p),
         ("total_q", ctypes.c_int32),
         ("total_k", ctypes.c_int32),
+        ("window_left", ctypes.c_int32),  # -1: unbounded; causal is window_right = 0
+        ("window_right", ctypes.c_int32),
     ]

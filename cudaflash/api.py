@@ -87,8 +87,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             its backward computes dq, dk, dv (head dims 64 and 128; see deterministic).
         window_size: (left, right), sliding-window attention as in flash-attn: query i sees
             keys i + seqlen_k - seqlen_q - left to i + seqlen_k - seqlen_q + right; -1 (or a
-            side at least seqlen_k long) is unbounded; causal makes right 0. Forward only:
-            with gradients it raises NotImplementedError.
+            side at least seqlen_k long) is unbounded; causal makes right 0. Gradients
+            included; the call takes the checked host path (no per-signature plan), and
+            under torch.compile it runs eagerly (a graph break).
         dropout_p, softcap, alibi_slopes: only their defaults (no dropout, no softcapping,
             no ALiBi); anything else raises NotImplementedError.
 
@@ -161,9 +162,9 @@ class _FlashAttnFunction(torch.autograd.Function):
     backward.run. Inside forward grad mode is off, so _forward takes its usual path."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, deterministic):
+    def forward(ctx, q, k, v, softmax_scale, causal, deterministic, window=(-1, -1)):
         _check_deterministic(deterministic)
-        out, lse = _forward(None, q, k, v, None, softmax_scale, causal, True)
+        out, lse = _forward(None, q, k, v, None, softmax_scale, causal, True, window=window)
         # Fail now, not in the backward after a whole forward pass of work.
         _backward.check_supported(q.get_device(), q.dtype, q.shape[3],
                                   _backward.scheme(deterministic))
@@ -171,6 +172,8 @@ class _FlashAttnFunction(torch.autograd.Function):
         ctx.scale = _softmax_scale(softmax_scale, q.shape[3])
         ctx.causal = bool(causal)
         ctx.deterministic = deterministic
+        # The window as the forward's kernel took it (clamped by seqlen_k, causal as right 0).
+        ctx.kernel_window = _kernel_window(window, k.shape[1], ctx.causal)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -179,8 +182,8 @@ class _FlashAttnFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _run_backward(dout, q, k, v, out, lse, ctx.scale, ctx.causal,
-                                   ctx.deterministic)
-        return dq, dk, dv, None, None, None
+                                   ctx.deterministic, ctx.kernel_window)
+        return dq, dk, dv, None, None, None, None
 
 
 def _check_deterministic(deterministic) -> None:
@@ -188,13 +191,16 @@ def _check_deterministic(deterministic) -> None:
         raise TypeError(f"deterministic={deterministic!r}; it must be a bool")
 
 
-def _run_backward(dout, q, k, v, out, lse, scale: float, causal: bool, deterministic: bool):
+def _run_backward(dout, q, k, v, out, lse, scale: float, causal: bool, deterministic: bool,
+                  kernel_window: tuple[int, int]):
+    """backward.run on q's device; ``kernel_window`` as the forward's kernel took it
+    (_kernel_window: the kernels mask by it, causal included)."""
     scheme = _backward.scheme(deterministic)  # torch's global switch counts here too
     index = q.get_device()
     if index != torch.cuda.current_device():
         with torch.cuda.device(index):
-            return _backward.run(dout, q, k, v, out, lse, scale, causal, scheme)
-    return _backward.run(dout, q, k, v, out, lse, scale, causal, scheme)
+            return _backward.run(dout, q, k, v, out, lse, scale, causal, scheme, kernel_window)
+    return _backward.run(dout, q, k, v, out, lse, scale, causal, scheme, kernel_window)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -236,8 +242,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             and type(window_size) is tuple and window_size == (-1, -1)):
         _reject_unsupported(dropout_p, softcap, alibi_slopes)
         window = _check_window(window_size)
-        if window != (-1, -1):
-            _check_no_grad_with_window(window, q, k, v)
     if block_table is not None:
         raise NotImplementedError(f"block_table is a {type(block_table).__name__}: paged K/V is "
                                   "not implemented; pass block_table=None")
@@ -271,7 +275,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if _wants_grad(q, k, v):
         out, lse = _FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                   max_seqlen_q, max_seqlen_k, softmax_scale,
-                                                  causal, deterministic)
+                                                  causal, deterministic, window)
         return (out, lse, None) if want_lse else out
     _check_qkv(q, k, v, varlen=True)
     _check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k)
@@ -622,17 +626,20 @@ class _FlashAttnVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale, causal, deterministic):
+                softmax_scale, causal, deterministic, window=(-1, -1)):
         _check_deterministic(deterministic)
         out, lse, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                              max_seqlen_k, softmax_scale=softmax_scale,
-                                             causal=causal, return_attn_probs=True)
+                                             causal=causal, window_size=window,
+                                             return_attn_probs=True)
         # Fail now, not in the backward after a whole forward pass of work.
         _backward.check_supported(q.get_device(), q.dtype, q.shape[2], "deterministic")
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.max_seqlens = (int(max_seqlen_q), int(max_seqlen_k))
         ctx.scale = _softmax_scale(softmax_scale, q.shape[2])
         ctx.causal = bool(causal)
+        # As the forward's kernel took it: clamped by max_seqlen_k (flash-attn's rule).
+        ctx.kernel_window = _kernel_window(window, ctx.max_seqlens[1], ctx.causal)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -643,8 +650,8 @@ class _FlashAttnVarlenFunction(torch.autograd.Function):
         with torch.cuda.device(q.get_device()):
             dq, dk, dv = _backward.run_varlen(dout, q, k, v, out, lse, cu_seqlens_q,
                                               cu_seqlens_k, *ctx.max_seqlens, ctx.scale,
-                                              ctx.causal)
-        return dq, dk, dv, None, None, None, None, None, None, None
+                                              ctx.causal, ctx.kernel_window)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def forward(config, q, k, v, out=None, softmax_scale=None, causal=False, num_splits=None,
@@ -742,22 +749,18 @@ def _wants_grad(q, k, v) -> bool:
                                    or getattr(v, "requires_grad", False))
 
 
-def _check_no_grad_with_window(window, q, k, v) -> None:
-    if _wants_grad(q, k, v):
-        raise NotImplementedError(
-            f"window_size={window} with gradients: the backward has no sliding window yet; "
-            "call this under torch.no_grad() or torch.inference_mode()")
-
-
 @torch.compiler.disable  # the custom ops have no window argument: a graph break
 def _windowed_attention(q, k, v, softmax_scale, causal, window, deterministic,
                         return_attn_probs):
-    """flash_attn_func with a sliding window: forward only, through the checked path (no
-    plan: the plan key has no window)."""
-    _check_no_grad_with_window(window, q, k, v)
+    """flash_attn_func with a sliding window, through the checked path (no plan: the plan
+    key has no window); with gradients through _FlashAttnFunction."""
     _check_deterministic(deterministic)
     want_lse = True if return_attn_probs else False
-    out, lse = _forward(None, q, k, v, None, softmax_scale, causal, want_lse, window=window)
+    if _wants_grad(q, k, v):
+        out, lse = _FlashAttnFunction.apply(q, k, v, softmax_scale, causal, deterministic,
+                                            window)
+    else:
+        out, lse = _forward(None, q, k, v, None, softmax_scale, causal, want_lse, window=window)
     return (out, lse, None) if want_lse else out
 
 
@@ -1098,7 +1101,7 @@ def _run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
     # split-KV runs (the last one takes every block left), so a 0 here is not trusted.
     seqlen_k = max(seqlen_k, 1)
     # As flash-attn, clamped by the longest sequence.
-    kernel_window = _window_params(_clamp_window(window, max_seqlen_k), causal)
+    kernel_window = _kernel_window(window, max_seqlen_k, causal)
     ctx = _driver.current_context(index)
     kernel = _auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k)
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
@@ -1165,6 +1168,13 @@ def _window_params(window, causal: bool) -> tuple[int, int]:
     """Params.window_left/right: flash-attn's (left, right), -1 unbounded, with causal as a
     right bound of 0 (the kernel masks by the window alone)."""
     return window[0], 0 if causal else window[1]
+
+
+def _kernel_window(window, seqlen_k: int, causal: bool) -> tuple[int, int]:
+    """The window_left/right the kernels take for flash-attn's ``window``: clamped by
+    ``seqlen_k`` (_clamp_window), causal as right = 0. The forward's and the backward's
+    params of one call come from here, so they mask alike."""
+    return _window_params(_clamp_window(window, seqlen_k), causal)
 
 
 # Split-KV: a grid of fewer CTAs than the GPU holds at once leaves SMs idle for the whole call
@@ -1453,8 +1463,9 @@ def _(q, k, v, softmax_scale, causal, deterministic=False):
                                 "Tensor lse, float? softmax_scale, bool causal, "
                                 "bool deterministic) -> (Tensor, Tensor, Tensor)")
 def _bwd_op(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
+    # The op has no window: the kernels' window is the causal mask or none.
     return _run_backward(dout, q, k, v, out, lse, _softmax_scale(softmax_scale, q.shape[3]),
-                         causal, deterministic)
+                         causal, deterministic, _kernel_window((-1, -1), k.shape[1], causal))
 
 
 @_bwd_op.register_fake

@@ -41,8 +41,8 @@ _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _LOG2E = math.log2(math.e)
 
 # cuda_src/bwd_params.cuh: 11 pointers, 8 x 3 tensor strides + 2 lse strides, 6 sizes, 2
-# scales, then the packed batch's 2 offset pointers and 2 totals.
-_PACK = struct.Struct("=11Q26q6i2f2Q2i")
+# scales, the packed batch's 2 offset pointers and 2 totals, the window's 2 sides.
+_PACK = struct.Struct("=11Q26q6i2f2Q4i")
 assert _PACK.size == BWD_PARAMS_BYTES
 
 
@@ -77,10 +77,14 @@ _ATOMIC_MIN_ROWS_PER_CTA_WGMMA = 256
 
 
 def effective_scheme(asked: str, seqlen_q: int, group: int, causal: bool,
-                     wgmma: bool = False) -> str:
+                     wgmma: bool = False, window: tuple[int, int] = (-1, -1)) -> str:
     """The scheme that runs a call for which ``asked`` was chosen (see scheme()); ``wgmma``:
-    whether the atomic module for the call is a wgmma one."""
+    whether the atomic module for the call is a wgmma one; ``window``: the kernels' (left,
+    right), whose span bounds the query rows that see a key."""
     rows = group * seqlen_q // (2 if causal else 1)
+    left, right = window
+    if left >= 0 and right >= 0:
+        rows = min(rows, group * (left + right + 1))
     limit = _ATOMIC_MIN_ROWS_PER_CTA_WGMMA if wgmma else _ATOMIC_MIN_ROWS_PER_CTA
     if asked == "atomic" and rows <= limit:
         return "deterministic"
@@ -194,11 +198,14 @@ class _Launches:
 
 
 def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool,
-        scheme: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, scheme: str,
+        window: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) laid out like q, k, v. ``lse`` is the forward's (batch, nheads, seqlen_q)
     float32 log-sum-exp; q's device must be current. ``scheme``: "atomic" or
-    "deterministic" (see the module docstring)."""
+    "deterministic" (see the module docstring). ``window``: (left, right) exactly as the
+    forward's kernel took them (api._kernel_window: -1 unbounded, causal as right = 0); the
+    kernels mask by it, so a causal call must pass right = 0 (``causal`` only orders CTAs
+    and picks the scheme)."""
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
     dout = _kernel_dout(dout, q)
@@ -211,7 +218,7 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if scheme == "atomic":
         atomic = find_entry(index, q.dtype, d_head, "atomic")
         scheme = effective_scheme(scheme, seqlen_q, n_heads // n_heads_k, causal,
-                                  atomic is not None and atomic.config.wgmma)
+                                  atomic is not None and atomic.config.wgmma, window)
     kernel = _kernel(_driver.current_context(index), index, q.dtype, d_head, scheme)
     deterministic = scheme == "deterministic"
     entry = kernel.entry
@@ -227,14 +234,20 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
         0 if dq_accum is None else dq_accum.data_ptr(), *strides, n_heads * seqlen_q, seqlen_q,
         batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal), scale, scale * _LOG2E,
-        0, 0, 0, 0))  # not a packed batch
+        0, 0, 0, 0,  # not a packed batch
+        *window))
 
     fns = kernel.fns
     go = _Launches(kernel, torch._C._cuda_getCurrentRawStream(index), args, seqlen_q,
                    seqlen_k, n_heads, n_heads_k, batch)
     go.per_row(fns.preprocess, "preprocess")
     if not deterministic:
-        go.per_key_tile(fns.dkdv_dq, "dkdv_dq", entry.dkdv_dq_smem_bytes)
+        # The fused kernel without window code where the mask is only causal (or none): the
+        # window's masking cost it 2-5% (flash_bwd.cu, bwd_dkdv).
+        if window == (-1, 0 if causal else -1):
+            go.per_key_tile(fns.dkdv_dq, "dkdv_dq", entry.dkdv_dq_smem_bytes)
+        else:
+            go.per_key_tile(fns.dkdv_dq_window, "dkdv_dq_window", entry.dkdv_dq_smem_bytes)
         go.per_row(fns.dq_convert, "dq_convert")
     else:
         go.per_key_tile(fns.dkdv, "dkdv", entry.dkdv_smem_bytes)
@@ -245,12 +258,14 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
-               causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               causal: bool, window: tuple[int, int]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of flash_attn_varlen_func, laid out like q, k, v ((total, nheads,
     headdim)); ``lse`` is its forward's (nheads, total_q). Rows of no sequence get zero
     gradients. The maxima must be at least the real lengths (flash-attn's contract): a
     sequence longer than them has undefined gradients (the forward did not compute all of
-    its rows). The deterministic kernels run whatever was asked: bitwise reproducible."""
+    its rows). The deterministic kernels run whatever was asked: bitwise reproducible.
+    ``window`` as in run."""
     total_q, n_heads, d_head = q.shape
     total_k, n_heads_k = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.numel() - 1
@@ -272,7 +287,7 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0,
         *strides, 0, total_q, batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal),
         scale, scale * _LOG2E, cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), total_q,
-        total_k))
+        total_k, *window))
 
     fns = kernel.fns
     go = _Launches(kernel, torch._C._cuda_getCurrentRawStream(index), args, seqlen_q,

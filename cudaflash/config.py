@@ -371,6 +371,8 @@ class BackwardConfig:
     SOURCE = "flash_bwd.cu"
     ENTRIES = ("cudaflash_bwd_preprocess", "cudaflash_bwd_dkdv", "cudaflash_bwd_dq",
                "cudaflash_bwd_dkdv_dq", "cudaflash_bwd_dq_convert",
+               # the atomic scheme's dK/dV/dQ kernel with a sliding window
+               "cudaflash_bwd_dkdv_dq_window",
                # the deterministic scheme's kernels on a packed (varlen) batch
                "cudaflash_bwd_preprocess_varlen", "cudaflash_bwd_dkdv_varlen",
                "cudaflash_bwd_dq_varlen")

@@ -20,7 +20,9 @@ from .selection import Rule, parse_rules
 
 # 5: a padded batch's cu_seqlens_k holds key counts (flash_attn_with_kvcache); kernels of
 # schema 4 would ignore them and attend to the whole cache, so they are refused.
-SCHEMA = 5
+# 6: BwdParams carries the sliding window (360 bytes) and each backward module has a
+# dkdv_dq_window_entry.
+SCHEMA = 6
 KINDS = ("cubin", "ptx")
 
 
@@ -57,6 +59,7 @@ class BackwardEntry:
     dq_entry: str
     dkdv_dq_entry: str  # dK, dV and the atomic dQ accumulation (non-deterministic scheme)
     dq_convert_entry: str  # dQ = scale * accumulator
+    dkdv_dq_window_entry: str  # dkdv_dq with a sliding window
     # preprocess, dkdv and dq of a packed (varlen) batch, each CTA on its own sequence
     varlen_entries: tuple[str, str, str]
     threads: int  # per block of the dK/dV and dQ kernels
@@ -190,6 +193,7 @@ def _parse(data: dict, path: Path) -> Manifest:
             path=path.parent / k["file"], preprocess_entry=k["preprocess_entry"],
             dkdv_entry=k["dkdv_entry"], dq_entry=k["dq_entry"],
             dkdv_dq_entry=k["dkdv_dq_entry"], dq_convert_entry=k["dq_convert_entry"],
+            dkdv_dq_window_entry=k["dkdv_dq_window_entry"],
             varlen_entries=tuple(k["varlen_entries"]), threads=int(k["threads"]),
             preprocess_threads=int(k["preprocess_threads"]),
             preprocess_rows=int(k["preprocess_rows"]), cta_rows=int(k["cta_rows"]),

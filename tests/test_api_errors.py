@@ -154,11 +154,12 @@ def test_valid_window_reaches_the_device_check(window):
         flash_attn_func(*qkv(), window_size=window)
 
 
-def test_window_with_gradients_is_refused():
+def test_window_with_gradients_reaches_the_device_check():
+    """A windowed call that records gradients goes through the autograd function (no
+    refusal): on a CPU tensor it stops at the same device check as any other call."""
     q, k, v = qkv()
     q.requires_grad_()
-    with pytest.raises(NotImplementedError, match=r"window_size=\(8, 0\) with gradients: the "
-                                                  "backward has no sliding window yet"):
+    with pytest.raises(ValueError, match=CPU_ERROR):
         flash_attn_func(q, k, v, window_size=(8, 0))
 
 
@@ -198,6 +199,13 @@ def test_small_calls_take_the_deterministic_kernels():
     assert effective_scheme("atomic", 257, 1, False, wgmma=True) == "atomic"
     assert effective_scheme("atomic", 512, 1, True, wgmma=True) == "deterministic"
     assert effective_scheme("atomic", 513, 1, False, wgmma=False) == "atomic"
+    # A window bounded on both sides: a key is seen by at most left + right + 1 rows per head.
+    assert effective_scheme("atomic", 16384, 1, True, window=(511, 0)) == "deterministic"
+    assert effective_scheme("atomic", 16384, 2, True, window=(511, 0)) == "atomic"
+    assert effective_scheme("atomic", 16384, 1, False, window=(512, 0)) == "atomic"
+    assert effective_scheme("atomic", 16384, 1, False, window=(-1, 0)) == "atomic"
+    assert effective_scheme("atomic", 16384, 1, False, window=(100, 100), wgmma=True) == \
+        "deterministic"
 
 
 def test_deterministic_must_be_a_bool():

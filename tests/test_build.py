@@ -319,13 +319,14 @@ TOP_KEYS = {"schema", "nvcc_version", "source_hash", "params_bytes", "bwd_params
             "entries", "backward_entries", "archs", "ptx_arch", "selection", "kernels",
             "backward_kernels"}
 BACKWARD_KEYS = {"name", "config", "arch", "kind", "file", "preprocess_entry", "dkdv_entry",
-                 "dq_entry", "dkdv_dq_entry", "dq_convert_entry", "varlen_entries", "threads",
+                 "dq_entry", "dkdv_dq_entry", "dq_convert_entry", "dkdv_dq_window_entry",
+                 "varlen_entries", "threads",
                  "preprocess_threads", "preprocess_rows", "cta_rows", "dkdv_smem_bytes",
                  "dq_smem_bytes", "dkdv_dq_smem_bytes", "schemes", "registers", "spill_bytes", "sha256",
                  "nvcc_version", "source_hash"}
 BACKWARD_ENTRIES = ["cudaflash_bwd_preprocess", "cudaflash_bwd_dkdv", "cudaflash_bwd_dq",
                     "cudaflash_bwd_dkdv_dq", "cudaflash_bwd_dq_convert",
-                    "cudaflash_bwd_preprocess_varlen", "cudaflash_bwd_dkdv_varlen",
+                    "cudaflash_bwd_dkdv_dq_window", "cudaflash_bwd_preprocess_varlen", "cudaflash_bwd_dkdv_varlen",
                     "cudaflash_bwd_dq_varlen"]
 KERNEL_KEYS = {"name", "config", "arch", "kind", "file", "entry", "split_entry",
                "combine_entry", "threads", "smem_bytes", "registers", "spill_bytes", "sha256",
@@ -335,7 +336,7 @@ ENTRIES = ["cudaflash_fwd", "cudaflash_fwd_split", "cudaflash_combine"]
 
 def check_manifest(m: dict, out_dir: Path) -> None:
     assert set(m) == TOP_KEYS
-    assert m["schema"] == 5 and m["entries"] == ENTRIES
+    assert m["schema"] == 6 and m["entries"] == ENTRIES
     assert m["backward_entries"] == BACKWARD_ENTRIES
     assert re.fullmatch(r"\d+\.\d+\.\d+", m["nvcc_version"])
     assert re.fullmatch(r"[0-9a-f]{64}", m["source_hash"])
@@ -369,7 +370,8 @@ def check_manifest(m: dict, out_dir: Path) -> None:
         assert k["name"] == cfg.name
         assert k["schemes"] and set(k["schemes"]) <= {"atomic", "deterministic"}
         assert [k["preprocess_entry"], k["dkdv_entry"], k["dq_entry"], k["dkdv_dq_entry"],
-                k["dq_convert_entry"], *k["varlen_entries"]] == BACKWARD_ENTRIES
+                k["dq_convert_entry"], k["dkdv_dq_window_entry"],
+                *k["varlen_entries"]] == BACKWARD_ENTRIES
         assert (k["threads"], k["cta_rows"], k["dkdv_smem_bytes"], k["dq_smem_bytes"],
                 k["dkdv_dq_smem_bytes"]) == (cfg.threads, cfg.cta_rows, cfg.dkdv_smem_bytes,
                                              cfg.dq_smem_bytes, cfg.dkdv_dq_smem_bytes)

@@ -1,6 +1,7 @@
 """Sliding-window attention (window_size) on a GPU: flash_attn_func, every built kernel
 config, flash_attn_varlen_func and flash_attn_with_kvcache against the attention math in
-PyTorch with the window mask, under FlashAttention's accuracy rule (test_gpu_correctness)."""
+PyTorch with the window mask, under FlashAttention's accuracy rule (test_gpu_correctness);
+gradients (both schemes, every backward module, varlen) against autograd through that math."""
 
 import math
 
@@ -147,3 +148,123 @@ def test_a_side_as_long_as_the_keys_is_unbounded():
     assert torch.equal(flash_attn_func(q, k, v, window_size=(-1, 300)), flash_attn_func(q, k, v))
     assert torch.equal(flash_attn_func(q, k, v, window_size=(256, 256)),
                        flash_attn_func(q, k, v))
+
+
+# ---- gradients ---------------------------------------------------------------------------------
+
+
+def window_grads_ref(q, k, v, dout, left, right, causal, upcast):
+    """(dq, dk, dv) of window_ref by autograd, in float32 (upcast) or in q's dtype."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, _ = window_ref(*leaves, left, right, causal, upcast)
+    out.backward(dout.float() if upcast else dout)
+    return [t.grad for t in leaves]
+
+
+def check_window_grads(grads, q, k, v, dout, left, right, causal):
+    ref = window_grads_ref(q, k, v, dout, left, right, causal, True)
+    lowp = window_grads_ref(q, k, v, dout, left, right, causal, False)
+    for name, ours, r, lp, t in zip(("dq", "dk", "dv"), grads, ref, lowp, (q, k, v)):
+        assert ours is not None and ours.shape == t.shape and ours.dtype == t.dtype, name
+        bad = (~torch.isfinite(ours)).sum().item()
+        assert bad == 0, f"{name} has {bad} NaN/inf elements"
+        _assert_within(name, ours.float(), r, lp.float())
+
+
+def windowed_grads(q, k, v, dout, **kwargs):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_func(*leaves, **kwargs)
+    assert out.grad_fn is not None
+    out.backward(dout)
+    return out.detach(), [t.grad for t in leaves]
+
+
+GRAD_WINDOWS = [(16, 0), (100, -1), (-1, 50), (5, 7), (0, 0), (300, 300)]
+GRAD_SHAPES = [
+    (2, 257, 257, 4, 2),  # tails, GQA
+    (1, 100, 1000, 2, 2),  # fewer queries than keys
+    (1, 1000, 100, 2, 1),  # more queries than keys: rows whose window holds no key
+    (1, 700, 700, 2, 2),  # many query tiles per key tile: windows skip most of them
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("window", GRAD_WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.parametrize("shape", GRAD_SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}_hk{}".format(*s))
+def test_window_gradients(shape, window, causal, deterministic, monkeypatch):
+    from test_gpu_backward import BWD_COMBOS, force_atomic_kernels
+    force_atomic_kernels(monkeypatch)
+    dtype, d = _pick_combo(("bf16", 128), *BWD_COMBOS)
+    q, k, v = make_qkv(*shape, d, DTYPES[dtype], seed=sum(shape) + window[0])
+    dout = torch.randn_like(q)
+    out, grads = windowed_grads(q, k, v, dout, causal=causal, window_size=window,
+                                deterministic=deterministic)
+    check_window(out, None, q, k, v, *window, causal)
+    check_window_grads(grads, q, k, v, dout, *window, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_every_backward_module_with_a_window(causal, monkeypatch):
+    """Each backward module this GPU runs, in each scheme it serves, with a two-sided window
+    over several key and query tiles."""
+    from cudaflash import backward
+    from test_gpu_backward import _usable_backward_entries, force_atomic_kernels
+    force_atomic_kernels(monkeypatch)
+    entries = _usable_backward_entries()
+    assert entries, "no backward module runs on this GPU"
+    window = (70, 90)
+    for entry in entries:
+        cfg = entry.config
+        q, k, v = make_qkv(2, 333, 517, 4, 2, cfg.d_head, DTYPES[cfg.dtype], seed=23)
+        dout = torch.randn_like(q)
+        for scheme in entry.schemes:
+            backward.clear_cache()
+            with monkeypatch.context() as m:
+                m.setattr(backward, "find_entry", lambda *args, e=entry: e)
+                try:
+                    _, grads = windowed_grads(q, k, v, dout, causal=causal, window_size=window,
+                                              deterministic=scheme == "deterministic")
+                finally:
+                    backward.clear_cache()
+            try:
+                check_window_grads(grads, q, k, v, dout, *window, causal)
+            except AssertionError as e:
+                raise AssertionError(f"{entry.name} ({scheme}): {e}") from None
+
+
+@pytest.mark.parametrize("window", [(40, 0), (30, 60)], ids=lambda w: f"w{w[0]}_{w[1]}")
+def test_varlen_window_gradients(window):
+    from test_gpu_backward import BWD_COMBOS
+    dtype, d = _pick_combo(("bf16", 128), *BWD_COMBOS)
+    lens_q, lens_k = [100, 1, 300, 200], [100, 500, 250, 0]
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k, 4, 2, d, DTYPES[dtype], seed=5)
+    dout = torch.randn_like(q)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                 window_size=window)
+    out.backward(dout)
+    oq, ok = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(lens_q)):
+        rows, keys = slice(oq[b], oq[b + 1]), slice(ok[b], ok[b + 1])
+        grads = [leaves[0].grad[rows][None], leaves[1].grad[keys][None],
+                 leaves[2].grad[keys][None]]
+        check_window_grads(grads, q[rows][None], k[keys][None], v[keys][None],
+                           dout[rows][None], *window, True)
+
+
+def test_window_gradients_under_torch_compile_match_eager():
+    """Windowed calls run eagerly under torch.compile (a graph break); their gradients are
+    the eager ones, bitwise (deterministic scheme)."""
+    from test_gpu_backward import BWD_COMBOS
+    dtype, d = _pick_combo(("bf16", 128), *BWD_COMBOS)
+    q, k, v = make_qkv(2, 256, 256, 4, 2, d, DTYPES[dtype], seed=13)
+    dout = torch.randn_like(q)
+    kwargs = dict(causal=True, window_size=(64, 0), deterministic=True)
+    eager = windowed_grads(q, k, v, dout, **kwargs)[1]
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, **kwargs))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    compiled(*leaves).backward(dout)
+    for ours, ref in zip((t.grad for t in leaves), eager):
+        assert torch.equal(ours, ref)

@@ -1,5 +1,6 @@
-"""The Params struct: one layout in cuda_src/params.cuh, cudaflash/_params.py (ctypes), the
-launcher's struct format and the manifest."""
+"""The Params and BwdParams structs: one layout each in cuda_src/params.cuh and
+bwd_params.cuh, cudaflash/_params.py (ctypes), the launchers' struct formats and the
+manifest."""
 
 import ctypes
 import json
@@ -9,14 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from cudaflash import manifest
-from cudaflash._params import (PARAMS_BYTES, PARAMS_FIXED_FORMAT, PARAMS_POINTERS_BYTES,
-                               PARAMS_POINTERS_FORMAT, PARAMS_STRUCT_FORMAT,
-                               PARAMS_WORKSPACE_FORMAT, PARAMS_WORKSPACE_OFFSET, Params)
+from cudaflash import backward, manifest
+from cudaflash._params import (BWD_PARAMS_BYTES, PARAMS_BYTES, PARAMS_FIXED_FORMAT,
+                               PARAMS_POINTERS_BYTES, PARAMS_POINTERS_FORMAT, PARAMS_STRUCT_FORMAT,
+                               PARAMS_WORKSPACE_FORMAT, PARAMS_WORKSPACE_OFFSET, BwdParams, Params,
+                               Strides)
 
 PARAMS_CUH = Path(__file__).resolve().parents[1] / "cuda_src" / "params.cuh"
 _CUDA_TYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p,
-               "float*": ctypes.c_void_p, "const int32_t*": ctypes.c_void_p,
+               "float*": ctypes.c_void_p, "const float*": ctypes.c_void_p,
+               "const int32_t*": ctypes.c_void_p,
                "int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32,
                "float": ctypes.c_float}
 
@@ -85,3 +88,54 @@ def test_combine_geometry_matches_the_kernel():
     source = (PARAMS_CUH.parent / "flash_fwd.cu").read_text()
     assert f"constexpr int kCombineRows = {api._COMBINE_ROWS};" in source
     assert api._COMBINE_THREADS == 32 * api._COMBINE_ROWS
+
+
+# ---- BwdParams (cuda_src/bwd_params.cuh): the backward's argument ----------------------------
+
+BWD_PARAMS_CUH = PARAMS_CUH.with_name("bwd_params.cuh")
+
+
+def _bwd_flat_fields():
+    """(name, ctype) of every scalar of BwdParams in order, each Strides as its 3 int64s."""
+    flat = []
+    for name, ctype in BwdParams._fields_:
+        if ctype is Strides:
+            flat += [(f"{name}.{sub}", c) for sub, c in Strides._fields_]
+        else:
+            flat.append((name, ctype))
+    return flat
+
+
+def test_bwd_fields_match_bwd_params_cuh():
+    text = BWD_PARAMS_CUH.read_text()
+    body = re.search(r"struct BwdParams \{(.*?)\n\};", text, re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    fields = []
+    for decl in body.split(";"):
+        decl = " ".join(decl.split())
+        if not decl:
+            continue
+        m = re.fullmatch(r"((?:const )?\w+\*?) (.+)", decl)
+        ctype = Strides if m.group(1) == "Strides" else _CUDA_TYPES[m.group(1)]
+        fields += [(name.strip(), ctype) for name in m.group(2).split(",")]
+    assert fields == BwdParams._fields_
+    assert ctypes.sizeof(BwdParams) == BWD_PARAMS_BYTES
+    assert f"constexpr int kBwdParamsBytes = {BWD_PARAMS_BYTES};" in text
+
+
+def test_backward_pack_fills_every_field_in_order():
+    """backward.run packs BwdParams with one struct format: distinct values read back field
+    by field (the window's two sides last)."""
+    flat = _bwd_flat_fields()
+    values = [float(i) + 0.5 if c is ctypes.c_float else 1000 + i
+              for i, (_, c) in enumerate(flat)]
+    p = BwdParams()
+    struct.pack_into(backward._PACK.format, p, 0, *values)
+    read = []
+    for name, _ in flat:
+        obj = p
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        read.append(obj)
+    assert read == values
+    assert flat[-2:] == [("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32)]

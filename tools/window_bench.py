@@ -1,9 +1,14 @@
 """Sliding-window attention (window_size=(w, 0), causal) against full causal attention:
 device time and TFLOP/s of the work inside the window. CUDA events, L2 flushed, median of 30.
 
-    PYTHONPATH=. python3 tools/window_bench.py
+    PYTHONPATH=. python3 tools/window_bench.py [--backward]
+
+--backward times a training step instead: the forward with gradients and the backward
+(torch.autograd.grad, default scheme), counted as 3.5 forwards of FLOPs (the backward's five
+GEMMs to the forward's two), against SDPA flash's step over the full causal mask.
 """
 
+import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -23,9 +28,50 @@ def window_flops(seqlen: int, window: int, nheads: int, d: int) -> float:
     return 4.0 * pairs * d * nheads
 
 
+def training_step(q, k, v, dout, window: int):
+    """One forward with gradients and its backward; ``window`` None: SDPA flash, full causal
+    (q, k, v in BSHD, viewed as BHSD for SDPA)."""
+    if window is None:
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).transpose(1, 2)
+    else:
+        out = flash_attn_func(q, k, v, causal=True, window_size=(window, 0))
+    return torch.autograd.grad(out, (q, k, v), dout)
+
+
+def main_backward(device, flush) -> int:
+    print(f"{torch.cuda.get_device_name(device)}, bf16, causal, batch 1; forward + backward, "
+          "median ms over 30 steps; TFLOP/s = 3.5 x the forward's FLOPs inside the window")
+    rows = []
+    for seqlen, nheads, d in ((16384, 16, 128), (32768, 16, 128), (16384, 32, 64)):
+        q, k, v = (t.requires_grad_() for t in bench.make_qkv(1, seqlen, nheads, d, "bf16",
+                                                                device))
+        dout = torch.randn_like(q)
+        for window in (-1, 4096, 1024, 256):
+            ms = statistics.median(bench.time_calls(
+                lambda w=window: training_step(q, k, v, dout, w), iters=30, warmup=5,
+                flush=flush))
+            flops = 3.5 * window_flops(seqlen, window, nheads, d)
+            rows.append((seqlen, nheads, d, "full" if window < 0 else window, f"{ms:.3f}",
+                         f"{flops / ms / 1e9:.0f}"))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            ms = statistics.median(bench.time_calls(
+                lambda: training_step(q, k, v, dout, None), iters=30, warmup=5, flush=flush))
+        rows.append((seqlen, nheads, d, "SDPA flash full", f"{ms:.3f}",
+                     f"{3.5 * window_flops(seqlen, -1, nheads, d) / ms / 1e9:.0f}"))
+    print(bench.format_table(("S", "H", "d", "window", "ms", "TFLOP/s"), rows))
+    return 0
+
+
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backward", action="store_true",
+                        help="time forward + backward steps instead of the forward")
+    args = parser.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
     flush = bench.flush_buffer(device)
+    if args.backward:
+        return main_backward(device, flush)
     print(f"{torch.cuda.get_device_name(device)}, bf16, causal, batch 1; median ms over 30 "
           "calls; TFLOP/s of the pairs inside the window")
     rows = []
