@@ -88,8 +88,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         window_size: (left, right), sliding-window attention as in flash-attn: query i sees
             keys i + seqlen_k - seqlen_q - left to i + seqlen_k - seqlen_q + right; -1 (or a
             side at least seqlen_k long) is unbounded; causal makes right 0. Gradients
-            included; the call takes the checked host path (no per-signature plan), and
-            under torch.compile it runs eagerly (a graph break).
+            included; repeat calls take a plan keyed with the window; under torch.compile
+            a windowed call runs eagerly (a graph break).
         dropout_p, softcap, alibi_slopes: only their defaults (no dropout, no softcapping,
             no ALiBi); anything else raises NotImplementedError.
 
@@ -261,9 +261,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     # A repeat signature takes its plan, as in flash_attn_func (the key through its function
     # here: this path is not tuned for tiny calls the way flash_attn_func's is).
     try:
-        plan = None if window != (-1, -1) else _varlen_plans.get(_varlen_plan_key(
+        plan = _varlen_plans.get(_varlen_plan_key(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-            causal, want_lse))
+            causal, want_lse, window))
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks explain
         plan = None
     if plan is not None:
@@ -291,11 +291,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if debug:
             _check_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
                            max_seqlen_k)
-        # Plans skip the offset check, so none are recorded while CUDAFLASH_DEBUG is on; nor
-        # for a sliding window (not in the plan key).
-        plan_key = None if debug or window != (-1, -1) else _varlen_plan_key(
+        # Plans skip the offset check, so none are recorded while CUDAFLASH_DEBUG is on.
+        plan_key = None if debug else _varlen_plan_key(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-            causal, want_lse)
+            causal, want_lse, window)
         out, lse = _run_varlen(index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                max_seqlen_k, scale, bool(causal), want_lse, plan_key, window)
     return (out, lse, None) if want_lse else out
@@ -377,7 +376,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     positions, optionally appending new keys and values to the cache first; inference only.
     Drop-in for flash-attn 2.x's function of the same name, without rotary embedding,
     cache_batch_idx, cache_leftpad and paged K/V (block_table), which raise
-    NotImplementedError, as do a sliding window, softcapping and ALiBi.
+    NotImplementedError, as do softcapping and ALiBi. window_size: the sliding window, as in
+    flash_attn_func (repeat decoding steps take a plan keyed with it when it is a tuple of
+    two ints).
 
     Arguments:
         q: (batch, seqlen_q, nheads, headdim): usually the new tokens' queries.
@@ -417,14 +418,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cached plan, as flash_attn_func's do; the other forms run the full checks every call.
     """
     # The decoding step: a signature seen before, lengths in a tensor, nothing to append.
+    # (A window in the key only as a tuple of two ints: an equal value of another type, such
+    # as True for 1, must meet the checks.)
     if (k is None and v is None and type(cache_seqlens) is torch.Tensor and rotary_cos is None
             and rotary_sin is None and cache_batch_idx is None and cache_leftpad is None
             and block_table is None and softcap == 0.0 and alibi_slopes is None
-            and type(window_size) is tuple and window_size == (-1, -1)):
+            and type(window_size) is tuple and len(window_size) == 2
+            and type(window_size[0]) is int and type(window_size[1]) is int):
         try:
             plan = _kvcache_plans.get(_kvcache_plan_key(q, k_cache, v_cache, cache_seqlens,
                                                         softmax_scale, causal, num_splits,
-                                                        return_softmax_lse))
+                                                        return_softmax_lse, window_size))
         except (AttributeError, TypeError):  # not tensors, or unhashable: the checks explain
             plan = None
         if plan is not None:
@@ -484,11 +488,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             # A plan for the decoding step (no append); none in debug mode, whose length
             # check the plan would skip.
             plan_key = None
-            if k is None and not debug and window == (-1, -1):
+            if k is None and not debug:
                 try:
                     plan_key = _kvcache_plan_key(q, k_cache, v_cache, cache_seqlens,
                                                  softmax_scale, causal, num_splits,
-                                                 return_softmax_lse)
+                                                 return_softmax_lse, window)
                     hash(plan_key)
                 except TypeError:
                     plan_key = None
@@ -545,14 +549,15 @@ def _kvcache_kernel(index: int, q, k_cache, causal: bool, seqlen_k: int, window)
 
 
 def _kvcache_plan_key(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, num_splits,
-                      return_softmax_lse):
+                      return_softmax_lse, window):
     """The argument signature a flash_attn_with_kvcache _Plan is valid for (see _plan_key);
     the lengths' values are data (the kernel reads them). The types of the scalar arguments
-    are in it too: True == 1 as dict keys, but only one of them passes the checks."""
+    are in it too: True == 1 as dict keys, but only one of them passes the checks.
+    ``window``: window_size as two ints (the caller checks their types)."""
     return (_plan_key(q, k_cache, v_cache, softmax_scale, causal, return_softmax_lse),
             cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.get_device(),
             cache_seqlens.is_contiguous(), num_splits, type(num_splits), type(causal),
-            type(return_softmax_lse), type(softmax_scale))
+            type(return_softmax_lse), type(softmax_scale), window)
 
 
 def _check_new_kv(k, v, k_cache) -> None:
@@ -752,15 +757,25 @@ def _wants_grad(q, k, v) -> bool:
 @torch.compiler.disable  # the custom ops have no window argument: a graph break
 def _windowed_attention(q, k, v, softmax_scale, causal, window, deterministic,
                         return_attn_probs):
-    """flash_attn_func with a sliding window, through the checked path (no plan: the plan
-    key has no window); with gradients through _FlashAttnFunction."""
+    """flash_attn_func with a sliding window (``window``: checked (left, right) ints): a plan
+    keyed by the signature and the window for repeat calls, as flash_attn_func's own path
+    (one function call and a key lookup more); with gradients through
+    _FlashAttnFunction."""
     _check_deterministic(deterministic)
     want_lse = True if return_attn_probs else False
     if _wants_grad(q, k, v):
         out, lse = _FlashAttnFunction.apply(q, k, v, softmax_scale, causal, deterministic,
                                             window)
-    else:
-        out, lse = _forward(None, q, k, v, None, softmax_scale, causal, want_lse, window=window)
+        return (out, lse, None) if want_lse else out
+    # A repeat signature takes its plan, keyed with the window (_forward records it).
+    try:
+        plan = _plans.get((_plan_key(q, k, v, softmax_scale, causal, want_lse), window))
+    except (AttributeError, TypeError):  # not tensors, or unhashable: the checks explain
+        plan = None
+    done = None if plan is None else _replay(plan, q, k, v, want_lse, 0, 0)
+    if done is None:
+        done = _forward(None, q, k, v, None, softmax_scale, causal, want_lse, window=window)
+    out, lse = done
     return (out, lse, None) if want_lse else out
 
 
@@ -982,12 +997,14 @@ def _plan_key(q, k, v, softmax_scale, causal, want_lse):
 def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal,
              want_lse=True, num_splits=None, window=(-1, -1)):
     _check_qkv(q, k, v)
-    # flash_attn_func records a plan for the signature, if it is hashable (and has no window,
-    # which the plan key leaves out).
+    # flash_attn_func records a plan for the signature, if it is hashable; a windowed call's
+    # key is the signature's and the window (_windowed_attention looks it up).
     plan_key = None
-    if config is None and out is None and window == (-1, -1):
+    if config is None and out is None:
         try:
             plan_key = _plan_key(q, k, v, softmax_scale, causal, want_lse)
+            if window != (-1, -1):
+                plan_key = (plan_key, window)
             hash(plan_key)
         except TypeError:
             plan_key = None
@@ -1068,16 +1085,16 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
 
 
 def _varlen_plan_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, causal, want_lse):
+                     softmax_scale, causal, want_lse, window=(-1, -1)):
     """The argument signature a varlen _Plan is valid for (see _plan_key). The offsets'
     values are data (the kernel reads them): only their tensors' shape, layout, dtype and
-    device are in it."""
+    device are in it. ``window``: the checked window_size."""
     return (q.shape, q.is_contiguous() or q.stride(), k.shape, k.is_contiguous() or k.stride(),
             v.shape, v.is_contiguous() or v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
             k.get_device(), v.get_device(), cu_seqlens_q.shape, cu_seqlens_k.shape,
             cu_seqlens_q.is_contiguous(), cu_seqlens_k.is_contiguous(), cu_seqlens_q.dtype,
             cu_seqlens_k.dtype, cu_seqlens_q.get_device(), cu_seqlens_k.get_device(),
-            max_seqlen_q, max_seqlen_k, softmax_scale, causal, want_lse)
+            max_seqlen_q, max_seqlen_k, softmax_scale, causal, want_lse, window)
 
 
 def _run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,

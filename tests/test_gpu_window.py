@@ -268,3 +268,69 @@ def test_window_gradients_under_torch_compile_match_eager():
     compiled(*leaves).backward(dout)
     for ours, ref in zip((t.grad for t in leaves), eager):
         assert torch.equal(ours, ref)
+
+
+# ---- repeat calls take plans keyed with the window --------------------------------------------
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("the repeat call took the checked path")
+
+
+def test_repeat_windowed_calls_take_a_plan(monkeypatch):
+    """flash_attn_func: the second call of a windowed signature replays its plan on the new
+    tensors; another window is another plan, not this one."""
+    from cudaflash import api
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    q, k, v = make_qkv(2, 300, 300, 4, 2, d, DTYPES[dtype], seed=31)
+    flash_attn_func(q, k, v, causal=True, window_size=(64, 0))
+    q2, k2, v2 = make_qkv(2, 300, 300, 4, 2, d, DTYPES[dtype], seed=32)
+    with monkeypatch.context() as m:
+        m.setattr(api, "_forward", _refuse)
+        out = flash_attn_func(q2, k2, v2, causal=True, window_size=(64, 0))
+    check_window(out, None, q2, k2, v2, 64, 0, True)
+    out, lse, _ = flash_attn_func(q2, k2, v2, causal=True, window_size=(16, 0),
+                                  return_attn_probs=True)
+    check_window(out, lse, q2, k2, v2, 16, 0, True)
+
+
+def test_repeat_windowed_decoding_steps_take_a_plan(monkeypatch):
+    from cudaflash import api
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    g = torch.Generator(device="cuda").manual_seed(33)
+    q = torch.randn(3, 1, 8, d, generator=g, device="cuda", dtype=DTYPES[dtype])
+    kc = torch.randn(3, 600, 2, d, generator=g, device="cuda", dtype=DTYPES[dtype])
+    vc = torch.randn_like(kc)
+    lens = torch.tensor([600, 37, 300], dtype=torch.int32, device="cuda")
+    flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True, window_size=(128, 0))
+    new_lens = [1, 599, 128]
+    lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+    with monkeypatch.context() as m:
+        m.setattr(api, "_run", _refuse)
+        out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True,
+                                      window_size=(128, 0))
+    for b, n in enumerate(new_lens):
+        check_window(out[b:b + 1], None, q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n],
+                     128, 0, True)
+    # An equal window of another type is not served by that plan: the checks refuse it.
+    with pytest.raises(ValueError, match="window_size="):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True,
+                                window_size=(128, False))
+
+
+def test_repeat_windowed_varlen_calls_take_a_plan(monkeypatch):
+    from cudaflash import api
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    q, k, v, cu_q, cu_k = packed([100, 200], [300, 50], 4, 2, d, DTYPES[dtype], seed=34)
+    flash_attn_varlen_func(q, k, v, cu_q, cu_k, 200, 300, causal=True, window_size=(40, 0))
+    from test_gpu_varlen import offsets
+    cu_q2, cu_k2 = offsets([200, 100]), offsets([50, 300])
+    with monkeypatch.context() as m:
+        m.setattr(api, "_run_varlen", _refuse)
+        out = flash_attn_varlen_func(q, k, v, cu_q2, cu_k2, 200, 300, causal=True,
+                                     window_size=(40, 0))
+    oq, ok = cu_q2.tolist(), cu_k2.tolist()
+    for b in range(2):
+        rows, keys = slice(oq[b], oq[b + 1]), slice(ok[b], ok[b + 1])
+        check_window(out[rows][None], None, q[rows][None], k[keys][None], v[keys][None], 40,
+                     0, True)

@@ -1,16 +1,19 @@
 """Sliding-window attention (window_size=(w, 0), causal) against full causal attention:
 device time and TFLOP/s of the work inside the window. CUDA events, L2 flushed, median of 30.
 
-    PYTHONPATH=. python3 tools/window_bench.py [--backward]
+    PYTHONPATH=. python3 tools/window_bench.py [--backward | --host]
 
 --backward times a training step instead: the forward with gradients and the backward
 (torch.autograd.grad, default scheme), counted as 3.5 forwards of FLOPs (the backward's five
 GEMMs to the forward's two), against SDPA flash's step over the full causal mask.
+--host measures the host time per call of repeat windowed calls at the bench's tiny size
+(flash_attn_func, and a decoding step of flash_attn_with_kvcache) against unwindowed ones.
 """
 
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -18,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cudaflash import bench, flash_attn_func  # noqa: E402
+from cudaflash import bench, flash_attn_func, flash_attn_with_kvcache  # noqa: E402
 
 
 def window_flops(seqlen: int, window: int, nheads: int, d: int) -> float:
@@ -63,15 +66,57 @@ def main_backward(device, flush) -> int:
     return 0
 
 
+def host_us(fn, calls: int = 400, rounds: int = 7) -> float:
+    """Median over rounds of the wall time per call of ``calls`` back-to-back calls (no sync
+    inside a round), as bench.measure_host."""
+    samples = []
+    for _ in range(rounds):
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def main_host(device) -> int:
+    print(f"{torch.cuda.get_device_name(device)}: host time per call, us (median of 7 rounds "
+          "of 400 calls, no sync inside a round)")
+    rows = []
+    with torch.inference_mode():
+        q, k, v = bench.make_qkv(1, 128, 1, 64, "bf16", device)
+        for window in ((-1, -1), (32, 0)):
+            us = host_us(lambda w=window: flash_attn_func(q, k, v, causal=True, window_size=w))
+            rows.append(("flash_attn_func S=128 d=64 causal", str(window), f"{us:.1f}"))
+        # Small enough that the GPU keeps up with the host.
+        q = torch.randn(1, 1, 8, 128, device=device, dtype=torch.bfloat16)
+        kc = torch.randn(1, 512, 2, 128, device=device, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        lens = torch.full((1,), 500, dtype=torch.int32, device=device)
+        for window in ((-1, -1), (128, 0)):
+            us = host_us(lambda w=window: flash_attn_with_kvcache(
+                q, kc, vc, cache_seqlens=lens, causal=True, window_size=w))
+            rows.append(("with_kvcache decode B=1 H=8/2 cache 512", str(window), f"{us:.1f}"))
+    print(bench.format_table(("call", "window", "us"), rows))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backward", action="store_true",
                         help="time forward + backward steps instead of the forward")
+    parser.add_argument("--host", action="store_true",
+                        help="host time per call of repeat windowed calls")
     args = parser.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
     flush = bench.flush_buffer(device)
     if args.backward:
         return main_backward(device, flush)
+    if args.host:
+        return main_host(device)
     print(f"{torch.cuda.get_device_name(device)}, bf16, causal, batch 1; median ms over 30 "
           "calls; TFLOP/s of the pairs inside the window")
     rows = []
