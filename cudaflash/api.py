@@ -89,7 +89,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             keys i + seqlen_k - seqlen_q - left to i + seqlen_k - seqlen_q + right; -1 (or a
             side at least seqlen_k long) is unbounded; causal makes right 0. Gradients
             included; repeat calls take a plan keyed with the window; under torch.compile
-            a windowed call runs eagerly (a graph break).
+            the window reaches the custom ops (no graph break).
         dropout_p, softcap, alibi_slopes: only their defaults (no dropout, no softcapping,
             no ALiBi); anything else raises NotImplementedError.
 
@@ -106,6 +106,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         _reject_unsupported(dropout_p, softcap, alibi_slopes)
         window = _check_window(window_size)
         if window != (-1, -1):
+            if _is_compiling():
+                out, lse = _fwd_op(q, k, v, softmax_scale, causal, deterministic, *window)
+                return (out, lse, None) if return_attn_probs else out
             return _windowed_attention(q, k, v, softmax_scale, causal, window, deterministic,
                                        return_attn_probs)
     if _is_compiling():
@@ -246,15 +249,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise NotImplementedError(f"block_table is a {type(block_table).__name__}: paged K/V is "
                                   "not implemented; pass block_table=None")
     if _is_compiling():
-        # The custom op has neither a window argument nor an autograd formula: those calls
-        # run eagerly (a graph break).
-        if window != (-1, -1) or _wants_grad(q, k, v):
+        # The custom op has no autograd formula: calls with gradients run eagerly (a graph
+        # break).
+        if _wants_grad(q, k, v):
             out, lse = _varlen_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, softmax_scale, causal, window,
                                        deterministic)
             return (out, lse, None) if return_attn_probs else out
         out, lse = _varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                  max_seqlen_k, softmax_scale, causal)
+                                  max_seqlen_k, softmax_scale, causal, *window)
         return (out, lse, None) if return_attn_probs else out
     want_lse = True if return_attn_probs else False
 
@@ -754,7 +757,6 @@ def _wants_grad(q, k, v) -> bool:
                                    or getattr(v, "requires_grad", False))
 
 
-@torch.compiler.disable  # the custom ops have no window argument: a graph break
 def _windowed_attention(q, k, v, softmax_scale, causal, window, deterministic,
                         return_attn_probs):
     """flash_attn_func with a sliding window (``window``: checked (left, right) ints): a plan
@@ -1456,21 +1458,26 @@ def _make_kernel(dk: _DeviceKernels, entry: KernelEntry, ctx: int) -> _Kernel:
 # ---- torch.compile ---------------------------------------------------------------------------
 
 
+# The ops take the sliding window as flash-attn's two sides (-1: unbounded), checked by the
+# public function before the op is called.
 @torch.library.custom_op("cudaflash::fwd", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, float? softmax_scale, "
-                                "bool causal, bool deterministic=False) -> (Tensor, Tensor)")
-def _fwd_op(q, k, v, softmax_scale, causal, deterministic=False):
+                                "bool causal, bool deterministic=False, int window_left=-1, "
+                                "int window_right=-1) -> (Tensor, Tensor)")
+def _fwd_op(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1,
+            window_right=-1):
     # The compiled graph runs this body eagerly (is_compiling() is False here), so the call
     # takes flash_attn_func's plans like any eager call instead of re-checking every time.
     # Gradients are the op's registered autograd (below), not flash_attn_func's own.
     with torch.no_grad():
         out, lse, _ = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                      window_size=(window_left, window_right),
                                       return_attn_probs=True)
     return out, lse
 
 
 @_fwd_op.register_fake
-def _(q, k, v, softmax_scale, causal, deterministic=False):
+def _(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1):
     batch, seqlen_q, n_heads, _ = q.shape
     return torch.empty_like(q), q.new_empty((batch, n_heads, seqlen_q), dtype=torch.float32)
 
@@ -1478,30 +1485,34 @@ def _(q, k, v, softmax_scale, causal, deterministic=False):
 @torch.library.custom_op("cudaflash::bwd", mutates_args=(),
                          schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
                                 "Tensor lse, float? softmax_scale, bool causal, "
-                                "bool deterministic) -> (Tensor, Tensor, Tensor)")
-def _bwd_op(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
-    # The op has no window: the kernels' window is the causal mask or none.
+                                "bool deterministic, int window_left=-1, int window_right=-1) "
+                                "-> (Tensor, Tensor, Tensor)")
+def _bwd_op(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1,
+            window_right=-1):
     return _run_backward(dout, q, k, v, out, lse, _softmax_scale(softmax_scale, q.shape[3]),
-                         causal, deterministic, _kernel_window((-1, -1), k.shape[1], causal))
+                         causal, deterministic,
+                         _kernel_window((window_left, window_right), k.shape[1], causal))
 
 
 @_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
+def _(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1,
+      window_right=-1):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _fwd_op_setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, deterministic = inputs
+    q, k, v, softmax_scale, causal, deterministic, window_left, window_right = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+    ctx.window = (window_left, window_right)
 
 
 def _fwd_op_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                         ctx.deterministic)
-    return dq, dk, dv, None, None, None
+                         ctx.deterministic, *ctx.window)
+    return dq, dk, dv, None, None, None, None, None
 
 
 _fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup_context)
@@ -1510,15 +1521,18 @@ _fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup_context)
 @torch.library.custom_op("cudaflash::varlen_fwd", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
                                 "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
-                                "float? softmax_scale, bool causal) -> (Tensor, Tensor)")
+                                "float? softmax_scale, bool causal, int window_left=-1, "
+                                "int window_right=-1) -> (Tensor, Tensor)")
 def _varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   softmax_scale, causal):
+                   softmax_scale, causal, window_left=-1, window_right=-1):
     out, lse, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                          max_seqlen_k, softmax_scale=softmax_scale,
-                                         causal=causal, return_attn_probs=True)
+                                         causal=causal, window_size=(window_left, window_right),
+                                         return_attn_probs=True)
     return out, lse
 
 
 @_varlen_fwd_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+      window_left=-1, window_right=-1):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)

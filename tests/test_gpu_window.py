@@ -253,21 +253,40 @@ def test_varlen_window_gradients(window):
                            dout[rows][None], *window, True)
 
 
-def test_window_gradients_under_torch_compile_match_eager():
-    """Windowed calls run eagerly under torch.compile (a graph break); their gradients are
-    the eager ones, bitwise (deterministic scheme)."""
+@pytest.mark.parametrize("window", [(64, 0), (30, 70)], ids=lambda w: f"w{w[0]}_{w[1]}")
+def test_window_gradients_under_torch_compile_fullgraph_match_eager(window):
+    """Windowed calls compile into one graph (the custom ops carry the window); output and
+    gradients are the eager ones, bitwise (deterministic scheme)."""
     from test_gpu_backward import BWD_COMBOS
     dtype, d = _pick_combo(("bf16", 128), *BWD_COMBOS)
     q, k, v = make_qkv(2, 256, 256, 4, 2, d, DTYPES[dtype], seed=13)
     dout = torch.randn_like(q)
-    kwargs = dict(causal=True, window_size=(64, 0), deterministic=True)
-    eager = windowed_grads(q, k, v, dout, **kwargs)[1]
+    kwargs = dict(causal=True, window_size=window, deterministic=True)
+    eager_out, eager = windowed_grads(q, k, v, dout, **kwargs)
     torch._dynamo.reset()
-    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, **kwargs))
+    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, **kwargs),
+                             fullgraph=True)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    compiled(*leaves).backward(dout)
+    out = compiled(*leaves)
+    out.backward(dout)
+    assert torch.equal(out, eager_out)
     for ours, ref in zip((t.grad for t in leaves), eager):
         assert torch.equal(ours, ref)
+
+
+def test_varlen_window_under_torch_compile_fullgraph():
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    q, k, v, cu_q, cu_k = packed([100, 1, 300], [100, 500, 250], 4, 2, d, DTYPES[dtype],
+                                 seed=14)
+
+    def attention(q, k, v, cu_q, cu_k):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 300, 500, causal=True,
+                                      window_size=(40, 0), return_attn_probs=True)[:2]
+
+    torch._dynamo.reset()
+    out, lse = torch.compile(attention, fullgraph=True)(q, k, v, cu_q, cu_k)
+    eager_out, eager_lse = attention(q, k, v, cu_q, cu_k)
+    assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
 
 
 # ---- repeat calls take plans keyed with the window --------------------------------------------
