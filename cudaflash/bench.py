@@ -317,6 +317,19 @@ def measure_case(case: Case, backends, *, device, config: Optional[KernelConfig]
     return CaseResult(case, timings, errors, used)
 
 
+def host_round(fn, warmup: int, calls: int = HOST_CALLS) -> float:
+    """Microseconds per call of ``calls`` back-to-back calls of ``fn`` (no sync inside the
+    loop, one at the end), after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
 def measure_host(backends, *, device, progress: "Progress") -> dict:
     """Microseconds per call at the tiny size (or why n/a), per backend: the median over
     ``HOST_ROUNDS`` rounds of ``HOST_CALLS`` calls with no sync inside the loop (one sync at
@@ -325,23 +338,13 @@ def measure_host(backends, *, device, progress: "Progress") -> dict:
     q, k, v = make_qkv(HOST_BATCH, HOST_SEQLEN, HOST_HEADS, HOST_D_HEAD, HOST_DTYPE, device)
     calls = {backend: backend_call(backend, q, k, v, causal=False) for backend in backends}
 
-    def one_round(fn, warmup: int):
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(HOST_CALLS):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / HOST_CALLS * 1e6
-
     samples: dict = {backend: [] for backend in backends}
     for round_index in range(HOST_ROUNDS):
         for backend, (fn, context) in calls.items():
             if isinstance(samples[backend], str):
                 continue
             progress.step(f"host time {backend} (round {round_index + 1})")
-            got = _attempt(lambda: one_round(fn, HOST_WARMUP if round_index == 0 else 10),
+            got = _attempt(lambda: host_round(fn, HOST_WARMUP if round_index == 0 else 10),
                            context)
             if isinstance(got, str):
                 samples[backend] = got  # n/a, with the reason

@@ -34,9 +34,14 @@ def reference_grads(q, k, v, dout, causal, scale, upcast):
 
 def check_grads(grads, q, k, v, dout, causal, scale=None):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    ref = reference_grads(q, k, v, dout, causal, scale, True)
-    lowp = reference_grads(q, k, v, dout, causal, scale, False)
-    for name, ours, r, lp, t in zip(("dq", "dk", "dv"), grads, ref, lowp, (q, k, v)):
+    assert_grads_within(grads, reference_grads(q, k, v, dout, causal, scale, True),
+                        reference_grads(q, k, v, dout, causal, scale, False), (q, k, v))
+
+
+def assert_grads_within(grads, ref, lowp, inputs):
+    """(dq, dk, dv) computed, finite, shaped and typed as ``inputs`` and within the accuracy
+    rule of the float32 reference ``ref`` and the low-precision one ``lowp``."""
+    for name, ours, r, lp, t in zip(("dq", "dk", "dv"), grads, ref, lowp, inputs):
         assert ours is not None, f"{name} was not computed"
         assert ours.shape == t.shape and ours.dtype == t.dtype, name
         bad = (~torch.isfinite(ours)).sum().item()

@@ -8,12 +8,14 @@ import math
 import pytest
 import torch
 
-from cudaflash import (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
-                       forward)
+from cudaflash import (api, backward, flash_attn_func, flash_attn_varlen_func,
+                       flash_attn_with_kvcache, forward)
 from test_gpu_correctness import (COMBOS, DTYPES, KERNELS, _assert_within, _combo_id,
                                   _pick_combo, fp32_reference_without_tf32,  # noqa: F401
                                   make_qkv)
-from test_gpu_varlen import packed
+from test_gpu_backward import (BWD_COMBOS, _usable_backward_entries, assert_grads_within,
+                                force_atomic_kernels, run_with_grad)
+from test_gpu_varlen import offsets, packed
 
 pytestmark = pytest.mark.requires_gpu
 
@@ -162,21 +164,8 @@ def window_grads_ref(q, k, v, dout, left, right, causal, upcast):
 
 
 def check_window_grads(grads, q, k, v, dout, left, right, causal):
-    ref = window_grads_ref(q, k, v, dout, left, right, causal, True)
-    lowp = window_grads_ref(q, k, v, dout, left, right, causal, False)
-    for name, ours, r, lp, t in zip(("dq", "dk", "dv"), grads, ref, lowp, (q, k, v)):
-        assert ours is not None and ours.shape == t.shape and ours.dtype == t.dtype, name
-        bad = (~torch.isfinite(ours)).sum().item()
-        assert bad == 0, f"{name} has {bad} NaN/inf elements"
-        _assert_within(name, ours.float(), r, lp.float())
-
-
-def windowed_grads(q, k, v, dout, **kwargs):
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = flash_attn_func(*leaves, **kwargs)
-    assert out.grad_fn is not None
-    out.backward(dout)
-    return out.detach(), [t.grad for t in leaves]
+    assert_grads_within(grads, window_grads_ref(q, k, v, dout, left, right, causal, True),
+                        window_grads_ref(q, k, v, dout, left, right, causal, False), (q, k, v))
 
 
 GRAD_WINDOWS = [(16, 0), (100, -1), (-1, 50), (5, 7), (0, 0), (300, 300)]
@@ -193,12 +182,11 @@ GRAD_SHAPES = [
 @pytest.mark.parametrize("window", GRAD_WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
 @pytest.mark.parametrize("shape", GRAD_SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}_hk{}".format(*s))
 def test_window_gradients(shape, window, causal, deterministic, monkeypatch):
-    from test_gpu_backward import BWD_COMBOS, force_atomic_kernels
     force_atomic_kernels(monkeypatch)
     dtype, d = _pick_combo(("bf16", 128), *BWD_COMBOS)
     q, k, v = make_qkv(*shape, d, DTYPES[dtype], seed=sum(shape) + window[0])
     dout = torch.randn_like(q)
-    out, grads = windowed_grads(q, k, v, dout, causal=causal, window_size=window,
+    out, grads = run_with_grad(q, k, v, dout, causal=causal, window_size=window,
                                 deterministic=deterministic)
     check_window(out, None, q, k, v, *window, causal)
     check_window_grads(grads, q, k, v, dout, *window, causal)
@@ -208,8 +196,6 @@ def test_window_gradients(shape, window, causal, deterministic, monkeypatch):
 def test_every_backward_module_with_a_window(causal, monkeypatch):
     """Each backward module this GPU runs, in each scheme it serves, with a two-sided window
     over several key and query tiles."""
-    from cudaflash import backward
-    from test_gpu_backward import _usable_backward_entries, force_atomic_kernels
     force_atomic_kernels(monkeypatch)
     entries = _usable_backward_entries()
     assert entries, "no backward module runs on this GPU"
@@ -223,7 +209,7 @@ def test_every_backward_module_with_a_window(causal, monkeypatch):
             with monkeypatch.context() as m:
                 m.setattr(backward, "find_entry", lambda *args, e=entry: e)
                 try:
-                    _, grads = windowed_grads(q, k, v, dout, causal=causal, window_size=window,
+                    _, grads = run_with_grad(q, k, v, dout, causal=causal, window_size=window,
                                               deterministic=scheme == "deterministic")
                 finally:
                     backward.clear_cache()
@@ -235,7 +221,6 @@ def test_every_backward_module_with_a_window(causal, monkeypatch):
 
 @pytest.mark.parametrize("window", [(40, 0), (30, 60)], ids=lambda w: f"w{w[0]}_{w[1]}")
 def test_varlen_window_gradients(window):
-    from test_gpu_backward import BWD_COMBOS
     dtype, d = _pick_combo(("bf16", 128), *BWD_COMBOS)
     lens_q, lens_k = [100, 1, 300, 200], [100, 500, 250, 0]
     q, k, v, cu_q, cu_k = packed(lens_q, lens_k, 4, 2, d, DTYPES[dtype], seed=5)
@@ -257,12 +242,11 @@ def test_varlen_window_gradients(window):
 def test_window_gradients_under_torch_compile_fullgraph_match_eager(window):
     """Windowed calls compile into one graph (the custom ops carry the window); output and
     gradients are the eager ones, bitwise (deterministic scheme)."""
-    from test_gpu_backward import BWD_COMBOS
     dtype, d = _pick_combo(("bf16", 128), *BWD_COMBOS)
     q, k, v = make_qkv(2, 256, 256, 4, 2, d, DTYPES[dtype], seed=13)
     dout = torch.randn_like(q)
     kwargs = dict(causal=True, window_size=window, deterministic=True)
-    eager_out, eager = windowed_grads(q, k, v, dout, **kwargs)
+    eager_out, eager = run_with_grad(q, k, v, dout, **kwargs)
     torch._dynamo.reset()
     compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, **kwargs),
                              fullgraph=True)
@@ -299,7 +283,6 @@ def _refuse(*args, **kwargs):
 def test_repeat_windowed_calls_take_a_plan(monkeypatch):
     """flash_attn_func: the second call of a windowed signature replays its plan on the new
     tensors; another window is another plan, not this one."""
-    from cudaflash import api
     dtype, d = _pick_combo(("bf16", 128), *COMBOS)
     q, k, v = make_qkv(2, 300, 300, 4, 2, d, DTYPES[dtype], seed=31)
     flash_attn_func(q, k, v, causal=True, window_size=(64, 0))
@@ -314,7 +297,6 @@ def test_repeat_windowed_calls_take_a_plan(monkeypatch):
 
 
 def test_repeat_windowed_decoding_steps_take_a_plan(monkeypatch):
-    from cudaflash import api
     dtype, d = _pick_combo(("bf16", 128), *COMBOS)
     g = torch.Generator(device="cuda").manual_seed(33)
     q = torch.randn(3, 1, 8, d, generator=g, device="cuda", dtype=DTYPES[dtype])
@@ -338,11 +320,9 @@ def test_repeat_windowed_decoding_steps_take_a_plan(monkeypatch):
 
 
 def test_repeat_windowed_varlen_calls_take_a_plan(monkeypatch):
-    from cudaflash import api
     dtype, d = _pick_combo(("bf16", 128), *COMBOS)
     q, k, v, cu_q, cu_k = packed([100, 200], [300, 50], 4, 2, d, DTYPES[dtype], seed=34)
     flash_attn_varlen_func(q, k, v, cu_q, cu_k, 200, 300, causal=True, window_size=(40, 0))
-    from test_gpu_varlen import offsets
     cu_q2, cu_k2 = offsets([200, 100]), offsets([50, 300])
     with monkeypatch.context() as m:
         m.setattr(api, "_run_varlen", _refuse)

@@ -53,10 +53,10 @@ def test_pointers_fixed_fields_and_workspace_split_the_struct():
                                     + PARAMS_WORKSPACE_FORMAT[1:])
 
 
-def test_fields_match_params_cuh():
-    """Field names and types, in order, parsed from the CUDA struct."""
-    text = PARAMS_CUH.read_text()
-    body = re.search(r"struct Params \{(.*?)\n\};", text, re.S).group(1)
+def cuda_struct_fields(text: str, struct_name: str) -> list:
+    """(name, ctypes type) of each field of ``struct_name``, in order, parsed from CUDA
+    source (a ``Strides`` field as the Strides structure)."""
+    body = re.search(rf"struct {struct_name} \{{(.*?)\n\}};", text, re.S).group(1)
     body = re.sub(r"//[^\n]*", "", body)
     fields = []
     for decl in body.split(";"):
@@ -64,9 +64,15 @@ def test_fields_match_params_cuh():
         if not decl:
             continue
         m = re.fullmatch(r"((?:const )?\w+\*?) (.+)", decl)
-        ctype = _CUDA_TYPES[m.group(1)]
+        ctype = Strides if m.group(1) == "Strides" else _CUDA_TYPES[m.group(1)]
         fields += [(name.strip(), ctype) for name in m.group(2).split(",")]
-    assert fields == Params._fields_
+    return fields
+
+
+def test_fields_match_params_cuh():
+    """Field names and types, in order, parsed from the CUDA struct."""
+    text = PARAMS_CUH.read_text()
+    assert cuda_struct_fields(text, "Params") == Params._fields_
     assert f"constexpr int kParamsBytes = {PARAMS_BYTES};" in text
 
 
@@ -108,17 +114,7 @@ def _bwd_flat_fields():
 
 def test_bwd_fields_match_bwd_params_cuh():
     text = BWD_PARAMS_CUH.read_text()
-    body = re.search(r"struct BwdParams \{(.*?)\n\};", text, re.S).group(1)
-    body = re.sub(r"//[^\n]*", "", body)
-    fields = []
-    for decl in body.split(";"):
-        decl = " ".join(decl.split())
-        if not decl:
-            continue
-        m = re.fullmatch(r"((?:const )?\w+\*?) (.+)", decl)
-        ctype = Strides if m.group(1) == "Strides" else _CUDA_TYPES[m.group(1)]
-        fields += [(name.strip(), ctype) for name in m.group(2).split(",")]
-    assert fields == BwdParams._fields_
+    assert cuda_struct_fields(text, "BwdParams") == BwdParams._fields_
     assert ctypes.sizeof(BwdParams) == BWD_PARAMS_BYTES
     assert f"constexpr int kBwdParamsBytes = {BWD_PARAMS_BYTES};" in text
 

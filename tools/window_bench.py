@@ -13,7 +13,6 @@ GEMMs to the forward's two), against SDPA flash's step over the full causal mask
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -66,20 +65,9 @@ def main_backward(device, flush) -> int:
     return 0
 
 
-def host_us(fn, calls: int = 400, rounds: int = 7) -> float:
-    """Median over rounds of the wall time per call of ``calls`` back-to-back calls (no sync
-    inside a round), as bench.measure_host."""
-    samples = []
-    for _ in range(rounds):
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(samples)
+def host_us(fn, rounds: int = 7) -> float:
+    """Median over rounds of bench.host_round (400 back-to-back calls, no sync inside)."""
+    return statistics.median(bench.host_round(fn, warmup=10) for _ in range(rounds))
 
 
 def main_host(device) -> int:
