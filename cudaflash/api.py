@@ -67,7 +67,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """Scaled dot-product attention, forward only; drop-in for flash-attn 2.x.
 
     Arguments:
-        q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16, on a CUDA GPU (sm_80+).
+        q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16, on a CUDA GPU (sm_80+);
+            headdim any of 1..256, as in flash-attn. Kernels exist for 64, 128 and 256; any
+            other head dim runs zero-padded to the next of them (a copy of q, k, v per call,
+            the larger head dim's FLOPs, out returned as a view of the padded result).
         k, v: (batch, seqlen_k, nheads_k, headdim), q's dtype and device; nheads must be a
             multiple of nheads_k (GQA/MQA: query head h reads K/V head h // (nheads // nheads_k)).
             Any strides whose last one is 1 (a (batch, nheads, seqlen, headdim) tensor viewed
@@ -99,60 +102,73 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         float32 (batch, nheads, seqlen_q), the natural log of the sum of exp(scaled scores)
         per query row (-inf for rows that see no key).
     """
-    # The defaults pass this quick test; anything else gets the full check, which raises or
-    # accepts an equivalent value such as window_size=[-1, -1].
-    if not (dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
-            and type(window_size) is tuple and window_size == (-1, -1)):
-        _reject_unsupported(dropout_p, softcap, alibi_slopes)
-        window = _check_window(window_size)
-        if window != (-1, -1):
-            if _is_compiling():
-                out, lse = _fwd_op(q, k, v, softmax_scale, causal, deterministic, *window)
-                return (out, lse, None) if return_attn_probs else out
-            return _windowed_attention(q, k, v, softmax_scale, causal, window, deterministic,
-                                       return_attn_probs)
-    if _is_compiling():
-        out, lse = _fwd_op(q, k, v, softmax_scale, causal, deterministic)
-        return (out, lse, None) if return_attn_probs else out
-    # No lse unless asked for: the kernel skips it and the call saves an allocation.
-    want_lse = True if return_attn_probs else False
-
     # The per-call path: a signature seen before has a plan (what the checked path concluded).
     # Every line here is paid on every attention call, and a tiny attention costs less on the
-    # GPU than this on the host, hence inline code and pre-bound functions.
-    try:
-        plan = _plans.get((q.shape, q.is_contiguous() or q.stride(), k.shape,
-                           k.is_contiguous() or k.stride(), v.shape,
-                           v.is_contiguous() or v.stride(), q.dtype, k.dtype, v.dtype,
-                           q.get_device(), k.get_device(), v.get_device(), softmax_scale,
-                           causal, want_lse))  # = _plan_key()
-    except (AttributeError, TypeError):
-        # Not tensors (no isinstance checks: they cost more than this rare fallback), or an
-        # unhashable softmax_scale: the checked path explains what is wrong.
-        plan = None
-    if plan is not None:
-        # What the signature does not fix: data alignment, the current device, autograd.
-        # Any of them wrong: the checked path raises, or switches device.
-        q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
-        index = plan.device_index
-        if not ((q_ptr | k_ptr | v_ptr) & 15 or _current_device() != index
-                or (_is_grad_enabled()
-                    and (q.requires_grad or k.requires_grad or v.requires_grad))):
-            # q's layout, as flash-attn does; the plan's out strides are empty_like's for q's
-            # shape and strides, which the key fixes.
-            new_out = plan.new_out
-            out = _empty_like(q) if new_out is None else new_out()
-            stream = _current_stream(index)
-            if want_lse:
-                new_lse = plan.new_lse
-                lse = (q.new_empty(plan.lse_shape, dtype=_float32) if new_lse is None
-                       else new_lse())
-                plan.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(), lse.data_ptr(), 0, 0)
-                return out, lse, None
-            # 0: no lse; 0, 0: not a packed (varlen) batch
-            plan.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(), 0, 0, 0)
-            return out
+    # GPU than this on the host, hence inline code and pre-bound functions. Only calls with
+    # the defaults take it (anything else gets the full checks, which raise or accept an
+    # equivalent value such as window_size=[-1, -1]), and never under torch.compile.
+    if (dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
+            and type(window_size) is tuple and window_size == (-1, -1)
+            and not _is_compiling()):
+        # No lse unless asked for: the kernel skips it and the call saves an allocation.
+        want_lse = True if return_attn_probs else False
+        try:
+            plan = _plans.get((q.shape, q.is_contiguous() or q.stride(), k.shape,
+                               k.is_contiguous() or k.stride(), v.shape,
+                               v.is_contiguous() or v.stride(), q.dtype, k.dtype, v.dtype,
+                               q.get_device(), k.get_device(), v.get_device(), softmax_scale,
+                               causal, want_lse))  # = _plan_key()
+        except (AttributeError, TypeError):
+            # Not tensors (no isinstance checks: they cost more than this rare fallback), or
+            # an unhashable softmax_scale: the checked path explains what is wrong.
+            plan = None
+        if plan is not None:
+            # What the signature does not fix: data alignment, the current device, autograd.
+            # Any of them wrong: the checked path raises, or switches device.
+            q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+            index = plan.device_index
+            if not ((q_ptr | k_ptr | v_ptr) & 15 or _current_device() != index
+                    or (_is_grad_enabled()
+                        and (q.requires_grad or k.requires_grad or v.requires_grad))):
+                # q's layout, as flash-attn does; the plan's out strides are empty_like's for
+                # q's shape and strides, which the key fixes.
+                new_out = plan.new_out
+                out = _empty_like(q) if new_out is None else new_out()
+                stream = _current_stream(index)
+                if want_lse:
+                    new_lse = plan.new_lse
+                    lse = (q.new_empty(plan.lse_shape, dtype=_float32) if new_lse is None
+                           else new_lse())
+                    plan.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(), lse.data_ptr(), 0,
+                                0)
+                    return out, lse, None
+                # 0: no lse; 0, 0: not a packed (varlen) batch
+                plan.launch(stream, q_ptr, k_ptr, v_ptr, out.data_ptr(), 0, 0, 0)
+                return out
+    return _attention_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                              alibi_slopes, deterministic, return_attn_probs)
 
+
+def _attention_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, deterministic, return_attn_probs):
+    """flash_attn_func past its plan: every argument checked; head dims without a kernel
+    padded; torch.compile's custom op, a sliding window, gradients or a plain forward (which
+    records a plan for the next call)."""
+    _reject_unsupported(dropout_p, softcap, alibi_slopes)
+    window = _check_window(window_size)
+    padded = _padded_head_dim(q, k, v)
+    if padded is not None:
+        return _with_padded_head_dim(
+            flash_attn_func, padded, q, k, v, softmax_scale,
+            dict(causal=causal, window_size=window, deterministic=deterministic,
+                 return_attn_probs=return_attn_probs))
+    if _is_compiling():
+        out, lse = _fwd_op(q, k, v, softmax_scale, causal, deterministic, *window)
+        return (out, lse, None) if return_attn_probs else out
+    if window != (-1, -1):
+        return _windowed_attention(q, k, v, softmax_scale, causal, window, deterministic,
+                                   return_attn_probs)
+    want_lse = True if return_attn_probs else False
     if _wants_grad(q, k, v):
         out, lse = _FlashAttnFunction.apply(q, k, v, softmax_scale, causal, deterministic)
         return (out, lse, None) if want_lse else out
@@ -248,6 +264,32 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if block_table is not None:
         raise NotImplementedError(f"block_table is a {type(block_table).__name__}: paged K/V is "
                                   "not implemented; pass block_table=None")
+    want_lse = True if return_attn_probs else False
+    # A repeat signature takes its plan, as in flash_attn_func (the key through its function
+    # here: this path is not tuned for tiny calls the way flash_attn_func's is); never under
+    # torch.compile, which takes the custom op.
+    if not _is_compiling():
+        try:
+            plan = _varlen_plans.get(_varlen_plan_key(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                causal, want_lse, window))
+        except (AttributeError, TypeError):  # not tensors, or unhashable: the checks explain
+            plan = None
+        if plan is not None:
+            done = _replay(plan, q, k, v, want_lse, cu_seqlens_q.data_ptr(),
+                           cu_seqlens_k.data_ptr())
+            if done is not None:
+                out, lse = done
+                return (out, lse, None) if want_lse else out
+
+    padded = _padded_head_dim(q, k, v)
+    if padded is not None:
+        return _with_padded_head_dim(
+            flash_attn_varlen_func, padded, q, k, v, softmax_scale,
+            dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
+                 window_size=window, deterministic=deterministic,
+                 return_attn_probs=return_attn_probs))
     if _is_compiling():
         # The custom op has no autograd formula: calls with gradients run eagerly (a graph
         # break).
@@ -259,21 +301,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out, lse = _varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale, causal, *window)
         return (out, lse, None) if return_attn_probs else out
-    want_lse = True if return_attn_probs else False
-
-    # A repeat signature takes its plan, as in flash_attn_func (the key through its function
-    # here: this path is not tuned for tiny calls the way flash_attn_func's is).
-    try:
-        plan = _varlen_plans.get(_varlen_plan_key(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-            causal, want_lse, window))
-    except (AttributeError, TypeError):  # not tensors, or unhashable: the checks explain
-        plan = None
-    if plan is not None:
-        done = _replay(plan, q, k, v, want_lse, cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr())
-        if done is not None:
-            out, lse = done
-            return (out, lse, None) if want_lse else out
 
     if _wants_grad(q, k, v):
         out, lse = _FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k,
@@ -448,6 +475,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                       f"cudaflash; pass {name}=None")
     _reject_unsupported(0.0, softcap, alibi_slopes)
     window = _check_window(window_size)
+    padded = _padded_head_dim(q, k_cache, v_cache)
+    if padded is not None:
+        return _with_padded_head_dim(
+            flash_attn_with_kvcache, padded, q, k, v, softmax_scale,
+            dict(cache_seqlens=cache_seqlens, causal=causal, window_size=window,
+                 num_splits=num_splits, return_softmax_lse=return_softmax_lse),
+            caches=(k_cache, v_cache))
     if (not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool)
             or num_splits < 0):
         raise ValueError(f"num_splits={num_splits!r}; it must be an int >= 0 (0: cudaflash "
@@ -781,6 +815,61 @@ def _windowed_attention(q, k, v, softmax_scale, causal, window, deterministic,
     return (out, lse, None) if want_lse else out
 
 
+def _padded_head_dim(q, k, v) -> Optional[int]:
+    """The head dim to run q, k, v at when theirs has no kernel: the smallest built one above
+    it. flash-attn takes every head dim up to 256 (its kernels come in steps of 32 and it pads
+    to a multiple of 8); cudaflash's come in 64, 128 and 256, so a head dim in between runs
+    padded with zeros. None when no padding applies: a built head dim, or arguments that are
+    not three tensors sharing a head dim in [1, 256] (the checks explain those)."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in (q, k, v)):
+        return None
+    d_head = q.shape[-1]
+    if (d_head in D_HEADS or not 1 <= d_head <= D_HEADS[-1] or k.shape[-1] != d_head
+            or v.shape[-1] != d_head):
+        return None
+    for built in D_HEADS:  # (a loop, not bisect: torch.compile traces this and not bisect)
+        if built > d_head:
+            return built
+    return None  # not reached: d_head <= D_HEADS[-1] and is not in D_HEADS
+
+
+def _with_padded_head_dim(function, padded: int, q, k, v, softmax_scale, kwargs: dict,
+                          caches: tuple = ()):
+    """``function(q, k, v, softmax_scale=..., **kwargs)`` with q, k, v zero-padded from their
+    head dim to ``padded`` and the result's out sliced back (a view, as flash-attn returns).
+
+    Zero columns add nothing to q . k, so the scores are the unpadded ones, provided the scale
+    is the caller's head dim's (passed explicitly); out's padded columns are P @ 0 = 0. The
+    padding and the slice are torch ops, so autograd carries gradients through them (dq, dk,
+    dv come back at the caller's head dim) and torch.compile traces them. The cost: a copy of
+    q, k and v per call and the larger head dim's FLOPs.
+
+    ``caches``: flash_attn_with_kvcache's (k_cache, v_cache), which ``function`` reads and
+    appends ``k``, ``v`` to: they are padded too (a copy of each cache per call) and, after a
+    successful call with an append, written back into the caller's caches (whole, as
+    flash-attn does for head dims that are not a multiple of 8)."""
+    d_head = q.shape[-1]
+    scale = _softmax_scale(softmax_scale, d_head)
+    if _wants_grad(q, k, v) and padded not in _backward.BWD_D_HEADS:
+        raise NotImplementedError(
+            f"q, k, v have head dim {d_head} and require grad; cudaflash runs head dim "
+            f"{d_head} padded to {padded}, which has no backward kernel (the backward supports "
+            f"head dims up to {max(_backward.BWD_D_HEADS)}). Call flash_attn_func under "
+            "torch.no_grad() for inference")
+
+    def pad(t):
+        return None if t is None else torch.nn.functional.pad(t, (0, padded - d_head))
+
+    padded_caches = tuple(pad(c) for c in caches)
+    result = function(pad(q), *padded_caches, pad(k), pad(v), softmax_scale=scale, **kwargs)
+    if k is not None:  # for kvcache: an append happened (it has no k without one)
+        for cache, padded_cache in zip(caches, padded_caches):
+            cache.copy_(padded_cache[..., :d_head])
+    if isinstance(result, tuple):
+        return (result[0][..., :d_head], *result[1:])
+    return result[..., :d_head]
+
+
 @torch.compiler.disable  # outside the graph: flash_attn_varlen_func's eager path
 def _varlen_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     softmax_scale, causal, window, deterministic):
@@ -827,9 +916,10 @@ def _check_qkv(q, k, v, varlen=False, names=("q", "k", "v")):
     if d_head_k != d_head:
         raise ValueError(f"{qn} has head dim {d_head} but {kn} and {vn} have {d_head_k}")
     if d_head not in D_HEADS:
+        # flash_attn_func and friends pad head dims in [1, 256] to a built one before this.
         raise ValueError(f"head dim {d_head} is not supported; cudaflash has kernels for head "
-                         f"dims {list(D_HEADS)} (pad q, k, v with zeros to the next one, pass "
-                         f"softmax_scale={d_head}**-0.5 and slice out, as flash-attn does)")
+                         f"dims {list(D_HEADS)} and runs the public functions at any head dim "
+                         f"from 1 to {D_HEADS[-1]} (padded to the next kernel's)")
     if n_heads < 1 or n_heads_k < 1 or n_heads % n_heads_k:
         raise ValueError(f"{qn} has {n_heads} heads and {kn}, {vn} have {n_heads_k}; nheads "
                          "must be a positive multiple of nheads_k")

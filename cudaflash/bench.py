@@ -592,10 +592,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="time decoding steps instead: one query row per sequence, batch "
                         f"{' and '.join(map(str, DECODE_BATCHES))}, nheads = {FA_HIDDEN} // d, "
                         "as many K/V heads (MHA) and a quarter of them (GQA)")
-    p.add_argument("--head-dims", type=comma_list(int, D_HEADS), default=None,
-                   help=f"comma-separated head dims from {list(D_HEADS)} (default "
+    p.add_argument("--head-dims", type=comma_list(int, range(1, D_HEADS[-1] + 1)),
+                   default=None,
+                   help=f"comma-separated head dims in 1..{D_HEADS[-1]} (default "
                         f"{','.join(map(str, DEFAULT_HEAD_DIMS))}, or --config's); nheads = "
-                        f"{FA_HIDDEN} // d")
+                        f"{FA_HIDDEN} // d. Kernels exist for {list(D_HEADS)}; flash_attn_func "
+                        "runs other head dims padded to the next one, and so does the bench")
     p.add_argument("--dtype", type=comma_list(str, DTYPES), default=None,
                    help="bf16, fp16 or bf16,fp16 (default bf16, or --config's)")
     p.add_argument("--causal", choices=list(CAUSAL_CHOICES), default="both",

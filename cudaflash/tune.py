@@ -125,8 +125,10 @@ def comma_list(convert, allowed=None):
             raise argparse.ArgumentTypeError(f"{text!r}: no values")
         bad = [x for x in values if allowed is not None and x not in allowed]
         if bad:
+            choices = (f"{allowed.start}..{allowed.stop - 1}" if isinstance(allowed, range)
+                       else list(allowed))
             raise argparse.ArgumentTypeError(f"{text!r}: {bad} not allowed; choose from "
-                                             f"{list(allowed)}")
+                                             f"{choices}")
         return list(dict.fromkeys(values))
 
     return parse

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cudaflash import KernelConfig, flash_attn_func, forward
-from cudaflash.api import _internal_overlap
+from cudaflash.api import _internal_overlap, _padded_head_dim
 from cudaflash.config import ConfigError
 
 F16 = torch.float16
@@ -66,8 +66,9 @@ def test_dtype():
     (dict(q=(1, 4, 3, 64)), "q has 3 heads and k, v have 2; nheads must be a positive "
                             "multiple of nheads_k"),
     (dict(q=(1, 4, 0, 64)), "q has 0 heads"),
-    (dict(q=(1, 4, 2, 96), k=(1, 4, 2, 96), v=(1, 4, 2, 96)),
-     r"head dim 96 is not supported; cudaflash has kernels for head dims \[64, 128, 256\]"),
+    (dict(q=(1, 4, 2, 264), k=(1, 4, 2, 264), v=(1, 4, 2, 264)),
+     r"head dim 264 is not supported; cudaflash has kernels for head dims \[64, 128, 256\] "
+     r"and runs the public functions at any head dim from 1 to 256"),
 ])
 def test_shape_mismatch(shapes, message):
     args = dict(zip("qkv", qkv()))
@@ -75,6 +76,48 @@ def test_shape_mismatch(shapes, message):
         args[name] = torch.randn(shape).half()
     with pytest.raises(ValueError, match=message):
         flash_attn_func(**args)
+
+
+@pytest.mark.parametrize("d_head, padded", [
+    (1, 64), (8, 64), (32, 64), (63, 64), (65, 128), (80, 128), (96, 128), (127, 128),
+    (129, 256), (160, 256), (192, 256), (255, 256)])
+def test_head_dims_without_a_kernel_are_padded_to_the_next_one(d_head, padded):
+    assert _padded_head_dim(*qkv(d=d_head)) == padded
+
+
+@pytest.mark.parametrize("shapes", [
+    dict(d=64), dict(d=128), dict(d=256),  # built: no padding
+    dict(d=264),  # above flash-attn's limit: _check_qkv refuses it
+])
+def test_no_padding_for_built_or_too_large_head_dims(shapes):
+    assert _padded_head_dim(*qkv(**shapes)) is None
+
+
+def test_no_padding_unless_three_tensors_share_the_head_dim():
+    q, k, v = qkv(d=96)
+    assert _padded_head_dim(q, k[..., :80], v) is None  # the shape check explains it
+    assert _padded_head_dim(q, k, v[..., :80]) is None
+    assert _padded_head_dim(q.numpy(), k, v) is None  # the type check explains it
+    assert _padded_head_dim(q, None, v) is None
+
+
+def test_padded_head_dim_reaches_the_device_check():
+    # A head dim without a kernel takes the padded route, which ends at the same checks.
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        flash_attn_func(*qkv(d=96))
+
+
+def test_padded_head_dim_checks_the_scale_at_the_callers_head_dim():
+    with pytest.raises(ValueError, match=r"softmax_scale=-1.0; .*headdim \*\* -0.5 = 0.102062"):
+        flash_attn_func(*qkv(d=96), softmax_scale=-1.0)
+
+
+def test_gradients_at_a_head_dim_padded_past_the_backward_are_refused():
+    q, k, v = (t.requires_grad_() for t in qkv(d=192))
+    with pytest.raises(NotImplementedError, match="head dim 192 and require grad; cudaflash "
+                                                  "runs head dim 192 padded to 256, which has "
+                                                  "no backward kernel"):
+        flash_attn_func(q, k, v)
 
 
 def test_grid_limits():

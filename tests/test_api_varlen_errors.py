@@ -70,8 +70,8 @@ def test_shape_rules_shared_with_flash_attn_func():
     a[2] = a[2][:, :, :32]
     with pytest.raises(ValueError, match=r"k has shape \(10, 2, 64\) but v has \(10, 2, 32\)"):
         call(a)
-    a = args(d=72)
-    with pytest.raises(ValueError, match="head dim 72 is not supported"):
+    a = args(d=264)
+    with pytest.raises(ValueError, match="head dim 264 is not supported"):
         call(a)
 
 
