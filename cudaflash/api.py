@@ -27,7 +27,7 @@ import torch
 
 from . import _driver, _env, backward as _backward, manifest as _manifest, selection
 from ._env import log
-from .config import D_HEADS, KernelConfig
+from .config import BWD_D_HEADS, D_HEADS, KernelConfig
 from .manifest import KernelEntry
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -850,11 +850,11 @@ def _with_padded_head_dim(function, padded: int, q, k, v, softmax_scale, kwargs:
     flash-attn does for head dims that are not a multiple of 8)."""
     d_head = q.shape[-1]
     scale = _softmax_scale(softmax_scale, d_head)
-    if _wants_grad(q, k, v) and padded not in _backward.BWD_D_HEADS:
+    if _wants_grad(q, k, v) and padded not in BWD_D_HEADS:
         raise NotImplementedError(
             f"q, k, v have head dim {d_head} and require grad; cudaflash runs head dim "
             f"{d_head} padded to {padded}, which has no backward kernel (the backward supports "
-            f"head dims up to {max(_backward.BWD_D_HEADS)}). Call flash_attn_func under "
+            f"head dims up to {max(BWD_D_HEADS)}). Call flash_attn_func under "
             "torch.no_grad() for inference")
 
     def pad(t):

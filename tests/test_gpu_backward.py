@@ -57,6 +57,20 @@ def run_with_grad(q, k, v, dout, **kwargs):
     return out.detach(), [t.grad for t in leaves]
 
 
+def assert_compiled_matches_eager(q, k, v, dout, **kwargs):
+    """flash_attn_func(**kwargs) compiled with fullgraph=True gives eager's out and gradients,
+    bitwise (pass deterministic=True: the atomic scheme's dq varies from run to run)."""
+    eager_out, eager_grads = run_with_grad(q, k, v, dout, **kwargs)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, **kwargs), fullgraph=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = compiled(*leaves)
+    out.backward(dout)
+    assert torch.equal(out, eager_out)
+    for ours, ref in zip((t.grad for t in leaves), eager_grads):
+        assert torch.equal(ours, ref)
+
+
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k)
 SHAPES = [
     (2, 113, 113, 3, 3),  # tails of both sequences, odd head count

@@ -10,9 +10,9 @@ import torch
 from cudaflash import (api, flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
                        flash_attn_with_kvcache)
 from cudaflash.config import D_HEADS
-from test_gpu_backward import check_grads, run_with_grad
+from test_gpu_backward import assert_compiled_matches_eager, check_grads, run_with_grad
 from test_gpu_correctness import COMBOS, DTYPES, check_attention, make_qkv
-from test_gpu_kvcache import cache, check_each_sequence
+from test_gpu_kvcache import assert_appended, cache, check_each_sequence
 from test_gpu_varlen import check_varlen, packed
 
 pytestmark = pytest.mark.requires_gpu
@@ -106,11 +106,7 @@ def test_kvcache_append_reaches_the_callers_cache():
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True,
                                        return_softmax_lse=True)
-    for b, n in enumerate(lens):
-        assert torch.equal(kc[b, n:n + new], k[b]) and torch.equal(vc[b, n:n + new], v[b])
-        for ours, before in ((kc, kc0), (vc, vc0)):
-            assert torch.equal(ours[b, :n], before[b, :n])
-            assert torch.equal(ours[b, n + new:], before[b, n + new:])
+    assert_appended(kc, vc, kc0, vc0, k, v, lens)
     check_each_sequence(out, lse, q, kc, vc, [n + new for n in lens], True)
 
 
@@ -135,18 +131,7 @@ def test_qkvpacked():
 def test_torch_compile_matches_eager():
     dtype = _dtype_with(96)
     q, k, v = make_qkv(2, 128, 128, 4, 2, 96, dtype, seed=12)
-    dout = torch.randn_like(q)
-    eager_out, eager_grads = run_with_grad(q, k, v, dout, causal=True, deterministic=True)
-    torch._dynamo.reset()
-    compiled = torch.compile(
-        lambda q, k, v: flash_attn_func(q, k, v, causal=True, deterministic=True),
-        fullgraph=True)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = compiled(*leaves)
-    out.backward(dout)
-    assert torch.equal(out, eager_out)
-    for ours, ref in zip((t.grad for t in leaves), eager_grads):
-        assert torch.equal(ours, ref)
+    assert_compiled_matches_eager(q, k, v, torch.randn_like(q), causal=True, deterministic=True)
 
 
 def test_gradients_past_the_backwards_head_dims_are_refused_before_any_work():

@@ -30,6 +30,17 @@ def check_each_sequence(out, lse, q, k_cache, v_cache, used, causal):
                         v_cache[b:b + 1, :n], causal)
 
 
+def assert_appended(k_cache, v_cache, k_before, v_before, k, v, lens):
+    """The caches hold k, v at positions lens[b] to lens[b] + seqlen_new - 1 of sequence b and
+    their contents from before (k_before, v_before) everywhere else."""
+    new = k.shape[1]
+    for b, n in enumerate(lens):
+        assert torch.equal(k_cache[b, n:n + new], k[b]) and torch.equal(v_cache[b, n:n + new], v[b])
+        for cache, before in ((k_cache, k_before), (v_cache, v_before)):
+            assert torch.equal(cache[b, :n], before[b, :n])
+            assert torch.equal(cache[b, n + new:], before[b, n + new:])
+
+
 # (seqlen_q, seqlen_cache, nheads, nheads_k, cache lengths per sequence)
 SHAPES = [
     (1, 300, 4, 2, [0, 1, 299, 300, 77]),  # decoding (GQA): an empty and a full cache
@@ -62,11 +73,7 @@ def test_append_at_each_sequence_position(combo, causal):
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=causal,
                                        return_softmax_lse=True)
-    for b, n in enumerate(lens):
-        assert torch.equal(kc[b, n:n + new], k[b]) and torch.equal(vc[b, n:n + new], v[b])
-        assert torch.equal(kc[b, :n], kc0[b, :n]) and torch.equal(vc[b, :n], vc0[b, :n])
-        assert torch.equal(kc[b, n + new:], kc0[b, n + new:])
-        assert torch.equal(vc[b, n + new:], vc0[b, n + new:])
+    assert_appended(kc, vc, kc0, vc0, k, v, lens)
     assert seqlens.tolist() == lens, "cache_seqlens is not updated (flash-attn's contract)"
     check_each_sequence(out, lse, q, kc, vc, [n + new for n in lens], causal)
 

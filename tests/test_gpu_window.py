@@ -13,8 +13,8 @@ from cudaflash import (api, backward, flash_attn_func, flash_attn_varlen_func,
 from test_gpu_correctness import (COMBOS, DTYPES, KERNELS, _assert_within, _combo_id,
                                   _pick_combo, fp32_reference_without_tf32,  # noqa: F401
                                   make_qkv)
-from test_gpu_backward import (BWD_COMBOS, _usable_backward_entries, assert_grads_within,
-                                force_atomic_kernels, run_with_grad)
+from test_gpu_backward import (BWD_COMBOS, _usable_backward_entries, assert_compiled_matches_eager,
+                                assert_grads_within, force_atomic_kernels, run_with_grad)
 from test_gpu_varlen import offsets, packed
 
 pytestmark = pytest.mark.requires_gpu
@@ -244,18 +244,8 @@ def test_window_gradients_under_torch_compile_fullgraph_match_eager(window):
     gradients are the eager ones, bitwise (deterministic scheme)."""
     dtype, d = _pick_combo(("bf16", 128), *BWD_COMBOS)
     q, k, v = make_qkv(2, 256, 256, 4, 2, d, DTYPES[dtype], seed=13)
-    dout = torch.randn_like(q)
-    kwargs = dict(causal=True, window_size=window, deterministic=True)
-    eager_out, eager = run_with_grad(q, k, v, dout, **kwargs)
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, **kwargs),
-                             fullgraph=True)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = compiled(*leaves)
-    out.backward(dout)
-    assert torch.equal(out, eager_out)
-    for ours, ref in zip((t.grad for t in leaves), eager):
-        assert torch.equal(ours, ref)
+    assert_compiled_matches_eager(q, k, v, torch.randn_like(q), causal=True,
+                                  window_size=window, deterministic=True)
 
 
 def test_varlen_window_under_torch_compile_fullgraph():
