@@ -1,6 +1,7 @@
-// Cooperative copies between global memory and a shared (rows, d_head) tile. Thread t moves the
-// 16-byte chunk t % 8 of slab rows t / 8, t / 8 + threads / 8, ...: one pass covers
-// threads / 8 full rows, and each row is a fully coalesced 128-byte segment per slab.
+// Cooperative copies between global memory and a shared (rows, d_head) tile by kCopyThreads
+// threads (the CTA's, or one warpgroup's in the warp-specialized kernel). Thread t moves the
+// 16-byte chunk t % 8 of slab rows t / 8, t / 8 + kCopyThreads / 8, ...: one pass covers
+// kCopyThreads / 8 full rows, and each row is a fully coalesced 128-byte segment per slab.
 // Rows at or past `valid_rows` are zero-filled (loads) or skipped (stores), so the caller
 // never pads sequences to a block multiple.
 #pragma once
@@ -9,32 +10,36 @@
 
 namespace cudaflash {
 
-template <class C, int kRows>
+template <class C, int kRows, int kCopyThreads = C::kCopyThreads>
 struct TileCopy {
     using elem_t = typename C::elem_t;
-    static constexpr int kPasses = kRows / C::kRowsPerCopyPass;
+    static constexpr int kRowsPerPass = kCopyThreads / 8;
+    static constexpr int kPasses = kRows / kRowsPerPass;
+    static_assert(kRows % kRowsPerPass == 0, "a tile is whole copy passes");
 
     // Global -> shared. `gmem` points at the tile's first row; `row_stride` in elements. Only a
     // sequence's last block has rows to mask: full tiles take the branch-free path.
     __device__ __forceinline__ static void load(elem_t* smem, const elem_t* gmem,
-                                                int64_t row_stride, int valid_rows) {
+                                                int64_t row_stride, int valid_rows,
+                                                unsigned tid = threadIdx.x) {
         if (valid_rows >= kRows) {
-            load_rows<false>(smem, gmem, row_stride, kRows);
+            load_rows<false>(smem, gmem, row_stride, kRows, tid);
         } else {
-            load_rows<true>(smem, gmem, row_stride, valid_rows);
+            load_rows<true>(smem, gmem, row_stride, valid_rows, tid);
         }
     }
 
     template <bool kMaskRows>
     __device__ __forceinline__ static void load_rows(elem_t* smem, const elem_t* gmem,
-                                                     int64_t row_stride, int valid_rows) {
-        const int chunk = threadIdx.x % 8;
-        const int row0 = threadIdx.x / 8;
+                                                     int64_t row_stride, int valid_rows,
+                                                     unsigned tid) {
+        const int chunk = tid % 8;
+        const int row0 = tid / 8;
 #pragma unroll
         for (int slab = 0; slab < C::kSlabs; ++slab) {
 #pragma unroll
             for (int pass = 0; pass < kPasses; ++pass) {
-                const int row = row0 + pass * C::kRowsPerCopyPass;
+                const int row = row0 + pass * kRowsPerPass;
                 const bool valid = !kMaskRows || row < valid_rows;
                 // A masked row still needs an address; row 0 always exists.
                 const elem_t* src =
@@ -60,7 +65,7 @@ struct TileCopy {
         for (int slab = 0; slab < C::kSlabs; ++slab) {
 #pragma unroll
             for (int pass = 0; pass < kPasses; ++pass) {
-                const int row = row0 + pass * C::kRowsPerCopyPass;
+                const int row = row0 + pass * kRowsPerPass;
                 if (row < valid_rows) {
                     const uint4 v = *reinterpret_cast<const uint4*>(
                         smem + SmemTile<C>::template offset<kRows>(row, slab * 8 + chunk));

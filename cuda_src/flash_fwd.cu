@@ -16,8 +16,11 @@
 // CTA (grid.z = batch * n_splits), writing float32 partial results, and cudaflash_combine,
 // which merges them (params.cuh). Separate entries, so the plain kernel pays nothing for it.
 //
-// The config (tile sizes, copy/load strategies) comes from -D macros: kernel_config.cuh.
+// The config (tile sizes, copy/load strategies) comes from -D macros: kernel_config.cuh. A
+// warp_specialized config runs fwd_warp_specialized.cuh's kernel in both forward entries.
 #include "copy.cuh"
+#include "fwd_range.cuh"
+#include "fwd_warp_specialized.cuh"
 #include "gemm.cuh"
 #include "kernel_config.cuh"
 #include "params.cuh"
@@ -27,26 +30,6 @@
 #include <type_traits>
 
 namespace cudaflash {
-
-// One batch entry's sequence: its query rows and keys, and where they start along the seq
-// dimension of q/o and k/v (0 unless the batch is packed: Params::cu_seqlens_q). A padded
-// batch may give each entry's key count (Params::cu_seqlens_k without cu_seqlens_q).
-struct Sequence {
-    int len_q, len_k;
-    int start_q, start_k;
-};
-
-__device__ __forceinline__ Sequence sequence(const Params& p, int batch) {
-    if (p.cu_seqlens_q == nullptr) {
-        if (p.cu_seqlens_k == nullptr) return {p.seqlen_q, p.seqlen_k, 0, 0};
-        return {p.seqlen_q, min(max(p.cu_seqlens_k[batch], 0), p.seqlen_k), 0, 0};
-    }
-    const int q0 = min(max(p.cu_seqlens_q[batch], 0), p.total_q);
-    const int q1 = min(max(p.cu_seqlens_q[batch + 1], q0), p.total_q);
-    const int k0 = min(max(p.cu_seqlens_k[batch], 0), p.total_k);
-    const int k1 = min(max(p.cu_seqlens_k[batch + 1], k0), p.total_k);
-    return {q1 - q0, k1 - k0, q0, k0};
-}
 
 template <class C, bool kSplit>
 __device__ __forceinline__ void flash_fwd(const Params& p) {
@@ -81,38 +64,9 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     const elem_t* v = static_cast<const elem_t*>(p.v) + batch * p.v_batch_stride +
                       head_k * p.v_head_stride + int64_t(seq.start_k) * p.v_seq_stride;
 
-    // KV blocks [kv_lo, n_blocks) are visible to some row of this CTA; blocks >= mask_from
-    // and blocks starting before key below_keys hold a key that some row must not see (the
-    // seqlen_k tail, keys right of the causal diagonal or of the window, keys left of it).
-    const int causal_shift = seq.len_k - seq.len_q;
-    const int n_kv = (seq.len_k + C::kBc - 1) / C::kBc;
-    int n_blocks = n_kv;
-    int mask_from = seq.len_k % C::kBc ? n_kv - 1 : n_kv;
-    if (p.window_right >= 0) {  // causal: window_right = 0
-        const int last_key = q_row0 + q_rows - 1 + causal_shift + p.window_right;  // last row's
-        n_blocks = last_key < 0 ? 0 : min(n_kv, last_key / C::kBc + 1);
-        const int first_row_keys = q_row0 + causal_shift + p.window_right + 1;  // [0, this)
-        mask_from = min(mask_from, max(first_row_keys, 0) / C::kBc);
-    }
-    // With a left bound, blocks before the first row's first key are not loaded, and blocks
-    // that start before the last row's first key (below_keys) are masked.
-    int kv_lo = 0, below_keys = 0;
-    if (p.window_left >= 0) {
-        const int first_key = q_row0 + causal_shift - p.window_left;  // the first row's first
-        kv_lo = max(first_key, 0) / C::kBc;
-        below_keys = first_key + q_rows - 1;
-    }
-    // This CTA's KV blocks: [kv_begin, n_blocks). A split past the causal diagonal (or the
-    // end of a short sequence, or before the window) gets none and writes O = 0, lse = -inf,
-    // which the combine weights by zero. The last split takes every block left, so a packed
-    // sequence longer than the seqlen_k the splits were sized for still sees all of its keys.
-    int kv_begin = kv_lo;
-    if constexpr (kSplit) {
-        // The runs cover the CTA's blocks from kv_lo (the host sizes them over the window).
-        const int split_begin = kv_lo + split * p.kv_blocks_per_split;
-        kv_begin = split_begin;
-        if (split < p.n_splits - 1) n_blocks = min(n_blocks, split_begin + p.kv_blocks_per_split);
-    }
+    const KvRange range = kv_range<C, kSplit>(p, seq, q_row0, q_rows, split);
+    const int kv_begin = range.begin, n_blocks = range.end;
+    const int mask_from = range.mask_from, below_keys = range.below_keys;
 
     using QCopy = TileCopy<C, C::kBr>;
     using KvCopy = TileCopy<C, C::kBc>;
@@ -333,13 +287,21 @@ __device__ __forceinline__ void combine_splits(const Params& p) {
 extern "C" __global__ void __launch_bounds__(cudaflash::KernelConfig::kThreads,
                                               cudaflash::KernelConfig::kMinCtasPerSm)
     cudaflash_fwd(const __grid_constant__ cudaflash::Params p) {
-    cudaflash::flash_fwd<cudaflash::KernelConfig, false>(p);
+    if constexpr (cudaflash::KernelConfig::kWarpSpecialized) {
+        cudaflash::flash_fwd_ws<cudaflash::KernelConfig, false>(p);
+    } else {
+        cudaflash::flash_fwd<cudaflash::KernelConfig, false>(p);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(cudaflash::KernelConfig::kThreads,
                                               cudaflash::KernelConfig::kMinCtasPerSm)
     cudaflash_fwd_split(const __grid_constant__ cudaflash::Params p) {
-    cudaflash::flash_fwd<cudaflash::KernelConfig, true>(p);
+    if constexpr (cudaflash::KernelConfig::kWarpSpecialized) {
+        cudaflash::flash_fwd_ws<cudaflash::KernelConfig, true>(p);
+    } else {
+        cudaflash::flash_fwd<cudaflash::KernelConfig, true>(p);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(cudaflash::kCombineThreads)

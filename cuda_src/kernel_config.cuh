@@ -8,7 +8,7 @@
 //        -DCF_ASYNC_COPY=1 -DCF_EAGER_LOAD_BLOCKS=1 -DCF_SWIZZLED=1 -DCF_Q_FRAGS=2 \
 //        -DCF_K_FRAGS=2 -DCF_V_FRAGS=0 -DCF_DOUBLE_BUFFER=1 -DCF_OPTIMIZED_SOFTMAX=1 \
 //        -DCF_MIN_CTAS_PER_SM=1 -DCF_WGMMA=0 -DCF_EXP2_SOFTMAX=1 -DCF_KV_REVERSE=1 \
-//        -DCF_D_HEAD_TILED=1 -DCF_O_STORE_CACHE=0 \
+//        -DCF_D_HEAD_TILED=1 -DCF_O_STORE_CACHE=0 -DCF_WARP_SPECIALIZED=0 \
 //        cuda_src/flash_fwd.cu -o fwd.cubin
 // (wgmma configs: -gencode arch=compute_90a,code=sm_90a; Hopper only)
 #pragma once
@@ -23,7 +23,8 @@
     !defined(CF_SWIZZLED) || !defined(CF_Q_FRAGS) || !defined(CF_K_FRAGS) ||                      \
     !defined(CF_V_FRAGS) || !defined(CF_DOUBLE_BUFFER) || !defined(CF_OPTIMIZED_SOFTMAX) ||  \
     !defined(CF_MIN_CTAS_PER_SM) || !defined(CF_WGMMA) || !defined(CF_EXP2_SOFTMAX) ||        \
-    !defined(CF_KV_REVERSE) || !defined(CF_D_HEAD_TILED) || !defined(CF_O_STORE_CACHE)
+    !defined(CF_KV_REVERSE) || !defined(CF_D_HEAD_TILED) || !defined(CF_O_STORE_CACHE) ||   \
+    !defined(CF_WARP_SPECIALIZED)
 #error "define every CF_* macro: see cudaflash.config.KernelConfig.nvcc_defines()"
 #endif
 
@@ -63,10 +64,16 @@ struct KernelConfig {
     // Shared tiles as (rows, 64) slabs (else whole rows of d_head elements): smem_layout.cuh.
     static constexpr bool kDHeadTiled = CF_D_HEAD_TILED;
     static constexpr StoreCache kOStoreCache = StoreCache(CF_O_STORE_CACHE);
+    // A producer warpgroup loads Q and a ring of K/V stages for kWarps consumer warps
+    // (fwd_warp_specialized.cuh); kWarps counts the consumers only.
+    static constexpr bool kWarpSpecialized = CF_WARP_SPECIALIZED;
+    static constexpr int kKvStages = kWarpSpecialized ? 2 : 1;
 
     using elem_t = std::conditional_t<kBf16, __nv_bfloat16, __half>;
 
-    static constexpr int kThreads = 32 * kWarps;
+    static constexpr int kThreads = 32 * kWarps + (kWarpSpecialized ? 128 : 0);
+    // The threads that copy tiles between global and shared memory: all, or the producer's.
+    static constexpr int kCopyThreads = kWarpSpecialized ? 128 : kThreads;
     static constexpr int kRowsPerWarp = kBr / kWarps;
     static constexpr int kMTiles = kRowsPerWarp / 16;  // m16 tiles per warp
     static constexpr int kSlab = 64;                   // smem/gmem copies work in 64-column slabs
@@ -79,7 +86,7 @@ struct KernelConfig {
     static constexpr int slab_pitch_bytes(int rows) {
         return kDHeadTiled ? rows * kSlabRowBytes : kSlabRowBytes;
     }
-    static constexpr int kRowsPerCopyPass = kThreads / 8;  // 8 threads x 16 B cover one slab row
+    static constexpr int kRowsPerCopyPass = kCopyThreads / 8;  // 8 threads x 16 B: a slab row
 
     static constexpr int kDSlices = kDHead / 16;  // k16 slices of the QK^T reduction
     static constexpr int kKvSlices = kBc / 16;    // k16 slices of the PV reduction
@@ -119,6 +126,10 @@ struct KernelConfig {
                   "o_store_cache must be 0 (default), 1 (streaming) or 2 (no_allocate)");
     static_assert(kDHeadTiled || (kDHead > 64 && !kWgmma),
                   "d_head_tiled=0 needs d_head >= 128 (one slab at 64) and no wgmma");
+    static_assert(!kWarpSpecialized || (kWgmma && kWarps == 8 && kMinCtasPerSm == 1 &&
+                                        kEagerLoad),
+                  "warp_specialized: wgmma, n_warps = 8 (two consumer warpgroups), "
+                  "min_ctas_per_sm = 1, eager_load_blocks");
 #if CF_WGMMA && defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "wgmma configs compile for sm_90a only: -gencode arch=compute_90a,code=sm_90a"
 #endif

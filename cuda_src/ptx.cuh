@@ -115,4 +115,51 @@ __device__ __forceinline__ void pack_a_fragments(uint32_t (&a)[kM][kNTiles / 2][
         }
 }
 
+// ---- Hopper (sm_90) synchronization of the warp-specialized forward kernel ----------------
+
+// mbarrier: a 64-bit shared-memory barrier with an arrival count and a phase bit. A phase
+// completes when `count` arrivals have been made; waiters name the parity of the phase they
+// wait for (a fresh barrier is in phase 0, and a wait for parity 1 returns at once).
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count)
+                 : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, int parity) {
+    asm volatile(
+        "{\n.reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+
+// Named barriers 1..15 (0 is __syncthreads): sync waits until `threads` threads have arrived,
+// arrive counts this warp in without waiting. Both count whole warps.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// cp.async groups: wait until at most kPending of this thread's groups are in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// setmaxnreg (sm_90a): this warpgroup's registers per thread move to kRegs (a multiple of 8 in
+// 24..256), giving them back to the CTA's pool (dec) or taking them from it (inc).
+template <int kRegs>
+__device__ __forceinline__ void warpgroup_reg_dealloc() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void warpgroup_reg_alloc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
 }  // namespace cudaflash

@@ -64,6 +64,32 @@ struct WarpgroupGemm {
         wgmma_fence_operands(s);
     }
 
+    // The warp-specialized kernel's halves of qk and pv: issue a GEMM without waiting for it,
+    // on the K or V stage `stage_bytes` past the first (its K/V ring). The caller commits,
+    // waits (wgmma_commit, wgmma_wait) and fences the accumulators; P (packed once by the
+    // caller) must stay untouched until then.
+    __device__ __forceinline__ void qk_issue(float (&s)[C::kSTiles * 4],
+                                             uint32_t stage_bytes) const {
+#pragma unroll
+        for (int ks = 0; ks < C::kDSlices; ++ks) {
+            const uint32_t slice = (ks % 4) * 32;
+            wgmma_ss<C::kBc, C::kBf16>(
+                s, desc(kQkFields, q_start, (ks / 4) * C::kBr * kSlabRowBytes + slice),
+                desc(kQkFields, k_start,
+                     stage_bytes + (ks / 4) * C::kBc * kSlabRowBytes + slice),
+                ks > 0);
+        }
+    }
+    __device__ __forceinline__ void pv_issue(float (&o)[C::kOTiles * 4],
+                                             const uint32_t (&p)[C::kKvSlices][4],
+                                             uint32_t stage_bytes) const {
+#pragma unroll
+        for (int ks = 0; ks < C::kKvSlices; ++ks) {
+            wgmma_rs<C::kDHead, C::kBf16>(
+                o, p[ks], desc(kVFields, v_start, stage_bytes + ks * 16 * kSlabRowBytes), 1);
+        }
+    }
+
     // O += P V with P = S rounded to 16 bits. k16 slice ks of V is rows 16ks..16ks+15 (two
     // swizzle atoms), read transposed (MN-major).
     __device__ __forceinline__ void pv(float (&O)[1][C::kOTiles][4],

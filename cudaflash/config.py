@@ -45,6 +45,16 @@ appear in the name only when they differ from it:
 - ``o_store_cache`` (seed step 14): the cache hint of O's global stores: ``default`` (plain
   st.global), ``streaming`` (st.global.cs: evict first, name suffix ``_ocs``) or
   ``no_allocate`` (st.global.L1::no_allocate, the seed's choice, ``_ona``).
+
+One Hopper knob beyond the seed, also optional (default false):
+
+- ``warp_specialized``: a producer warpgroup (128 threads more than ``n_warps`` count) loads
+  Q and a two-stage ring of K/V blocks with cp.async and mbarriers, while two consumer
+  warpgroups (``n_warps`` = 8, B_r = 128) take turns on the tensor cores (named barriers:
+  one's GEMMs run under the other's softmax) and issue P V of the previous block with
+  Q K^T of the current one; ``setmaxnreg`` moves registers from the producer to them
+  (cuda_src/fwd_warp_specialized.cuh; name suffix ``_ws``). Needs wgmma, eager loads and
+  min_ctas_per_sm = 1.
 """
 
 from __future__ import annotations
@@ -124,6 +134,7 @@ class KernelConfig:
     kv_reverse: bool = True
     d_head_tiled: bool = True
     o_store_cache: str = "default"
+    warp_specialized: bool = False
 
     # The translation unit under cuda_src/ and the extern "C" entries every module of this
     # family exports (build_cubins.py checks the ptxas report and the PTX against them).
@@ -148,16 +159,31 @@ class KernelConfig:
             + ("" if self.kv_reverse else "_kvfwd")
             + ("" if self.d_head_tiled else "_untiled")
             + _O_STORE_TOKEN.get(self.o_store_cache, "")
+            + ("_ws" if self.warp_specialized else "")
         )
 
     @property
     def threads(self) -> int:
-        return 32 * self.n_warps
+        """Per CTA: the n_warps computing warps, and a producer warpgroup when warp
+        specialized."""
+        return 32 * self.n_warps + (128 if self.warp_specialized else 0)
+
+    @property
+    def kv_stages(self) -> int:
+        """K/V blocks resident in shared memory at once (the producer's ring)."""
+        return 2 if self.warp_specialized else 1
+
+    @property
+    def copy_threads(self) -> int:
+        """The threads that copy tiles: all of them, or the producer warpgroup."""
+        return 128 if self.warp_specialized else self.threads
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: one Q block (reused for O) plus one K and one V block."""
-        return (self.B_r + 2 * self.B_c) * self.d_head * ELEMENT_BYTES
+        """Dynamic shared memory: one Q block (reused for O) plus kv_stages K and V blocks,
+        and the warp-specialized kernel's mbarriers (kWsBarrierBytes)."""
+        tiles = (self.B_r + 2 * self.kv_stages * self.B_c) * self.d_head * ELEMENT_BYTES
+        return tiles + (128 if self.warp_specialized else 0)
 
     def fits_arch(self, arch: int) -> bool:
         return self.smem_bytes <= ARCH_SMEM_LIMIT[arch]
@@ -200,6 +226,7 @@ class KernelConfig:
             "CF_KV_REVERSE": int(self.kv_reverse),
             "CF_D_HEAD_TILED": int(self.d_head_tiled),
             "CF_O_STORE_CACHE": O_STORE_CACHE.index(self.o_store_cache),  # validated
+            "CF_WARP_SPECIALIZED": int(self.warp_specialized),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -231,10 +258,10 @@ class KernelConfig:
                            f"(each warp owns whole 16-row mma tiles); n_warps={self.n_warps}")
             # One cooperative global->shared pass covers threads/8 rows (8 threads x 16 bytes
             # per 64-column row slab), so block heights must be multiples of it.
-            rows_per_pass = self.threads // 8
+            rows_per_pass = self.copy_threads // 8
             if self.B_c in B_C_VALUES and self.B_c % rows_per_pass:
                 bad("B_c", f"must be a multiple of {rows_per_pass} rows (one copy pass of "
-                           f"{self.n_warps} warps)")
+                           f"{self.copy_threads // 32} warps)")
         for field, k_dim in (("Q_mma_load_K_fragments", self.d_head),
                              ("K_mma_load_K_fragments", self.d_head),
                              ("V_mma_load_K_fragments", self.B_c)):
@@ -276,6 +303,13 @@ class KernelConfig:
                 if getattr(self, field):
                     bad(field, "must be 0 with wgmma (the tensor cores read shared memory; "
                                "there are no fragments to load)")
+        if self.warp_specialized:
+            wrong = [f for f, ok in (("wgmma", self.wgmma), ("n_warps", self.n_warps == 8),
+                                     ("min_ctas_per_sm", self.min_ctas_per_sm == 1),
+                                     ("eager_load_blocks", self.eager_load_blocks)) if not ok]
+            for field in wrong:
+                bad(field, "warp_specialized needs wgmma=True, n_warps=8 (two consumer "
+                           "warpgroups), min_ctas_per_sm=1 and eager_load_blocks=True")
         if self.o_store_cache not in O_STORE_CACHE:
             bad("o_store_cache", f"must be one of {list(O_STORE_CACHE)}")
         if not self.d_head_tiled:
@@ -326,6 +360,7 @@ class KernelConfig:
         data["d_head_tiled"] = g["untiled"] is None
         data["o_store_cache"] = {None: "default", "cs": "streaming", "na": "no_allocate"}[
             g["ostore"]]
+        data["warp_specialized"] = g["ws"] is not None
         return cls.from_dict(data, where=f"config name {name!r}")
 
 
@@ -336,8 +371,9 @@ _NAME_RE = re.compile(
     r"v(?P<V_mma_load_K_fragments>\d+)"
     r"_dbuf(?P<mma_double_buffer_loads>[01])_osm(?P<optimized_softmax>[01])"
     r"_ctas(?P<min_ctas_per_sm>\d+)_wgmma(?P<wgmma>[01])"
-    r"(?P<natexp>_natexp)?(?P<kvfwd>_kvfwd)?(?P<untiled>_untiled)?(?:_o(?P<ostore>cs|na))?")
-_NAME_SUFFIXES = ("natexp", "kvfwd", "untiled", "ostore")  # the optional name tokens
+    r"(?P<natexp>_natexp)?(?P<kvfwd>_kvfwd)?(?P<untiled>_untiled)?(?:_o(?P<ostore>cs|na))?"
+    r"(?P<ws>_ws)?")
+_NAME_SUFFIXES = ("natexp", "kvfwd", "untiled", "ostore", "ws")  # the optional name tokens
 
 
 BWD_D_HEADS = (64, 128)

@@ -3,7 +3,7 @@
 Compiles the real cuda_src/flash_fwd.cu for sm_90 once per field: a base config and, for each
 field, the base with only that field changed (each variant is itself a valid config). The
 machine code with the variant must differ from the base's. CPU only; needs nvcc (skipped with
-the reason when it is missing). 21 compiles of about 1 s each.
+the reason when it is missing). 23 compiles of about 1 s each.
 """
 
 import dataclasses
@@ -34,10 +34,14 @@ CHANGED = {  # field -> another value that keeps the config valid
     "wgmma": True,  # against WGMMA_BASE below: BASE's fragment fields do not apply to wgmma
     "exp2_softmax": False, "kv_reverse": False, "d_head_tiled": False,
     "o_store_cache": "no_allocate",
+    "warp_specialized": True,  # against WS_BASE below: it needs wgmma and eager loads
 }
 # wgmma needs 16 rows per warp and no fragment loading, so its variant changes from this base.
 WGMMA_BASE = dataclasses.replace(BASE, n_warps=8, K_mma_load_K_fragments=0,
                                  V_mma_load_K_fragments=0, mma_double_buffer_loads=False)
+WS_BASE = dataclasses.replace(WGMMA_BASE, wgmma=True, eager_load_blocks=True)
+BASE_OF = {"wgmma": "wgmma_base", "warp_specialized": "ws_base"}  # the rest vary BASE
+BASES = {"base": BASE, "wgmma_base": WGMMA_BASE, "ws_base": WS_BASE}
 
 
 def test_every_field_has_a_variant():
@@ -48,9 +52,9 @@ def test_every_field_has_a_variant():
 def test_each_field_changes_the_machine_code(tmp_path):
     # "again" compiles the base a second time: nvcc is deterministic, so equal code gives equal
     # bytes, and a field whose change leaves the bytes equal changed nothing.
-    variants = {"base": BASE, "again": BASE, "wgmma_base": WGMMA_BASE}
+    variants = {"again": BASE, **BASES}
     for field, value in CHANGED.items():
-        cfg = dataclasses.replace(WGMMA_BASE if field == "wgmma" else BASE, **{field: value})
+        cfg = dataclasses.replace(BASES[BASE_OF.get(field, "base")], **{field: value})
         assert not cfg.errors(), (field, cfg.errors())
         variants[field] = cfg
 
@@ -66,5 +70,5 @@ def test_each_field_changes_the_machine_code(tmp_path):
         code = dict(pool.map(compile_one, variants.items()))
     assert code["again"] == code["base"], "nvcc output is not deterministic: compare differently"
     same = [field for field in CHANGED
-            if code[field] == code["wgmma_base" if field == "wgmma" else "base"]]
+            if code[field] == code[BASE_OF.get(field, "base")]]
     assert not same, f"changing these fields does not change the kernel: {same}"

@@ -1,0 +1,73 @@
+// Which rows and KV blocks one forward CTA works on: the batch entry's sequence (padded or
+// packed batch) and the range of KV blocks its rows can see. Shared by both forward kernels
+// (flash_fwd.cu and fwd_warp_specialized.cuh).
+#pragma once
+#include "params.cuh"
+
+namespace cudaflash {
+
+// One batch entry's sequence: its query rows and keys, and where they start along the seq
+// dimension of q/o and k/v (0 unless the batch is packed: Params::cu_seqlens_q). A padded
+// batch may give each entry's key count (Params::cu_seqlens_k without cu_seqlens_q).
+struct Sequence {
+    int len_q, len_k;
+    int start_q, start_k;
+};
+
+__device__ __forceinline__ Sequence sequence(const Params& p, int batch) {
+    if (p.cu_seqlens_q == nullptr) {
+        if (p.cu_seqlens_k == nullptr) return {p.seqlen_q, p.seqlen_k, 0, 0};
+        return {p.seqlen_q, min(max(p.cu_seqlens_k[batch], 0), p.seqlen_k), 0, 0};
+    }
+    const int q0 = min(max(p.cu_seqlens_q[batch], 0), p.total_q);
+    const int q1 = min(max(p.cu_seqlens_q[batch + 1], q0), p.total_q);
+    const int k0 = min(max(p.cu_seqlens_k[batch], 0), p.total_k);
+    const int k1 = min(max(p.cu_seqlens_k[batch + 1], k0), p.total_k);
+    return {q1 - q0, k1 - k0, q0, k0};
+}
+
+// The KV blocks one CTA (query rows [q_row0, q_row0 + q_rows) of a sequence) works on:
+// [begin, end). Blocks >= mask_from and blocks starting before key below_keys hold a key that
+// some row must not see (the seqlen_k tail, keys right of the causal diagonal or of the
+// window, keys left of it), so their scores are masked.
+struct KvRange {
+    int begin, end, mask_from, below_keys;
+};
+
+template <class C, bool kSplit>
+__device__ __forceinline__ KvRange kv_range(const Params& p, const Sequence& seq, int q_row0,
+                                            int q_rows, int split) {
+    // Blocks [kv_lo, n_blocks) are visible to some row of this CTA.
+    const int causal_shift = seq.len_k - seq.len_q;
+    const int n_kv = (seq.len_k + C::kBc - 1) / C::kBc;
+    int n_blocks = n_kv;
+    int mask_from = seq.len_k % C::kBc ? n_kv - 1 : n_kv;
+    if (p.window_right >= 0) {  // causal: window_right = 0
+        const int last_key = q_row0 + q_rows - 1 + causal_shift + p.window_right;  // last row's
+        n_blocks = last_key < 0 ? 0 : min(n_kv, last_key / C::kBc + 1);
+        const int first_row_keys = q_row0 + causal_shift + p.window_right + 1;  // [0, this)
+        mask_from = min(mask_from, max(first_row_keys, 0) / C::kBc);
+    }
+    // With a left bound, blocks before the first row's first key are not loaded, and blocks
+    // that start before the last row's first key (below_keys) are masked.
+    int kv_lo = 0, below_keys = 0;
+    if (p.window_left >= 0) {
+        const int first_key = q_row0 + causal_shift - p.window_left;  // the first row's first
+        kv_lo = max(first_key, 0) / C::kBc;
+        below_keys = first_key + q_rows - 1;
+    }
+    // This CTA's KV blocks: [kv_begin, n_blocks). A split past the causal diagonal (or the
+    // end of a short sequence, or before the window) gets none and writes O = 0, lse = -inf,
+    // which the combine weights by zero. The last split takes every block left, so a packed
+    // sequence longer than the seqlen_k the splits were sized for still sees all of its keys.
+    int kv_begin = kv_lo;
+    if constexpr (kSplit) {
+        // The runs cover the CTA's blocks from kv_lo (the host sizes them over the window).
+        const int split_begin = kv_lo + split * p.kv_blocks_per_split;
+        kv_begin = split_begin;
+        if (split < p.n_splits - 1) n_blocks = min(n_blocks, split_begin + p.kv_blocks_per_split);
+    }
+    return {kv_begin, n_blocks, mask_from, below_keys};
+}
+
+}  // namespace cudaflash

@@ -1,0 +1,293 @@
+// The warp-specialized forward kernel on Hopper (config field warp_specialized; sm_90a), the
+// FlashAttention-3 structure on cp.async instead of TMA:
+//
+//   warpgroup 0, the producer: loads Q, then each KV block's K and V into a ring of kKvStages
+//     shared-memory stages, ahead of the consumers by up to the ring's depth. It waits for
+//     its own copies, fences them for the tensor cores (async proxy) and signals a "full"
+//     mbarrier per tile; it reuses a stage once its "empty" mbarrier says every consumer warp
+//     is done with it. It needs few registers and gives the rest away (setmaxnreg).
+//   warpgroups 1 and 2, the consumers: 64 query rows each (B_r = 128), the same softmax and
+//     epilogue as flash_fwd. Each step issues P V of the previous block together with Q K^T
+//     of this one, waits, then runs this block's softmax. Named barriers make the two take
+//     turns issuing (ping-pong), so one's GEMMs run while the other computes its softmax.
+//
+// Why: the 64-row one-warpgroup kernel re-reads each K/V block per 64 rows and spends its
+// issue slots on copy addresses next to the softmax (docs/perf-log.md, "v6 profile"); here a
+// block serves 128 rows and the addresses are the producer's.
+#pragma once
+#include "copy.cuh"
+#include "fwd_range.cuh"
+#include "kernel_config.cuh"
+#include "params.cuh"
+#include "ptx.cuh"
+#include "softmax.cuh"
+#include "warpgroup_gemm.cuh"
+
+#include <type_traits>
+
+namespace cudaflash {
+
+// Dynamic shared memory after the tiles for the mbarriers (KernelConfig.smem_bytes).
+constexpr int kWsBarrierBytes = 128;
+// Registers per thread after setmaxnreg: 128 * 56 + 256 * 224 = 64512 of the SM's 65536 (at
+// 40 the producer's copy addresses spilled).
+constexpr int kProducerRegs = 56;
+constexpr int kConsumerRegs = 224;
+// Named barriers (0 is __syncthreads): the consumers' turns, then each one's epilogue.
+constexpr int kTurnBarrier = 1;      // + consumer warpgroup (0 or 1)
+constexpr int kEpilogueBarrier = 3;  // + consumer warpgroup
+
+// The producer's copy of a (kRows, d_head) tile by its 128 threads: TileCopy::load's layout
+// and zero-filled rows at or past valid_rows, with the pass loop left rolled. Unrolled, ptxas
+// keeps every pass's 64-bit source address live at once, which spills at the producer's
+// register budget.
+template <class C, int kRows>
+__device__ __forceinline__ void producer_load(typename C::elem_t* smem,
+                                              const typename C::elem_t* gmem,
+                                              int64_t row_stride, int valid_rows,
+                                              unsigned tid) {
+    const int chunk = tid % 8;
+#pragma unroll 1
+    for (int row = tid / 8; row < kRows; row += 16) {
+        const bool valid = row < valid_rows;
+        // A masked row still needs an address; row 0 always exists.
+        const typename C::elem_t* src = gmem + (valid ? row * row_stride : 0) + chunk * 8;
+#pragma unroll
+        for (int slab = 0; slab < C::kSlabs; ++slab)
+            cp_async_16(smem_addr(smem + SmemTile<C>::template offset<kRows>(row, slab * 8 + chunk)),
+                        src + slab * C::kSlab, valid ? 16 : 0);
+    }
+}
+
+template <class C, bool kSplit>
+__device__ __forceinline__ void flash_fwd_ws(const Params& p) {
+    using elem_t = typename C::elem_t;
+    static_assert(C::kWarpSpecialized && C::kWgmma && C::kWarps == 8 && C::kMTiles == 1,
+                  "two consumer warpgroups of 64 rows on wgmma");
+    constexpr int kStages = C::kKvStages;
+    constexpr int kConsumerThreads = 32 * C::kWarps;
+    constexpr int kWarpgroupRows = 64;
+    constexpr uint32_t kStageBytes = C::kBc * C::kDHead * sizeof(elem_t);
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    elem_t* sQ = reinterpret_cast<elem_t*>(smem);      // (B_r, d_head); holds O at the end
+    elem_t* sK = sQ + C::kBr * C::kDHead;              // kStages x (B_c, d_head)
+    elem_t* sV = sK + kStages * C::kBc * C::kDHead;    // kStages x (B_c, d_head)
+    // The mbarriers, after the tiles (kBarrierBytes; cudaflash.config counts them). full: the
+    // producer's 128 threads arrive when their copies of the tile have landed. empty: lane 0
+    // of each consumer warp arrives when its warpgroup's GEMM has read it.
+    uint64_t* bars = reinterpret_cast<uint64_t*>(sV + kStages * C::kBc * C::kDHead);
+    uint64_t& q_full = bars[0];
+    uint64_t* k_full = bars + 1;
+    uint64_t* v_full = k_full + kStages;
+    uint64_t* k_empty = v_full + kStages;
+    uint64_t* v_empty = k_empty + kStages;
+    static_assert(8 * (1 + 4 * kStages) <= kWsBarrierBytes, "the barriers fit their bytes");
+
+    const int q_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int head = blockIdx.y;
+    const int batch = kSplit ? blockIdx.z / p.n_splits : blockIdx.z;
+    const int split = kSplit ? blockIdx.z % p.n_splits : 0;
+    const int head_k = head / (p.n_heads / p.n_heads_k);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+
+    const Sequence seq = sequence(p, batch);
+    const int q_row0 = q_block * C::kBr;
+    if (q_row0 >= seq.len_q) return;  // the whole CTA, before any barrier
+    const int q_rows = min(C::kBr, seq.len_q - q_row0);
+    const KvRange range = kv_range<C, kSplit>(p, seq, q_row0, q_rows, split);
+    const int n_steps = max(range.end - range.begin, 0);
+    // The KV block of step i: last to first (kv_reverse) or first to last.
+    auto block_of = [&](int i) { return C::kKvReverse ? range.end - 1 - i : range.begin + i; };
+
+    if (threadIdx.x == 0) {
+        mbarrier_init(&q_full, 128);
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+            mbarrier_init(&k_full[s], 128);
+            mbarrier_init(&v_full[s], 128);
+            mbarrier_init(&k_empty[s], C::kWarps);
+            mbarrier_init(&v_empty[s], C::kWarps);
+        }
+    }
+    __syncthreads();
+
+    if (warp < 4) {
+        // ---- producer -----------------------------------------------------------------
+        warpgroup_reg_dealloc<kProducerRegs>();
+        const unsigned tid = threadIdx.x;
+        const elem_t* q = static_cast<const elem_t*>(p.q) + batch * p.q_batch_stride +
+                          head * p.q_head_stride + int64_t(seq.start_q + q_row0) * p.q_seq_stride;
+        const elem_t* k = static_cast<const elem_t*>(p.k) + batch * p.k_batch_stride +
+                          head_k * p.k_head_stride + int64_t(seq.start_k) * p.k_seq_stride;
+        const elem_t* v = static_cast<const elem_t*>(p.v) + batch * p.v_batch_stride +
+                          head_k * p.v_head_stride + int64_t(seq.start_k) * p.v_seq_stride;
+        producer_load<C, C::kBr>(sQ, q, p.q_seq_stride, q_rows, tid);
+        cp_async_commit();
+        // Each tile's copies are one cp.async group; waiting for all but the newest group
+        // lands the previous tile while the next one is in flight.
+        uint64_t* landed = &q_full;  // the tile the previous group holds
+        for (int i = 0; i < n_steps; ++i) {
+            const int stage = i % kStages;
+            const int reuse = ((i / kStages) & 1) ^ 1;  // parity of the stage's last release
+            const int block = block_of(i);
+            const int64_t key0 = int64_t(block) * C::kBc;
+            const int valid = seq.len_k - block * C::kBc;
+            mbarrier_wait(&k_empty[stage], reuse);
+            producer_load<C, C::kBc>(sK + stage * C::kBc * C::kDHead, k + key0 * p.k_seq_stride,
+                                     p.k_seq_stride, valid, tid);
+            cp_async_commit();
+            cp_async_wait<1>();
+            fence_proxy_async_shared();
+            mbarrier_arrive(landed);
+            mbarrier_wait(&v_empty[stage], reuse);
+            producer_load<C, C::kBc>(sV + stage * C::kBc * C::kDHead, v + key0 * p.v_seq_stride,
+                                     p.v_seq_stride, valid, tid);
+            cp_async_commit();
+            cp_async_wait<1>();
+            fence_proxy_async_shared();
+            mbarrier_arrive(&k_full[stage]);
+            landed = &v_full[stage];
+        }
+        cp_async_wait<0>();
+        fence_proxy_async_shared();
+        mbarrier_arrive(landed);
+        return;
+    }
+
+    // ---- consumers ----------------------------------------------------------------------
+    warpgroup_reg_alloc<kConsumerRegs>();
+    const int cwarp = warp - 4;                 // consumer warp: rows 16 * cwarp of the CTA
+    const int wg = cwarp / 4;                   // consumer warpgroup
+    const int row0 = cwarp * C::kRowsPerWarp;   // this warp's first row in the CTA's tile
+    WarpgroupGemm<C> gemm(sQ, sK, sV, cwarp, lane);
+
+    float O[1][C::kOTiles][4];
+#pragma unroll
+    for (int nd = 0; nd < C::kOTiles; ++nd)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) O[0][nd][e] = 0.f;
+    float S[1][C::kSTiles][4];
+    uint32_t P[1][C::kKvSlices][4];  // the previous block's probabilities, 16-bit
+    float(&s_acc)[C::kSTiles * 4] = reinterpret_cast<float(&)[C::kSTiles * 4]>(S);
+    float(&o_acc)[C::kOTiles * 4] = reinterpret_cast<float(&)[C::kOTiles * 4]>(O);
+    OnlineSoftmax<C> softmax;
+    const float scale = OnlineSoftmax<C>::score_scale(p.scale_log2);
+
+    mbarrier_wait(&q_full, 0);
+    // Consumer warpgroup 0 issues first: warpgroup 1 lets it through once. Each turn then
+    // hands over to the other (warpgroup 1's last hand-over has no taker and is skipped, so
+    // every arrival meets a sync).
+    if (wg == 1 && n_steps > 0) named_barrier_arrive(kTurnBarrier + 0, kConsumerThreads);
+
+    // Step i; the first has no previous block (kFirst: a compile-time fact, so that no wgmma
+    // sits on a branch, which makes ptxas serialize them all).
+    auto step = [&](int i, auto first_tag) {
+        constexpr bool kFirst = decltype(first_tag)::value;
+        const int stage = i % kStages;
+        const int prev = (i + kStages - 1) % kStages;  // the previous block's stage
+        mbarrier_wait(&k_full[stage], (i / kStages) & 1);
+        if (!kFirst) mbarrier_wait(&v_full[prev], ((i - 1) / kStages) & 1);
+        named_barrier_sync(kTurnBarrier + wg, kConsumerThreads);
+        wgmma_fence_operands(o_acc);
+        wgmma_fence_operands(s_acc);
+        wgmma_fence();
+        if constexpr (!kFirst) gemm.pv_issue(o_acc, P[0], prev * kStageBytes);
+        gemm.qk_issue(s_acc, stage * kStageBytes);
+        wgmma_commit();
+        if (wg == 0 || i < n_steps - 1)
+            named_barrier_arrive(kTurnBarrier + (wg ^ 1), kConsumerThreads);
+        wgmma_wait<0>();
+        wgmma_fence_operands(o_acc);
+        wgmma_fence_operands(s_acc);
+        if (lane == 0) {
+            mbarrier_arrive(&k_empty[stage]);
+            if (!kFirst) mbarrier_arrive(&v_empty[prev]);
+        }
+        const int block = block_of(i);
+        if (block >= range.mask_from || block * C::kBc < range.below_keys)
+            OnlineSoftmax<C>::mask(S, block * C::kBc, q_row0 + row0, seq.len_q, seq.len_k,
+                                   p.window_left, p.window_right, lane);
+        softmax.template update<kFirst && C::kOptimizedSoftmax>(S, O, scale);
+        pack_a_fragments<C::kBf16>(P, S);
+    };
+    if (n_steps > 0) step(0, std::true_type{});
+    for (int i = 1; i < n_steps; ++i) step(i, std::false_type{});
+    if (n_steps > 0) {  // the last block's P V
+        const int last = (n_steps - 1) % kStages;
+        mbarrier_wait(&v_full[last], ((n_steps - 1) / kStages) & 1);
+        wgmma_fence_operands(o_acc);
+        wgmma_fence();
+        gemm.pv_issue(o_acc, P[0], last * kStageBytes);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(o_acc);
+    }
+
+    float lse[1][2];
+    softmax.finalize(O, lse);
+    auto acc_row = [&](int r) { return row0 + lane / 4 + 8 * r; };  // the CTA row of (r)
+
+    if constexpr (kSplit) {
+        // As flash_fwd: float32 partial results straight from registers.
+        const int64_t split_row0 =
+            ((int64_t(split) * p.batch + batch) * p.n_heads + head) * p.seqlen_q;
+        const int rows_written = min(seq.len_q, p.seqlen_q);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = q_row0 + acc_row(r);
+            if (row >= rows_written) continue;
+            if (lane % 4 == 0) p.lse_accum[split_row0 + row] = lse[0][r];
+            float* o_row = p.o_accum + (split_row0 + row) * C::kDHead + 2 * (lane % 4);
+#pragma unroll
+            for (int nd = 0; nd < C::kOTiles; ++nd)
+                *reinterpret_cast<float2*>(o_row + nd * 8) =
+                    make_float2(O[0][nd][2 * r], O[0][nd][2 * r + 1]);
+        }
+        return;
+    }
+
+    if (p.lse != nullptr && lane % 4 == 0) {
+        float* lse_row = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride +
+                         seq.start_q;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = q_row0 + acc_row(r);
+            if (row < seq.len_q) lse_row[row] = lse[0][r];
+        }
+    }
+
+    // O -> shared (over this warpgroup's own Q rows: only its GEMMs read them, and they are
+    // done) -> global in 16-byte coalesced stores by the warpgroup's 128 threads.
+#pragma unroll
+    for (int nd = 0; nd < C::kOTiles; ++nd)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            elem_t* dst = sQ + SmemTile<C>::template offset<C::kBr>(acc_row(r), nd) +
+                          2 * (lane % 4);
+            *reinterpret_cast<uint32_t*>(dst) =
+                pack_2<C::kBf16>(O[0][nd][2 * r], O[0][nd][2 * r + 1]);
+        }
+    named_barrier_sync(kEpilogueBarrier + wg, 128);
+    elem_t* o = static_cast<elem_t*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
+                int64_t(seq.start_q + q_row0) * p.o_seq_stride;
+    const int wtid = threadIdx.x % 128;
+    const int chunk = wtid % 8;
+#pragma unroll
+    for (int slab = 0; slab < C::kSlabs; ++slab)
+#pragma unroll
+        for (int pass = 0; pass < kWarpgroupRows / 16; ++pass) {
+            const int row = wg * kWarpgroupRows + wtid / 8 + pass * 16;
+            if (row < q_rows) {
+                const uint4 val = *reinterpret_cast<const uint4*>(
+                    sQ + SmemTile<C>::template offset<C::kBr>(row, slab * 8 + chunk));
+                st_global_16<C::kOStoreCache>(
+                    reinterpret_cast<uint4*>(o + row * p.o_seq_stride + slab * C::kSlab +
+                                             chunk * 8),
+                    val);
+            }
+        }
+}
+
+}  // namespace cudaflash
