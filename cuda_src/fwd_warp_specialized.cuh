@@ -7,9 +7,10 @@
 //     mbarrier per tile; it reuses a stage once its "empty" mbarrier says every consumer warp
 //     is done with it. It needs few registers and gives the rest away (setmaxnreg).
 //   warpgroups 1 and 2, the consumers: 64 query rows each (B_r = 128), the same softmax and
-//     epilogue as flash_fwd. Each step issues P V of the previous block together with Q K^T
-//     of this one, waits, then runs this block's softmax. Named barriers make the two take
-//     turns issuing (ping-pong), so one's GEMMs run while the other computes its softmax.
+//     epilogue as flash_fwd. Each step issues Q K^T of this block and P V of the previous
+//     one; this block's softmax runs as soon as Q K^T lands, under P V (O's rescale waits for
+//     it). Named barriers make the two take turns issuing (ping-pong), so one's GEMMs also
+//     run while the other computes its softmax.
 //
 // Why: the 64-row one-warpgroup kernel re-reads each K/V block per 64 rows and spends its
 // issue slots on copy addresses next to the softmax (docs/perf-log.md, "v6 profile"); here a
@@ -181,8 +182,11 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     // every arrival meets a sync).
     if (wg == 1 && n_steps > 0) named_barrier_arrive(kTurnBarrier + 0, kConsumerThreads);
 
-    // Step i; the first has no previous block (kFirst: a compile-time fact, so that no wgmma
-    // sits on a branch, which makes ptxas serialize them all).
+    // Step i: Q K^T of block i and P V of block i - 1 are issued together in this warpgroup's
+    // turn, as two wgmma groups; the softmax of block i starts as soon as the first lands and
+    // overlaps the second, which still adds into O, so O's rescale waits for it. The first
+    // step has no previous block (kFirst: a compile-time fact, so that no wgmma sits on a
+    // branch, which makes ptxas serialize them all).
     auto step = [&](int i, auto first_tag) {
         constexpr bool kFirst = decltype(first_tag)::value;
         const int stage = i % kStages;
@@ -190,26 +194,33 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         mbarrier_wait(&k_full[stage], (i / kStages) & 1);
         if (!kFirst) mbarrier_wait(&v_full[prev], ((i - 1) / kStages) & 1);
         named_barrier_sync(kTurnBarrier + wg, kConsumerThreads);
-        wgmma_fence_operands(o_acc);
         wgmma_fence_operands(s_acc);
+        if (!kFirst) wgmma_fence_operands(o_acc);
         wgmma_fence();
-        if constexpr (!kFirst) gemm.pv_issue(o_acc, P[0], prev * kStageBytes);
         gemm.qk_issue(s_acc, stage * kStageBytes);
         wgmma_commit();
+        if constexpr (!kFirst) {
+            gemm.pv_issue(o_acc, P[0], prev * kStageBytes);
+            wgmma_commit();
+        }
         if (wg == 0 || i < n_steps - 1)
             named_barrier_arrive(kTurnBarrier + (wg ^ 1), kConsumerThreads);
-        wgmma_wait<0>();
-        wgmma_fence_operands(o_acc);
+        wgmma_wait<kFirst ? 0 : 1>();  // Q K^T has landed
         wgmma_fence_operands(s_acc);
-        if (lane == 0) {
-            mbarrier_arrive(&k_empty[stage]);
-            if (!kFirst) mbarrier_arrive(&v_empty[prev]);
-        }
+        if (lane == 0) mbarrier_arrive(&k_empty[stage]);
         const int block = block_of(i);
         if (block >= range.mask_from || block * C::kBc < range.below_keys)
             OnlineSoftmax<C>::mask(S, block * C::kBc, q_row0 + row0, seq.len_q, seq.len_k,
                                    p.window_left, p.window_right, lane);
-        softmax.template update<kFirst && C::kOptimizedSoftmax>(S, O, scale);
+        float alpha[1][2];
+        const bool rescale =
+            softmax.template update_scores<kFirst && C::kOptimizedSoftmax>(S, scale, alpha);
+        if constexpr (!kFirst) {
+            wgmma_wait<0>();  // P V of the previous block has landed: O and P are free
+            wgmma_fence_operands(o_acc);
+            if (lane == 0) mbarrier_arrive(&v_empty[prev]);
+        }
+        if (rescale) OnlineSoftmax<C>::rescale(O, alpha);
         pack_a_fragments<C::kBf16>(P, S);
     };
     if (n_steps > 0) step(0, std::true_type{});

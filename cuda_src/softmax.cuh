@@ -171,6 +171,74 @@ struct OnlineSoftmax {
             }
     }
 
+    // update() in two halves, for a kernel whose tensor cores may still be adding into O
+    // (fwd_warp_specialized.cuh): update_scores is update without touching O, returning
+    // whether O must be scaled by `alpha` (warp-uniform), which rescale then does once O is
+    // settled. Same arithmetic as update, in a different order.
+    template <bool kFirst>
+    __device__ __forceinline__ bool update_scores(float (&S)[kM][C::kSTiles][4], float scale,
+                                                  float (&alpha)[kM][2]) {
+        float tile_max[kM][2];
+        bool raise = false;
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float m = row_reduce<Max>(S[mi], r);
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+                tile_max[mi][r] = m * scale;
+                raise |= tile_max[mi][r] > ref_max[mi][r] + kRescaleThreshold;
+            }
+        bool rescale_o = false;
+        if constexpr (kFirst) {
+#pragma unroll
+            for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) ref_max[mi][r] = tile_max[mi][r];
+        } else if (__any_sync(0xffffffffu, raise)) {
+            rescale_o = true;
+#pragma unroll
+            for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const float new_max = tile_max[mi][r] > ref_max[mi][r] + kRescaleThreshold
+                                              ? tile_max[mi][r]
+                                              : ref_max[mi][r];
+                    alpha[mi][r] =
+                        new_max == -INFINITY ? 1.f : exp_units(ref_max[mi][r] - new_max);
+                    ref_max[mi][r] = new_max;
+                    row_sum[mi][r] *= alpha[mi][r];
+                }
+        }
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float m = ref_max[mi][r] == -INFINITY ? 0.f : ref_max[mi][r];
+#pragma unroll
+                for (int nj = 0; nj < C::kSTiles; ++nj)
+#pragma unroll
+                    for (int e = 2 * r; e < 2 * r + 2; ++e)
+                        S[mi][nj][e] = exp_units(fmaf(S[mi][nj][e], scale, -m));
+                const float sum = row_reduce<Sum>(S[mi], r);
+                row_sum[mi][r] = kFirst ? sum : row_sum[mi][r] + sum;
+            }
+        return rescale_o;
+    }
+    __device__ __forceinline__ static void rescale(float (&O)[kM][C::kOTiles][4],
+                                                   const float (&alpha)[kM][2]) {
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int nd = 0; nd < C::kOTiles; ++nd) {
+                    O[mi][nd][2 * r] *= alpha[mi][r];
+                    O[mi][nd][2 * r + 1] *= alpha[mi][r];
+                }
+    }
+
     // Normalises O by the row sums and returns each row's natural-log logsumexp of the scaled
     // scores (-inf and O = 0 for a row that saw no unmasked key).
     __device__ __forceinline__ void finalize(float (&O)[kM][C::kOTiles][4], float (&lse)[kM][2]) {
