@@ -117,6 +117,13 @@ BAD = [
     ({"d_head": 64, "Q_mma_load_K_fragments": 0, "K_mma_load_K_fragments": 0,
       "mma_double_buffer_loads": False, "d_head_tiled": False}, "d_head_tiled"),
     ({**WGMMA, "d_head_tiled": False}, "d_head_tiled"),
+    # warp_specialized: two consumer warpgroups on wgmma, one CTA per SM, eager loads
+    ({"warp_specialized": True}, "wgmma"),
+    ({**WGMMA, "warp_specialized": True}, "n_warps"),  # WGMMA has 4 warps
+    ({**WGMMA, "B_r": 128, "n_warps": 8, "min_ctas_per_sm": 2, "warp_specialized": True},
+     "min_ctas_per_sm"),
+    ({**WGMMA, "B_r": 128, "n_warps": 8, "eager_load_blocks": False, "warp_specialized": True},
+     "eager_load_blocks"),
 ]
 
 
@@ -190,6 +197,18 @@ def test_smem_and_threads():
     assert cfg.fits_arch(80) and cfg.fits_arch(86)
     big = KernelConfig(**{**BASE, "d_head": 256})  # 128 KiB: too much for sm_86's 99 KiB
     assert big.fits_arch(80) and not big.fits_arch(86)
+
+
+def test_warp_specialized_config():
+    """A producer warpgroup on top of n_warps, a two-stage K/V ring and 128 bytes of mbarriers
+    in the dynamic shared memory; named by the _ws suffix; sm_90a only."""
+    cfg = KernelConfig(**{**BASE, **WGMMA, "B_r": 128, "B_c": 128, "n_warps": 8,
+                          "warp_specialized": True}).validate()
+    assert cfg.threads == 32 * 8 + 128 and cfg.copy_threads == 128 and cfg.kv_stages == 2
+    assert cfg.smem_bytes == (128 + 2 * 2 * 128) * 128 * 2 + 128
+    assert cfg.name.endswith("_wgmma1_ws") and KernelConfig.from_name(cfg.name) == cfg
+    assert cfg.nvcc_defines()["CF_WARP_SPECIALIZED"] == 1
+    assert [a for a in (80, 86, 89, 90) if cfg.builds_for(a)] == [90]
 
 
 def test_nvcc_defines_cover_every_field():
