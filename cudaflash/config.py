@@ -49,7 +49,7 @@ appear in the name only when they differ from it:
 One Hopper knob beyond the seed, also optional (default false):
 
 - ``warp_specialized``: a producer warpgroup (128 threads more than ``n_warps`` count) loads
-  Q and a two-stage ring of K/V blocks with cp.async and mbarriers, while two consumer
+  Q and a three-stage ring of K/V blocks with cp.async and mbarriers, while two consumer
   warpgroups (``n_warps`` = 8, B_r = 128) take turns on the tensor cores (named barriers:
   one's GEMMs run under the other's softmax) and issue P V of the previous block with
   Q K^T of the current one; ``setmaxnreg`` moves registers from the producer to them
@@ -171,7 +171,7 @@ class KernelConfig:
     @property
     def kv_stages(self) -> int:
         """K/V blocks resident in shared memory at once (the producer's ring)."""
-        return 2 if self.warp_specialized else 1
+        return 3 if self.warp_specialized else 1
 
     @property
     def copy_threads(self) -> int:
