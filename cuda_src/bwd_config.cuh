@@ -24,7 +24,6 @@ struct BwdConfig {
     static constexpr int kDHead = CF_D_HEAD;
     static constexpr int kWarps = CF_N_WARPS;
     static constexpr int kThreads = 32 * kWarps;
-    static constexpr int kCopyThreads = kThreads;  // every thread copies tiles (copy.cuh)
     // Each warp owns 16 rows of its CTA's own tile: keys in cudaflash_bwd_dkdv, query rows in
     // cudaflash_bwd_dq. Each kernel streams tiles of the other kind past them:
     static constexpr int kCtaRows = 16 * kWarps;

@@ -1,7 +1,6 @@
-// Cooperative copies between global memory and a shared (rows, d_head) tile by kCopyThreads
-// threads (the CTA's, or one warpgroup's in the warp-specialized kernel). Thread t moves the
-// 16-byte chunk t % 8 of slab rows t / 8, t / 8 + kCopyThreads / 8, ...: one pass covers
-// kCopyThreads / 8 full rows, and each row is a fully coalesced 128-byte segment per slab.
+// Cooperative copies between global memory and a shared (rows, d_head) tile. Thread t moves the
+// 16-byte chunk t % 8 of slab rows t / 8, t / 8 + threads / 8, ...: one pass covers
+// threads / 8 full rows, and each row is a fully coalesced 128-byte segment per slab.
 // Rows at or past `valid_rows` are zero-filled (loads) or skipped (stores), so the caller
 // never pads sequences to a block multiple.
 #pragma once
@@ -10,36 +9,32 @@
 
 namespace cudaflash {
 
-template <class C, int kRows, int kCopyThreads = C::kCopyThreads>
+template <class C, int kRows>
 struct TileCopy {
     using elem_t = typename C::elem_t;
-    static constexpr int kRowsPerPass = kCopyThreads / 8;
-    static constexpr int kPasses = kRows / kRowsPerPass;
-    static_assert(kRows % kRowsPerPass == 0, "a tile is whole copy passes");
+    static constexpr int kPasses = kRows / C::kRowsPerCopyPass;
 
     // Global -> shared. `gmem` points at the tile's first row; `row_stride` in elements. Only a
     // sequence's last block has rows to mask: full tiles take the branch-free path.
     __device__ __forceinline__ static void load(elem_t* smem, const elem_t* gmem,
-                                                int64_t row_stride, int valid_rows,
-                                                unsigned tid = threadIdx.x) {
+                                                int64_t row_stride, int valid_rows) {
         if (valid_rows >= kRows) {
-            load_rows<false>(smem, gmem, row_stride, kRows, tid);
+            load_rows<false>(smem, gmem, row_stride, kRows);
         } else {
-            load_rows<true>(smem, gmem, row_stride, valid_rows, tid);
+            load_rows<true>(smem, gmem, row_stride, valid_rows);
         }
     }
 
     template <bool kMaskRows>
     __device__ __forceinline__ static void load_rows(elem_t* smem, const elem_t* gmem,
-                                                     int64_t row_stride, int valid_rows,
-                                                     unsigned tid) {
-        const int chunk = tid % 8;
-        const int row0 = tid / 8;
+                                                     int64_t row_stride, int valid_rows) {
+        const int chunk = threadIdx.x % 8;
+        const int row0 = threadIdx.x / 8;
 #pragma unroll
         for (int slab = 0; slab < C::kSlabs; ++slab) {
 #pragma unroll
             for (int pass = 0; pass < kPasses; ++pass) {
-                const int row = row0 + pass * kRowsPerPass;
+                const int row = row0 + pass * C::kRowsPerCopyPass;
                 const bool valid = !kMaskRows || row < valid_rows;
                 // A masked row still needs an address; row 0 always exists.
                 const elem_t* src =
@@ -65,7 +60,7 @@ struct TileCopy {
         for (int slab = 0; slab < C::kSlabs; ++slab) {
 #pragma unroll
             for (int pass = 0; pass < kPasses; ++pass) {
-                const int row = row0 + pass * kRowsPerPass;
+                const int row = row0 + pass * C::kRowsPerCopyPass;
                 if (row < valid_rows) {
                     const uint4 v = *reinterpret_cast<const uint4*>(
                         smem + SmemTile<C>::template offset<kRows>(row, slab * 8 + chunk));

@@ -19,6 +19,7 @@
 // The config (tile sizes, copy/load strategies) comes from -D macros: kernel_config.cuh. A
 // warp_specialized config runs fwd_warp_specialized.cuh's kernel in both forward entries.
 #include "copy.cuh"
+#include "fwd_epilogue.cuh"
 #include "fwd_range.cuh"
 #include "fwd_warp_specialized.cuh"
 #include "gemm.cuh"
@@ -43,28 +44,18 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     elem_t* sK = sQ + C::kBr * C::kDHead;          // (B_c, d_head)
     elem_t* sV = sK + C::kBc * C::kDHead;          // (B_c, d_head)
 
-    // Causal CTAs with more KV blocks start first (the last query blocks do the most work).
-    const int q_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int head = blockIdx.y;
-    const int batch = kSplit ? blockIdx.z / p.n_splits : blockIdx.z;
-    const int split = kSplit ? blockIdx.z % p.n_splits : 0;
-    const int head_k = head / (p.n_heads / p.n_heads_k);
+    const CtaPlace at = cta_place<kSplit>(p);
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
 
-    const Sequence seq = sequence(p, batch);
-    const int q_row0 = q_block * C::kBr;
+    const Sequence seq = sequence(p, at.batch);
+    const int q_row0 = at.q_block * C::kBr;
     // Only in a packed batch: this sequence is shorter than the longest (the grid's extent).
     if (q_row0 >= seq.len_q) return;
     const int q_rows = min(C::kBr, seq.len_q - q_row0);
-    const elem_t* q = static_cast<const elem_t*>(p.q) + batch * p.q_batch_stride +
-                      head * p.q_head_stride + int64_t(seq.start_q + q_row0) * p.q_seq_stride;
-    const elem_t* k = static_cast<const elem_t*>(p.k) + batch * p.k_batch_stride +
-                      head_k * p.k_head_stride + int64_t(seq.start_k) * p.k_seq_stride;
-    const elem_t* v = static_cast<const elem_t*>(p.v) + batch * p.v_batch_stride +
-                      head_k * p.v_head_stride + int64_t(seq.start_k) * p.v_seq_stride;
-
-    const KvRange range = kv_range<C, kSplit>(p, seq, q_row0, q_rows, split);
+    const HeadTiles<C> tiles = head_tiles<C>(p, at, seq, q_row0);
+    const elem_t *q = tiles.q, *k = tiles.k, *v = tiles.v;
+    const KvRange range = kv_range<C, kSplit>(p, seq, q_row0, q_rows, at.split);
     const int kv_begin = range.begin, n_blocks = range.end;
     const int mask_from = range.mask_from, below_keys = range.below_keys;
 
@@ -165,66 +156,22 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 
     float lse[kM][2];
     softmax.finalize(O, lse);
-    // The CTA row of accumulator element (mi, r): mma's C layout, also wgmma's per warp.
-    auto acc_row = [&](int mi, int r) {
-        return warp * C::kRowsPerWarp + mi * 16 + lane / 4 + 8 * r;
-    };
-
+    const int warp_row0 = warp * C::kRowsPerWarp;
     if constexpr (kSplit) {
         copy_wait_all<C>();  // with no KV block here, the Q copy may still be in flight
-        // Partial results straight from registers, float32: each quad writes 8 consecutive
-        // floats of a row per n8 tile. Rows past the sequence are not written, nor rows past
-        // seqlen_q, the workspace's rows per head (a packed sequence longer than the
-        // max_seqlen_q the caller gave).
-        const int64_t split_row0 =
-            ((int64_t(split) * p.batch + batch) * p.n_heads + head) * p.seqlen_q;
-        const int rows_written = min(seq.len_q, p.seqlen_q);
-#pragma unroll
-        for (int mi = 0; mi < kM; ++mi)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = q_row0 + acc_row(mi, r);
-                if (row >= rows_written) continue;
-                if (lane % 4 == 0) p.lse_accum[split_row0 + row] = lse[mi][r];
-                float* o_row = p.o_accum + (split_row0 + row) * C::kDHead + 2 * (lane % 4);
-#pragma unroll
-                for (int nd = 0; nd < C::kOTiles; ++nd)
-                    *reinterpret_cast<float2*>(o_row + nd * 8) =
-                        make_float2(O[mi][nd][2 * r], O[mi][nd][2 * r + 1]);
-            }
+        store_split_partials<C>(p, O, lse, at, seq, q_row0, warp_row0, lane);
         return;
     }
-
-    if (p.lse != nullptr && lane % 4 == 0) {
-        float* lse_row = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride +
-                         seq.start_q;
-#pragma unroll
-        for (int mi = 0; mi < kM; ++mi)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = q_row0 + acc_row(mi, r);
-                if (row < seq.len_q) lse_row[row] = lse[mi][r];
-            }
-    }
+    store_lse<C>(p, lse, at, seq, q_row0, warp_row0, lane);
 
     // O goes registers -> shared (over Q) -> global, so the global stores are 16-byte and
     // coalesced. Wait for every copy first: with no visible KV block the Q copy may still fly.
     copy_wait_all<C>();
     __syncthreads();
-#pragma unroll
-    for (int mi = 0; mi < kM; ++mi)
-#pragma unroll
-        for (int nd = 0; nd < C::kOTiles; ++nd)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = acc_row(mi, r);
-                elem_t* dst = sQ + SmemTile<C>::template offset<C::kBr>(row, nd) + 2 * (lane % 4);
-                *reinterpret_cast<uint32_t*>(dst) =
-                    pack_2<C::kBf16>(O[mi][nd][2 * r], O[mi][nd][2 * r + 1]);
-            }
+    o_to_smem<C>(sQ, O, warp_row0, lane);
     __syncthreads();
-    elem_t* o = static_cast<elem_t*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
-                int64_t(seq.start_q + q_row0) * p.o_seq_stride;
+    elem_t* o = static_cast<elem_t*>(p.o) + at.batch * p.o_batch_stride +
+                at.head * p.o_head_stride + int64_t(seq.start_q + q_row0) * p.o_seq_stride;
     QCopy::template store<C::kOStoreCache>(o, sQ, p.o_seq_stride, q_rows);
 }
 

@@ -1,10 +1,27 @@
-// Which rows and KV blocks one forward CTA works on: the batch entry's sequence (padded or
-// packed batch) and the range of KV blocks its rows can see. Shared by both forward kernels
-// (flash_fwd.cu and fwd_warp_specialized.cuh).
+// Which rows and KV blocks one forward CTA works on: its place in the grid, the batch entry's
+// sequence (padded or packed batch), where its tiles start in q/k/v, and the range of KV
+// blocks its rows can see. Shared by both forward kernels (flash_fwd.cu and
+// fwd_warp_specialized.cuh).
 #pragma once
 #include "params.cuh"
 
 namespace cudaflash {
+
+// The CTA's place in the grid (ceil(seqlen_q / B_r), n_heads, batch [* n_splits]): its query
+// block, head, batch entry and split, and the K/V head its query head reads (GQA/MQA).
+struct CtaPlace {
+    int q_block, head, batch, split, head_k;
+};
+
+template <bool kSplit>
+__device__ __forceinline__ CtaPlace cta_place(const Params& p) {
+    // Causal CTAs with more KV blocks start first (the last query blocks do the most work).
+    const int q_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int head = blockIdx.y;
+    const int batch = kSplit ? blockIdx.z / p.n_splits : blockIdx.z;
+    const int split = kSplit ? blockIdx.z % p.n_splits : 0;
+    return {q_block, head, batch, split, head / (p.n_heads / p.n_heads_k)};
+}
 
 // One batch entry's sequence: its query rows and keys, and where they start along the seq
 // dimension of q/o and k/v (0 unless the batch is packed: Params::cu_seqlens_q). A padded
@@ -68,6 +85,24 @@ __device__ __forceinline__ KvRange kv_range(const Params& p, const Sequence& seq
         if (split < p.n_splits - 1) n_blocks = min(n_blocks, split_begin + p.kv_blocks_per_split);
     }
     return {kv_begin, n_blocks, mask_from, below_keys};
+}
+
+// Where the CTA's tiles start: q at its first query row, k and v at the sequence's first key.
+template <class C>
+struct HeadTiles {
+    const typename C::elem_t *q, *k, *v;
+};
+
+template <class C>
+__device__ __forceinline__ HeadTiles<C> head_tiles(const Params& p, const CtaPlace& at,
+                                                   const Sequence& seq, int q_row0) {
+    using elem_t = typename C::elem_t;
+    return {static_cast<const elem_t*>(p.q) + at.batch * p.q_batch_stride +
+                at.head * p.q_head_stride + int64_t(seq.start_q + q_row0) * p.q_seq_stride,
+            static_cast<const elem_t*>(p.k) + at.batch * p.k_batch_stride +
+                at.head_k * p.k_head_stride + int64_t(seq.start_k) * p.k_seq_stride,
+            static_cast<const elem_t*>(p.v) + at.batch * p.v_batch_stride +
+                at.head_k * p.v_head_stride + int64_t(seq.start_k) * p.v_seq_stride};
 }
 
 }  // namespace cudaflash

@@ -17,6 +17,7 @@
 // block serves 128 rows and the addresses are the producer's.
 #pragma once
 #include "copy.cuh"
+#include "fwd_epilogue.cuh"
 #include "fwd_range.cuh"
 #include "kernel_config.cuh"
 #include "params.cuh"
@@ -49,7 +50,7 @@ __device__ __forceinline__ void producer_load(typename C::elem_t* smem,
                                               unsigned tid) {
     const int chunk = tid % 8;
 #pragma unroll 1
-    for (int row = tid / 8; row < kRows; row += 16) {
+    for (int row = tid / 8; row < kRows; row += C::kRowsPerCopyPass) {
         const bool valid = row < valid_rows;
         // A masked row still needs an address; row 0 always exists.
         const typename C::elem_t* src = gmem + (valid ? row * row_stride : 0) + chunk * 8;
@@ -85,19 +86,15 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     uint64_t* v_empty = k_empty + kStages;
     static_assert(8 * (1 + 4 * kStages) <= kWsBarrierBytes, "the barriers fit their bytes");
 
-    const int q_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int head = blockIdx.y;
-    const int batch = kSplit ? blockIdx.z / p.n_splits : blockIdx.z;
-    const int split = kSplit ? blockIdx.z % p.n_splits : 0;
-    const int head_k = head / (p.n_heads / p.n_heads_k);
+    const CtaPlace at = cta_place<kSplit>(p);
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
 
-    const Sequence seq = sequence(p, batch);
-    const int q_row0 = q_block * C::kBr;
+    const Sequence seq = sequence(p, at.batch);
+    const int q_row0 = at.q_block * C::kBr;
     if (q_row0 >= seq.len_q) return;  // the whole CTA, before any barrier
     const int q_rows = min(C::kBr, seq.len_q - q_row0);
-    const KvRange range = kv_range<C, kSplit>(p, seq, q_row0, q_rows, split);
+    const KvRange range = kv_range<C, kSplit>(p, seq, q_row0, q_rows, at.split);
     const int n_steps = max(range.end - range.begin, 0);
     // The KV block of step i: last to first (kv_reverse) or first to last.
     auto block_of = [&](int i) { return C::kKvReverse ? range.end - 1 - i : range.begin + i; };
@@ -118,38 +115,31 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         // ---- producer -----------------------------------------------------------------
         warpgroup_reg_dealloc<kProducerRegs>();
         const unsigned tid = threadIdx.x;
-        const elem_t* q = static_cast<const elem_t*>(p.q) + batch * p.q_batch_stride +
-                          head * p.q_head_stride + int64_t(seq.start_q + q_row0) * p.q_seq_stride;
-        const elem_t* k = static_cast<const elem_t*>(p.k) + batch * p.k_batch_stride +
-                          head_k * p.k_head_stride + int64_t(seq.start_k) * p.k_seq_stride;
-        const elem_t* v = static_cast<const elem_t*>(p.v) + batch * p.v_batch_stride +
-                          head_k * p.v_head_stride + int64_t(seq.start_k) * p.v_seq_stride;
-        producer_load<C, C::kBr>(sQ, q, p.q_seq_stride, q_rows, tid);
+        const HeadTiles<C> tiles = head_tiles<C>(p, at, seq, q_row0);
+        producer_load<C, C::kBr>(sQ, tiles.q, p.q_seq_stride, q_rows, tid);
         cp_async_commit();
         // Each tile's copies are one cp.async group; waiting for all but the newest group
-        // lands the previous tile while the next one is in flight.
-        uint64_t* landed = &q_full;  // the tile the previous group holds
-        for (int i = 0; i < n_steps; ++i) {
-            const int stage = i % kStages;
-            const int reuse = ((i / kStages) & 1) ^ 1;  // parity of the stage's last release
-            const int block = block_of(i);
-            const int64_t key0 = int64_t(block) * C::kBc;
-            const int valid = seq.len_k - block * C::kBc;
-            mbarrier_wait(&k_empty[stage], reuse);
-            producer_load<C, C::kBc>(sK + stage * C::kBc * C::kDHead, k + key0 * p.k_seq_stride,
-                                     p.k_seq_stride, valid, tid);
+        // lands the previous tile (its "full" barrier gets the arrival) while this one flies.
+        uint64_t* landed = &q_full;  // the "full" barrier of the tile the previous group holds
+        auto load_stage = [&](elem_t* dst, const elem_t* head_base, int64_t seq_stride,
+                              int block, uint64_t* empty, int reuse, uint64_t* full) {
+            mbarrier_wait(empty, reuse);
+            producer_load<C, C::kBc>(dst, head_base + int64_t(block) * C::kBc * seq_stride,
+                                     seq_stride, seq.len_k - block * C::kBc, tid);
             cp_async_commit();
             cp_async_wait<1>();
             fence_proxy_async_shared();
             mbarrier_arrive(landed);
-            mbarrier_wait(&v_empty[stage], reuse);
-            producer_load<C, C::kBc>(sV + stage * C::kBc * C::kDHead, v + key0 * p.v_seq_stride,
-                                     p.v_seq_stride, valid, tid);
-            cp_async_commit();
-            cp_async_wait<1>();
-            fence_proxy_async_shared();
-            mbarrier_arrive(&k_full[stage]);
-            landed = &v_full[stage];
+            landed = full;
+        };
+        for (int i = 0; i < n_steps; ++i) {
+            const int stage = i % kStages;
+            const int reuse = ((i / kStages) & 1) ^ 1;  // parity of the stage's last release
+            const int block = block_of(i);
+            load_stage(sK + stage * C::kBc * C::kDHead, tiles.k, p.k_seq_stride, block,
+                       &k_empty[stage], reuse, &k_full[stage]);
+            load_stage(sV + stage * C::kBc * C::kDHead, tiles.v, p.v_seq_stride, block,
+                       &v_empty[stage], reuse, &v_full[stage]);
         }
         cp_async_wait<0>();
         fence_proxy_async_shared();
@@ -238,58 +228,24 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
 
     float lse[1][2];
     softmax.finalize(O, lse);
-    auto acc_row = [&](int r) { return row0 + lane / 4 + 8 * r; };  // the CTA row of (r)
-
     if constexpr (kSplit) {
-        // As flash_fwd: float32 partial results straight from registers.
-        const int64_t split_row0 =
-            ((int64_t(split) * p.batch + batch) * p.n_heads + head) * p.seqlen_q;
-        const int rows_written = min(seq.len_q, p.seqlen_q);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = q_row0 + acc_row(r);
-            if (row >= rows_written) continue;
-            if (lane % 4 == 0) p.lse_accum[split_row0 + row] = lse[0][r];
-            float* o_row = p.o_accum + (split_row0 + row) * C::kDHead + 2 * (lane % 4);
-#pragma unroll
-            for (int nd = 0; nd < C::kOTiles; ++nd)
-                *reinterpret_cast<float2*>(o_row + nd * 8) =
-                    make_float2(O[0][nd][2 * r], O[0][nd][2 * r + 1]);
-        }
+        store_split_partials<C>(p, O, lse, at, seq, q_row0, row0, lane);
         return;
     }
-
-    if (p.lse != nullptr && lane % 4 == 0) {
-        float* lse_row = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride +
-                         seq.start_q;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = q_row0 + acc_row(r);
-            if (row < seq.len_q) lse_row[row] = lse[0][r];
-        }
-    }
-
+    store_lse<C>(p, lse, at, seq, q_row0, row0, lane);
     // O -> shared (over this warpgroup's own Q rows: only its GEMMs read them, and they are
     // done) -> global in 16-byte coalesced stores by the warpgroup's 128 threads.
-#pragma unroll
-    for (int nd = 0; nd < C::kOTiles; ++nd)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            elem_t* dst = sQ + SmemTile<C>::template offset<C::kBr>(acc_row(r), nd) +
-                          2 * (lane % 4);
-            *reinterpret_cast<uint32_t*>(dst) =
-                pack_2<C::kBf16>(O[0][nd][2 * r], O[0][nd][2 * r + 1]);
-        }
+    o_to_smem<C>(sQ, O, row0, lane);
     named_barrier_sync(kEpilogueBarrier + wg, 128);
-    elem_t* o = static_cast<elem_t*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
-                int64_t(seq.start_q + q_row0) * p.o_seq_stride;
+    elem_t* o = static_cast<elem_t*>(p.o) + at.batch * p.o_batch_stride +
+                at.head * p.o_head_stride + int64_t(seq.start_q + q_row0) * p.o_seq_stride;
     const int wtid = threadIdx.x % 128;
     const int chunk = wtid % 8;
 #pragma unroll
     for (int slab = 0; slab < C::kSlabs; ++slab)
 #pragma unroll
-        for (int pass = 0; pass < kWarpgroupRows / 16; ++pass) {
-            const int row = wg * kWarpgroupRows + wtid / 8 + pass * 16;
+        for (int pass = 0; pass < kWarpgroupRows / C::kRowsPerCopyPass; ++pass) {
+            const int row = wg * kWarpgroupRows + wtid / 8 + pass * C::kRowsPerCopyPass;
             if (row < q_rows) {
                 const uint4 val = *reinterpret_cast<const uint4*>(
                     sQ + SmemTile<C>::template offset<C::kBr>(row, slab * 8 + chunk));

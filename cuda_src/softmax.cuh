@@ -116,6 +116,64 @@ struct OnlineSoftmax {
     __device__ __forceinline__ void update(float (&S)[kM][C::kSTiles][4],
                                            float (&O)[kM][C::kOTiles][4], float scale) {
         float tile_max[kM][2];
+        const bool raise = row_maxima(S, scale, tile_max);
+        if constexpr (kFirst) {
+            set_max(tile_max);
+        } else if (__any_sync(0xffffffffu, raise)) {  // warp-uniform: skip the whole rescale
+#pragma unroll
+            for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const float alpha = raise_row(tile_max, mi, r);
+#pragma unroll
+                    for (int nd = 0; nd < C::kOTiles; ++nd) {
+                        O[mi][nd][2 * r] *= alpha;
+                        O[mi][nd][2 * r + 1] *= alpha;
+                    }
+                }
+        }
+        exponentiate<kFirst>(S, scale);
+    }
+
+    // update() in two halves, for a kernel whose tensor cores may still be adding into O
+    // (fwd_warp_specialized.cuh): update_scores is update without touching O, returning
+    // whether O must be scaled by `alpha` (warp-uniform), which rescale then does once O is
+    // settled.
+    template <bool kFirst>
+    __device__ __forceinline__ bool update_scores(float (&S)[kM][C::kSTiles][4], float scale,
+                                                  float (&alpha)[kM][2]) {
+        float tile_max[kM][2];
+        const bool raise = row_maxima(S, scale, tile_max);
+        bool rescale_o = false;
+        if constexpr (kFirst) {
+            set_max(tile_max);
+        } else if (__any_sync(0xffffffffu, raise)) {
+            rescale_o = true;
+#pragma unroll
+            for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) alpha[mi][r] = raise_row(tile_max, mi, r);
+        }
+        exponentiate<kFirst>(S, scale);
+        return rescale_o;
+    }
+    __device__ __forceinline__ static void rescale(float (&O)[kM][C::kOTiles][4],
+                                                   const float (&alpha)[kM][2]) {
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int nd = 0; nd < C::kOTiles; ++nd) {
+                    O[mi][nd][2 * r] *= alpha[mi][r];
+                    O[mi][nd][2 * r + 1] *= alpha[mi][r];
+                }
+    }
+
+    // The tile's scaled row maxima (quad-reduced); whether some row of this thread's exceeds
+    // its ref_max by more than the threshold.
+    __device__ __forceinline__ bool row_maxima(const float (&S)[kM][C::kSTiles][4], float scale,
+                                               float (&tile_max)[kM][2]) const {
         bool raise = false;
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi)
@@ -127,33 +185,31 @@ struct OnlineSoftmax {
                 tile_max[mi][r] = m * scale;
                 raise |= tile_max[mi][r] > ref_max[mi][r] + kRescaleThreshold;
             }
+        return raise;
+    }
+    // The first tile's maxima become the references.
+    __device__ __forceinline__ void set_max(const float (&tile_max)[kM][2]) {
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) ref_max[mi][r] = tile_max[mi][r];
+    }
+    // Row (mi, r)'s reference raised to its tile max if that exceeds it by more than the
+    // threshold; its row sum scaled; returns the scale alpha = exp_units(old - new) of O's row.
+    __device__ __forceinline__ float raise_row(const float (&tile_max)[kM][2], int mi, int r) {
+        const float new_max = tile_max[mi][r] > ref_max[mi][r] + kRescaleThreshold
+                                  ? tile_max[mi][r]
+                                  : ref_max[mi][r];
+        // -inf - -inf would be NaN: a row that has seen no key has nothing to scale.
+        const float alpha = new_max == -INFINITY ? 1.f : exp_units(ref_max[mi][r] - new_max);
+        ref_max[mi][r] = new_max;
+        row_sum[mi][r] *= alpha;
+        return alpha;
+    }
 
-        if constexpr (kFirst) {
-#pragma unroll
-            for (int mi = 0; mi < kM; ++mi)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) ref_max[mi][r] = tile_max[mi][r];
-        } else if (__any_sync(0xffffffffu, raise)) {  // warp-uniform: skip the whole rescale
-#pragma unroll
-            for (int mi = 0; mi < kM; ++mi)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const float new_max = tile_max[mi][r] > ref_max[mi][r] + kRescaleThreshold
-                                              ? tile_max[mi][r]
-                                              : ref_max[mi][r];
-                    // -inf - -inf would be NaN: a row that has seen no key has nothing to scale.
-                    const float alpha =
-                        new_max == -INFINITY ? 1.f : exp_units(ref_max[mi][r] - new_max);
-                    ref_max[mi][r] = new_max;
-                    row_sum[mi][r] *= alpha;
-#pragma unroll
-                    for (int nd = 0; nd < C::kOTiles; ++nd) {
-                        O[mi][nd][2 * r] *= alpha;
-                        O[mi][nd][2 * r + 1] *= alpha;
-                    }
-                }
-        }
-
+    // S -> exp_units(S * scale - ref_max), each row's sum added to row_sum (set, kFirst).
+    template <bool kFirst>
+    __device__ __forceinline__ void exponentiate(float (&S)[kM][C::kSTiles][4], float scale) {
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
@@ -169,74 +225,6 @@ struct OnlineSoftmax {
                 const float sum = row_reduce<Sum>(S[mi], r);
                 row_sum[mi][r] = kFirst ? sum : row_sum[mi][r] + sum;
             }
-    }
-
-    // update() in two halves, for a kernel whose tensor cores may still be adding into O
-    // (fwd_warp_specialized.cuh): update_scores is update without touching O, returning
-    // whether O must be scaled by `alpha` (warp-uniform), which rescale then does once O is
-    // settled. Same arithmetic as update, in a different order.
-    template <bool kFirst>
-    __device__ __forceinline__ bool update_scores(float (&S)[kM][C::kSTiles][4], float scale,
-                                                  float (&alpha)[kM][2]) {
-        float tile_max[kM][2];
-        bool raise = false;
-#pragma unroll
-        for (int mi = 0; mi < kM; ++mi)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float m = row_reduce<Max>(S[mi], r);
-                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-                tile_max[mi][r] = m * scale;
-                raise |= tile_max[mi][r] > ref_max[mi][r] + kRescaleThreshold;
-            }
-        bool rescale_o = false;
-        if constexpr (kFirst) {
-#pragma unroll
-            for (int mi = 0; mi < kM; ++mi)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) ref_max[mi][r] = tile_max[mi][r];
-        } else if (__any_sync(0xffffffffu, raise)) {
-            rescale_o = true;
-#pragma unroll
-            for (int mi = 0; mi < kM; ++mi)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const float new_max = tile_max[mi][r] > ref_max[mi][r] + kRescaleThreshold
-                                              ? tile_max[mi][r]
-                                              : ref_max[mi][r];
-                    alpha[mi][r] =
-                        new_max == -INFINITY ? 1.f : exp_units(ref_max[mi][r] - new_max);
-                    ref_max[mi][r] = new_max;
-                    row_sum[mi][r] *= alpha[mi][r];
-                }
-        }
-#pragma unroll
-        for (int mi = 0; mi < kM; ++mi)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const float m = ref_max[mi][r] == -INFINITY ? 0.f : ref_max[mi][r];
-#pragma unroll
-                for (int nj = 0; nj < C::kSTiles; ++nj)
-#pragma unroll
-                    for (int e = 2 * r; e < 2 * r + 2; ++e)
-                        S[mi][nj][e] = exp_units(fmaf(S[mi][nj][e], scale, -m));
-                const float sum = row_reduce<Sum>(S[mi], r);
-                row_sum[mi][r] = kFirst ? sum : row_sum[mi][r] + sum;
-            }
-        return rescale_o;
-    }
-    __device__ __forceinline__ static void rescale(float (&O)[kM][C::kOTiles][4],
-                                                   const float (&alpha)[kM][2]) {
-#pragma unroll
-        for (int mi = 0; mi < kM; ++mi)
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-#pragma unroll
-                for (int nd = 0; nd < C::kOTiles; ++nd) {
-                    O[mi][nd][2 * r] *= alpha[mi][r];
-                    O[mi][nd][2 * r + 1] *= alpha[mi][r];
-                }
     }
 
     // Normalises O by the row sums and returns each row's natural-log logsumexp of the scaled
