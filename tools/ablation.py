@@ -25,9 +25,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cudaflash.config import ConfigError, KernelConfig  # noqa: E402
 
-# Bases: what the H100 runs (wgmma, d128 and d64) and the seed's design on mma.sync (what
-# sm_80/86 run; its d128 variant is the seed's A100 winner with V in slices too).
+# Bases: what the H100 runs (the warp-specialized v8 at d128, wgmma at d128 and d64) and the
+# seed's design on mma.sync (what sm_80/86 run; its d128 variant is the seed's A100 winner
+# with V in slices too).
 BASES = (
+    "fwd_bf16_d128_br128_bc128_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1_ws",
     "fwd_bf16_d128_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1",
     "fwd_bf16_d64_br64_bc128_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1",
     "fwd_bf16_d128_br128_bc64_w4_async1_eager1_swz1_q2k2v2_dbuf1_osm1_ctas1_wgmma0",
@@ -73,9 +75,14 @@ def variants(base: KernelConfig):
     return out
 
 
-def write_yaml(path: Path) -> int:
+def bases(only: str | None) -> list[str]:
+    """BASES, or those whose name contains ``only``."""
+    return [name for name in BASES if only is None or only in name]
+
+
+def write_yaml(path: Path, only: str | None = None) -> int:
     configs = []
-    for name in BASES:
+    for name in bases(only):
         base = KernelConfig.from_name(name)
         configs.append(base)
         configs += [v for _, _, v in variants(base) if isinstance(v, KernelConfig)]
@@ -98,7 +105,7 @@ def bench(args) -> int:
     rows, records = [], []
     torch.manual_seed(0)
     with torch.inference_mode():
-        for name in BASES:
+        for name in bases(args.only):
             base = KernelConfig.from_name(name)
             found = variants(base)
             runnable = [(label, step, v) for label, step, v in found if isinstance(v, KernelConfig)]
@@ -174,6 +181,7 @@ def main() -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     y = sub.add_parser("yaml", help="write the ablation configs as a configs.yaml")
     y.add_argument("path", type=Path)
+    y.add_argument("--only", default=None, help="only the bases whose name contains this")
     b = sub.add_parser("bench", help="time the ablations (CUDAFLASH_KERNEL_DIR: their build)")
     b.add_argument("--seqlens", type=lambda s: [int(x) for x in s.split(",")],
                    default=list(SEQLENS))
@@ -183,8 +191,9 @@ def main() -> int:
                    help="largest max |O - O_base| / max |O_base| accepted (default "
                         "%(default)s: bf16 rounding of another summation order is ~4e-3)")
     b.add_argument("--json", default=None)
+    b.add_argument("--only", default=None, help="only the bases whose name contains this")
     args = p.parse_args()
-    return write_yaml(args.path) if args.cmd == "yaml" else bench(args)
+    return write_yaml(args.path, args.only) if args.cmd == "yaml" else bench(args)
 
 
 if __name__ == "__main__":
