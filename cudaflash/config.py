@@ -80,6 +80,10 @@ _O_STORE_TOKEN = {"streaming": "_ocs", "no_allocate": "_ona"}
 ARCH_SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 ELEMENT_BYTES = 2  # fp16 and bf16
+# The warp-specialized kernel (cuda_src/fwd_warp_specialized.cuh): its producer warpgroup, on
+# top of the n_warps consumers, and its mbarriers after the tiles (kWsBarrierBytes).
+WS_PRODUCER_THREADS = 128
+WS_BARRIER_BYTES = 128
 WGMMA_ARCH = 90  # wgmma exists on sm_90a only (Hopper); Blackwell has tcgen05 instead
 
 
@@ -166,7 +170,7 @@ class KernelConfig:
     def threads(self) -> int:
         """Per CTA: the n_warps computing warps, and a producer warpgroup when warp
         specialized."""
-        return 32 * self.n_warps + (128 if self.warp_specialized else 0)
+        return 32 * self.n_warps + (WS_PRODUCER_THREADS if self.warp_specialized else 0)
 
     @property
     def kv_stages(self) -> int:
@@ -176,14 +180,14 @@ class KernelConfig:
     @property
     def copy_threads(self) -> int:
         """The threads that copy tiles: all of them, or the producer warpgroup."""
-        return 128 if self.warp_specialized else self.threads
+        return WS_PRODUCER_THREADS if self.warp_specialized else self.threads
 
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: one Q block (reused for O) plus kv_stages K and V blocks,
         and the warp-specialized kernel's mbarriers (kWsBarrierBytes)."""
         tiles = (self.B_r + 2 * self.kv_stages * self.B_c) * self.d_head * ELEMENT_BYTES
-        return tiles + (128 if self.warp_specialized else 0)
+        return tiles + (WS_BARRIER_BYTES if self.warp_specialized else 0)
 
     def fits_arch(self, arch: int) -> bool:
         return self.smem_bytes <= ARCH_SMEM_LIMIT[arch]
