@@ -60,7 +60,7 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas", "-v")
 PARAMS_HEADER = "params.cuh"  # holds `constexpr int kParamsBytes = N;`
 BWD_PARAMS_HEADER = "bwd_params.cuh"  # holds `constexpr int kBwdParamsBytes = N;`
 MANIFEST_NAME = "manifest.json"
-MANIFEST_SCHEMA = 6  # cudaflash/manifest.py SCHEMA says what each bump means
+MANIFEST_SCHEMA = 7  # cudaflash/manifest.py SCHEMA says what each bump means
 YAML_KEYS = ("archs", "ptx_arch", "defaults", "configs", "selection", "backward")
 
 
@@ -83,7 +83,7 @@ def _load_cudaflash_modules():
 
 config, selection = _load_cudaflash_modules()
 ConfigError = config.ConfigError
-ENTRY, SPLIT_ENTRY, COMBINE_ENTRY = config.KernelConfig.ENTRIES
+ENTRY, SPLIT_ENTRY, COMBINE_ENTRY, SOFTCAP_ENTRY, SOFTCAP_SPLIT_ENTRY = config.KernelConfig.ENTRIES
 (PREPROCESS_ENTRY, DKDV_ENTRY, DQ_ENTRY, DKDV_DQ_ENTRY, DQ_CONVERT_ENTRY,
  DKDV_DQ_WINDOW_ENTRY, *VARLEN_ENTRIES) = config.BackwardConfig.ENTRIES
 
@@ -598,6 +598,8 @@ def manifest_dict(spec: Spec, jobs: Sequence[Job], stats: dict, *, out_dir: Path
             "entry": ENTRY,
             "split_entry": SPLIT_ENTRY,
             "combine_entry": COMBINE_ENTRY,
+            "softcap_entry": SOFTCAP_ENTRY,
+            "softcap_split_entry": SOFTCAP_SPLIT_ENTRY,
             "threads": job.cfg.threads,
             "smem_bytes": job.cfg.smem_bytes,
             "registers": s["registers"],

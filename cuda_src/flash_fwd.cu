@@ -15,6 +15,8 @@
 // exports cudaflash_fwd_split, the same kernel over one run of a query block's KV blocks per
 // CTA (grid.z = batch * n_splits), writing float32 partial results, and cudaflash_combine,
 // which merges them (params.cuh). Separate entries, so the plain kernel pays nothing for it.
+// Likewise softcapping (flash-attn's softcap: scores squashed to cap * tanh(score / cap)):
+// cudaflash_fwd_softcap and cudaflash_fwd_split_softcap.
 //
 // The config (tile sizes, copy/load strategies) comes from -D macros: kernel_config.cuh. A
 // warp_specialized config runs fwd_warp_specialized.cuh's kernel in both forward entries.
@@ -32,7 +34,7 @@
 
 namespace cudaflash {
 
-template <class C, bool kSplit>
+template <class C, bool kSplit, bool kSoftcap>
 __device__ __forceinline__ void flash_fwd(const Params& p) {
     using elem_t = typename C::elem_t;
     constexpr int kM = C::kMTiles;
@@ -133,6 +135,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
             copy_wait_all<C>();
             __syncthreads();
         }
+        if constexpr (kSoftcap) OnlineSoftmax<C>::softcap(S, p.softcap_pre);
         if (block >= mask_from || block * C::kBc < below_keys)
             OnlineSoftmax<C>::mask(S, block * C::kBc, q_row0 + warp * C::kRowsPerWarp,
                                    seq.len_q, seq.len_k, p.window_left, p.window_right, lane);
@@ -229,27 +232,32 @@ __device__ __forceinline__ void combine_splits(const Params& p) {
         p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + seq.start_q + row] = lse;
 }
 
+// The forward entries' body: the plain or warp-specialized kernel of this module's config.
+template <bool kSplit, bool kSoftcap>
+__device__ __forceinline__ void forward_entry(const Params& p) {
+    if constexpr (KernelConfig::kWarpSpecialized) {
+        flash_fwd_ws<KernelConfig, kSplit, kSoftcap>(p);
+    } else {
+        flash_fwd<KernelConfig, kSplit, kSoftcap>(p);
+    }
+}
+
 }  // namespace cudaflash
 
-extern "C" __global__ void __launch_bounds__(cudaflash::KernelConfig::kThreads,
-                                              cudaflash::KernelConfig::kMinCtasPerSm)
-    cudaflash_fwd(const __grid_constant__ cudaflash::Params p) {
-    if constexpr (cudaflash::KernelConfig::kWarpSpecialized) {
-        cudaflash::flash_fwd_ws<cudaflash::KernelConfig, false>(p);
-    } else {
-        cudaflash::flash_fwd<cudaflash::KernelConfig, false>(p);
+// Softcapping has entries of its own (the *_softcap ones), so the others carry no trace of it:
+// as a runtime branch in the KV loop it raised registers (d64 wgmma kernels by up to 56) and
+// made two shipped configs spill (docs/perf-log.md, "Softcapping").
+#define CUDAFLASH_FORWARD_ENTRY(name, split, softcap)                               \
+    extern "C" __global__ void __launch_bounds__(cudaflash::KernelConfig::kThreads, \
+                                                  cudaflash::KernelConfig::kMinCtasPerSm) \
+        name(const __grid_constant__ cudaflash::Params p) {                         \
+        cudaflash::forward_entry<split, softcap>(p);                                \
     }
-}
 
-extern "C" __global__ void __launch_bounds__(cudaflash::KernelConfig::kThreads,
-                                              cudaflash::KernelConfig::kMinCtasPerSm)
-    cudaflash_fwd_split(const __grid_constant__ cudaflash::Params p) {
-    if constexpr (cudaflash::KernelConfig::kWarpSpecialized) {
-        cudaflash::flash_fwd_ws<cudaflash::KernelConfig, true>(p);
-    } else {
-        cudaflash::flash_fwd<cudaflash::KernelConfig, true>(p);
-    }
-}
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd, false, false)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split, true, false)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_softcap, false, true)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split_softcap, true, true)
 
 extern "C" __global__ void __launch_bounds__(cudaflash::kCombineThreads)
     cudaflash_combine(const __grid_constant__ cudaflash::Params p) {

@@ -61,7 +61,7 @@ __device__ __forceinline__ void producer_load(typename C::elem_t* smem,
     }
 }
 
-template <class C, bool kSplit>
+template <class C, bool kSplit, bool kSoftcap>
 __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     using elem_t = typename C::elem_t;
     static_assert(C::kWarpSpecialized && C::kWgmma && C::kWarps == 8 && C::kMTiles == 1,
@@ -199,6 +199,7 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         wgmma_fence_operands(s_acc);
         if (lane == 0) mbarrier_arrive(&k_empty[stage]);
         const int block = block_of(i);
+        if constexpr (kSoftcap) OnlineSoftmax<C>::softcap(S, p.softcap_pre);
         if (block >= range.mask_from || block * C::kBc < range.below_keys)
             OnlineSoftmax<C>::mask(S, block * C::kBc, q_row0 + row0, seq.len_q, seq.len_k,
                                    p.window_left, p.window_right, lane);

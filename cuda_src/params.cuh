@@ -55,6 +55,13 @@ struct Params {
     // one FFMA before exp2.
     float softmax_scale;
     float scale_log2;
+    // Softcapping (flash-attn's softcap > 0: Gemma 2, Grok): the softmax sees
+    // cap * tanh(softmax_scale * q.k / cap). The kernel turns a raw score s into
+    // tanh(s * softcap_pre) with softcap_pre = softmax_scale / cap, and the host sets
+    // scale_log2 = cap * log2(e), the factor of those tanh values in the exponent.
+    // Read only by the *_softcap entries (flash_fwd.cu).
+    float softcap_pre;
+    float reserved;  // keeps the fields before the 8-byte workspace pointers packed
 
     // Split-KV (cudaflash_fwd_split + cudaflash_combine; ignored by cudaflash_fwd): the KV
     // blocks of a query block are cut into n_splits runs of kv_blocks_per_split blocks, one
@@ -68,7 +75,7 @@ struct Params {
     float* lse_accum;
 };
 
-constexpr int kParamsBytes = 240;
+constexpr int kParamsBytes = 248;
 static_assert(sizeof(Params) == kParamsBytes, "Params layout changed: update cudaflash/_params.py");
 
 }  // namespace cudaflash

@@ -85,6 +85,22 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
+// tanh(x) on the SFU (one MUFU.TANH, sm_75+; max relative error about 2^-11), as flash-attn's
+// softcapping uses: the error it puts on a softcapped score (cap * tanh) is below the bf16/fp16
+// rounding of the same score in a half-precision reference.
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// log2(x) on the SFU (one MUFU.LG2); lg2(+0) = -inf.
+__device__ __forceinline__ float lg2(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Two floats -> one 32-bit register of two 16-bit values (lo in the low half), the layout of
 // mma A fragments and of consecutive output columns.
 template <bool kBf16>

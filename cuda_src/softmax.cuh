@@ -108,6 +108,18 @@ struct OnlineSoftmax {
             }
     }
 
+    // Softcapping (params.cuh, softcap_pre): raw scores -> tanh(score * pre), before the mask
+    // (a masked -inf must stay -inf). update's `scale` then carries the cap (scale_log2 =
+    // cap * log2(e)), so the softmax itself is unchanged.
+    __device__ __forceinline__ static void softcap(float (&S)[kM][C::kSTiles][4], float pre) {
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+            for (int nj = 0; nj < C::kSTiles; ++nj)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) S[mi][nj][e] = tanh_approx(S[mi][nj][e] * pre);
+    }
+
     // Turns S into P = exp_units(S * scale - ref_max), raising ref_max (and rescaling O and the
     // row sums by exp_units(old - new)) where the tile demands it; scale = score_scale(...).
     // kFirst (optimized_softmax): nothing is accumulated yet, so ref_max starts at the tile's

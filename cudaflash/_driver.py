@@ -131,6 +131,8 @@ class Functions:
     forward: object  # cudaflash_fwd
     split: object  # cudaflash_fwd_split: the forward over one run of KV blocks per CTA
     combine: object  # cudaflash_combine: merges the split results
+    forward_softcap: object  # cudaflash_fwd_softcap: the forward with softcapping
+    split_softcap: object  # cudaflash_fwd_split_softcap
     split_ctas_per_sm: int  # how many CTAs of ``split`` fit on one SM (the driver's count)
 
 
@@ -226,7 +228,10 @@ def _load(entry: KernelEntry | BackwardEntry):
                                                                 entry.smem_bytes),
                  f"cuOccupancyMaxActiveBlocksPerMultiprocessor({entry.name})")
     fns = Functions(forward=function(entry.entry, entry.smem_bytes), split=split,
-                    combine=function(entry.combine_entry, 0), split_ctas_per_sm=max(1, ctas))
+                    combine=function(entry.combine_entry, 0),
+                    forward_softcap=function(entry.softcap_entry, entry.smem_bytes),
+                    split_softcap=function(entry.softcap_split_entry, entry.smem_bytes),
+                    split_ctas_per_sm=max(1, ctas))
     log.debug("loaded %s (%s sm_%d) from %s", entry.name, entry.kind, entry.arch, entry.path)
     return fns
 

@@ -7,7 +7,7 @@ with ``ctypes.sizeof(Params)`` by the tests.
 
 import ctypes
 
-PARAMS_BYTES = 240
+PARAMS_BYTES = 248
 
 
 class Params(ctypes.Structure):
@@ -48,7 +48,9 @@ class Params(ctypes.Structure):
         ("window_right", ctypes.c_int32),  # 0 when causal
         # scales
         ("softmax_scale", ctypes.c_float),
-        ("scale_log2", ctypes.c_float),
+        ("scale_log2", ctypes.c_float),  # softcap * log2(e) when softcapping
+        ("softcap_pre", ctypes.c_float),  # softmax_scale / softcap; 0: no softcapping
+        ("reserved", ctypes.c_float),
         # split-KV (cudaflash_fwd_split, cudaflash_combine)
         ("n_splits", ctypes.c_int32),
         ("kv_blocks_per_split", ctypes.c_int32),
@@ -64,10 +66,10 @@ class Params(ctypes.Structure):
 # packed once per plan; the split-KV workspace pointers at the end change per call of a
 # split launch and are 0 otherwise.
 PARAMS_POINTERS_FORMAT = "=7Q"  # q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k
-PARAMS_FIXED_FORMAT = "=14q10i2f2i"  # strides, sizes, window, scales, split counts
+PARAMS_FIXED_FORMAT = "=14q10i4f2i"  # strides, sizes, window, scales, softcap, split counts
 PARAMS_WORKSPACE_FORMAT = "=2Q"  # o_accum, lse_accum
 PARAMS_POINTERS_BYTES = 56
-PARAMS_WORKSPACE_OFFSET = 224
+PARAMS_WORKSPACE_OFFSET = 232
 PARAMS_STRUCT_FORMAT = (PARAMS_POINTERS_FORMAT + PARAMS_FIXED_FORMAT[1:]
                         + PARAMS_WORKSPACE_FORMAT[1:])
 

@@ -93,8 +93,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             side at least seqlen_k long) is unbounded; causal makes right 0. Gradients
             included; repeat calls take a plan keyed with the window; under torch.compile
             the window reaches the custom ops (no graph break).
-        dropout_p, softcap, alibi_slopes: only their defaults (no dropout, no softcapping,
-            no ALiBi); anything else raises NotImplementedError.
+        softcap: 0 (none) or a cap c > 0: the scaled scores become c * tanh(scores / c)
+            before the softmax (Gemma 2, Grok), as in flash-attn. Forward only: with
+            gradients it raises NotImplementedError. Such calls take the checked path (a plan
+            keyed with the cap, as for a window), and reach the custom op under torch.compile.
+        dropout_p, alibi_slopes: only their defaults (no dropout, no ALiBi); anything else
+            raises NotImplementedError.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype, laid out like q (torch.empty_like,
@@ -154,20 +158,21 @@ def _attention_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, s
     """flash_attn_func past its plan: every argument checked; head dims without a kernel
     padded; torch.compile's custom op, a sliding window, gradients or a plain forward (which
     records a plan for the next call)."""
-    _reject_unsupported(dropout_p, softcap, alibi_slopes)
+    _reject_unsupported(dropout_p, alibi_slopes)
     window = _check_window(window_size)
+    softcap = _check_softcap(softcap, q, k, v)
     padded = _padded_head_dim(q, k, v)
     if padded is not None:
         return _with_padded_head_dim(
             flash_attn_func, padded, q, k, v, softmax_scale,
-            dict(causal=causal, window_size=window, deterministic=deterministic,
-                 return_attn_probs=return_attn_probs))
+            dict(causal=causal, window_size=window, softcap=softcap,
+                 deterministic=deterministic, return_attn_probs=return_attn_probs))
     if _is_compiling():
-        out, lse = _fwd_op(q, k, v, softmax_scale, causal, deterministic, *window)
+        out, lse = _fwd_op(q, k, v, softmax_scale, causal, deterministic, *window, softcap)
         return (out, lse, None) if return_attn_probs else out
-    if window != (-1, -1):
-        return _windowed_attention(q, k, v, softmax_scale, causal, window, deterministic,
-                                   return_attn_probs)
+    if window != (-1, -1) or softcap:
+        return _windowed_attention(q, k, v, softmax_scale, causal, window, softcap,
+                                   deterministic, return_attn_probs)
     want_lse = True if return_attn_probs else False
     if _wants_grad(q, k, v):
         out, lse = _FlashAttnFunction.apply(q, k, v, softmax_scale, causal, deterministic)
@@ -250,7 +255,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             reproducible; rows of no sequence get zero gradients. Under torch.compile the
             call runs eagerly (a graph break: its custom op has no autograd formula yet).
         block_table: paged K/V is not implemented; only None.
-        Other arguments as in ``flash_attn_func``.
+        Other arguments (softcap included) as in ``flash_attn_func``.
 
     Returns:
         out: (total_q, nheads, headdim), q's dtype. With return_attn_probs,
@@ -259,8 +264,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     window = (-1, -1)
     if not (dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
             and type(window_size) is tuple and window_size == (-1, -1)):
-        _reject_unsupported(dropout_p, softcap, alibi_slopes)
+        _reject_unsupported(dropout_p, alibi_slopes)
         window = _check_window(window_size)
+        softcap = _check_softcap(softcap, q, k, v)
+    else:
+        softcap = 0.0
     if block_table is not None:
         raise NotImplementedError(f"block_table is a {type(block_table).__name__}: paged K/V is "
                                   "not implemented; pass block_table=None")
@@ -272,7 +280,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         try:
             plan = _varlen_plans.get(_varlen_plan_key(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                causal, want_lse, window))
+                causal, want_lse, window, softcap))
         except (AttributeError, TypeError):  # not tensors, or unhashable: the checks explain
             plan = None
         if plan is not None:
@@ -288,7 +296,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             flash_attn_varlen_func, padded, q, k, v, softmax_scale,
             dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
-                 window_size=window, deterministic=deterministic,
+                 window_size=window, softcap=softcap, deterministic=deterministic,
                  return_attn_probs=return_attn_probs))
     if _is_compiling():
         # The custom op has no autograd formula: calls with gradients run eagerly (a graph
@@ -299,7 +307,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                        deterministic)
             return (out, lse, None) if return_attn_probs else out
         out, lse = _varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                  max_seqlen_k, softmax_scale, causal, *window)
+                                  max_seqlen_k, softmax_scale, causal, *window, softcap)
         return (out, lse, None) if return_attn_probs else out
 
     if _wants_grad(q, k, v):
@@ -324,9 +332,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         # Plans skip the offset check, so none are recorded while CUDAFLASH_DEBUG is on.
         plan_key = None if debug else _varlen_plan_key(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-            causal, want_lse, window)
+            causal, want_lse, window, softcap)
         out, lse = _run_varlen(index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                               max_seqlen_k, scale, bool(causal), want_lse, plan_key, window)
+                               max_seqlen_k, scale, bool(causal), want_lse, plan_key, window,
+                               softcap)
     return (out, lse, None) if want_lse else out
 
 
@@ -406,9 +415,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     positions, optionally appending new keys and values to the cache first; inference only.
     Drop-in for flash-attn 2.x's function of the same name, without rotary embedding,
     cache_batch_idx, cache_leftpad and paged K/V (block_table), which raise
-    NotImplementedError, as do softcapping and ALiBi. window_size: the sliding window, as in
+    NotImplementedError, as does ALiBi. window_size: the sliding window, as in
     flash_attn_func (repeat decoding steps take a plan keyed with it when it is a tuple of
-    two ints).
+    two ints); softcap as in flash_attn_func.
 
     Arguments:
         q: (batch, seqlen_q, nheads, headdim): usually the new tokens' queries.
@@ -458,7 +467,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         try:
             plan = _kvcache_plans.get(_kvcache_plan_key(q, k_cache, v_cache, cache_seqlens,
                                                         softmax_scale, causal, num_splits,
-                                                        return_softmax_lse, window_size))
+                                                        return_softmax_lse, window_size, 0.0))
         except (AttributeError, TypeError):  # not tensors, or unhashable: the checks explain
             plan = None
         if plan is not None:
@@ -473,13 +482,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if value is not None:
             raise NotImplementedError(f"{name} is a {type(value).__name__}: not implemented in "
                                       f"cudaflash; pass {name}=None")
-    _reject_unsupported(0.0, softcap, alibi_slopes)
+    _reject_unsupported(0.0, alibi_slopes)
     window = _check_window(window_size)
+    softcap = _check_softcap(softcap)
     padded = _padded_head_dim(q, k_cache, v_cache)
     if padded is not None:
         return _with_padded_head_dim(
             flash_attn_with_kvcache, padded, q, k, v, softmax_scale,
-            dict(cache_seqlens=cache_seqlens, causal=causal, window_size=window,
+            dict(cache_seqlens=cache_seqlens, causal=causal, window_size=window, softcap=softcap,
                  num_splits=num_splits, return_softmax_lse=return_softmax_lse),
             caches=(k_cache, v_cache))
     if (not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool)
@@ -515,7 +525,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 raise ValueError("k and v are written at cache_seqlens, which is None; pass "
                                  "cache_seqlens (an int or a (batch,) int32 tensor)")
             out, lse = _run(None, index, q, k_cache, v_cache, None, scale, bool(causal),
-                            want_lse, num_splits=splits, window=window)
+                            want_lse, num_splits=splits, window=window, softcap=softcap)
         elif isinstance(cache_seqlens, torch.Tensor):
             # The kernel first: a call that cannot run must not have changed the cache.
             _kvcache_kernel(index, q, k_cache, causal, seqlen_cache, window)
@@ -529,13 +539,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 try:
                     plan_key = _kvcache_plan_key(q, k_cache, v_cache, cache_seqlens,
                                                  softmax_scale, causal, num_splits,
-                                                 return_softmax_lse, window)
+                                                 return_softmax_lse, window, softcap)
                     hash(plan_key)
                 except TypeError:
                     plan_key = None
             out, lse = _run(None, index, q, k_cache, v_cache, None, scale, bool(causal),
                             want_lse, plan_key=plan_key, num_splits=splits, seqused_k=seqused,
-                            plans=_kvcache_plans, window=window)
+                            plans=_kvcache_plans, window=window, softcap=softcap)
         else:
             if (not isinstance(cache_seqlens, numbers.Integral)
                     or isinstance(cache_seqlens, bool)
@@ -551,7 +561,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 v_cache[:, cache_seqlens:used] = v
             # Every sequence uses the same prefix: a view of it is a plain padded batch.
             out, lse = _run(None, index, q, k_cache[:, :used], v_cache[:, :used], None, scale,
-                            bool(causal), want_lse, num_splits=splits, window=window)
+                            bool(causal), want_lse, num_splits=splits, window=window,
+                            softcap=softcap)
     return (out, lse) if want_lse else out
 
 
@@ -586,15 +597,16 @@ def _kvcache_kernel(index: int, q, k_cache, causal: bool, seqlen_k: int, window)
 
 
 def _kvcache_plan_key(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, num_splits,
-                      return_softmax_lse, window):
+                      return_softmax_lse, window, softcap):
     """The argument signature a flash_attn_with_kvcache _Plan is valid for (see _plan_key);
     the lengths' values are data (the kernel reads them). The types of the scalar arguments
     are in it too: True == 1 as dict keys, but only one of them passes the checks.
-    ``window``: window_size as two ints (the caller checks their types)."""
+    ``window``: window_size as two ints (the caller checks their types); ``softcap``: the
+    checked cap (the decoding step's lookup passes 0.0: it only serves softcap=0 calls)."""
     return (_plan_key(q, k_cache, v_cache, softmax_scale, causal, return_softmax_lse),
             cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.get_device(),
             cache_seqlens.is_contiguous(), num_splits, type(num_splits), type(causal),
-            type(return_softmax_lse), type(softmax_scale), window)
+            type(return_softmax_lse), type(softmax_scale), window, softcap)
 
 
 def _check_new_kv(k, v, k_cache) -> None:
@@ -697,7 +709,7 @@ class _FlashAttnVarlenFunction(torch.autograd.Function):
 
 
 def forward(config, q, k, v, out=None, softmax_scale=None, causal=False, num_splits=None,
-            window_size=(-1, -1)):
+            window_size=(-1, -1), softcap=0.0):
     """Run one explicit kernel config; returns ``(out, lse)``.
 
     ``config`` is a KernelConfig or its canonical name (``list_kernels(device)`` lists the
@@ -706,8 +718,8 @@ def forward(config, q, k, v, out=None, softmax_scale=None, causal=False, num_spl
     q, k or v. ``num_splits``: how many runs each query block's keys are cut into (split-KV,
     then a second kernel combines them); None chooses as flash_attn_func does (split only
     grids too small to fill the GPU), 1 never splits, n splits into at most n runs of at
-    least one KV block. ``window_size``: the sliding window, as in ``flash_attn_func``. Other
-    arguments as in ``flash_attn_func``.
+    least one KV block. ``window_size``: the sliding window, ``softcap`` the softcapping, as in
+    ``flash_attn_func`` (no gradients here). Other arguments as in ``flash_attn_func``.
     """
     if isinstance(config, str):
         config = KernelConfig.from_name(config)
@@ -719,7 +731,7 @@ def forward(config, q, k, v, out=None, softmax_scale=None, causal=False, num_spl
         raise ValueError(f"num_splits={num_splits!r}; it must be None or an int >= 1")
     window = _check_window(window_size)
     return _forward(config, q, k, v, out, softmax_scale, causal, num_splits=num_splits,
-                    window=window)
+                    window=window, softcap=_check_softcap(softcap))
 
 
 def list_kernels(device=None) -> list[KernelEntry]:
@@ -752,16 +764,28 @@ def clear_caches() -> None:
 # ---- argument checks (host only: no GPU state is touched) --------------------------------
 
 
-def _reject_unsupported(dropout_p, softcap, alibi_slopes) -> None:
+def _reject_unsupported(dropout_p, alibi_slopes) -> None:
     if dropout_p != 0.0:
         raise NotImplementedError(f"dropout_p={dropout_p!r}: cudaflash has no dropout (it is a "
                                   "forward for inference); pass dropout_p=0.0")
-    if softcap != 0.0:
-        raise NotImplementedError(f"softcap={softcap!r}: softcapping is not implemented; pass "
-                                  "softcap=0.0")
     if alibi_slopes is not None:
         raise NotImplementedError(f"alibi_slopes is a {type(alibi_slopes).__name__}: ALiBi is "
                                   "not implemented; pass alibi_slopes=None")
+
+
+def _check_softcap(softcap, q=None, k=None, v=None) -> float:
+    """flash-attn's softcap as a float: 0.0 (none) or a finite cap > 0. With ``q, k, v``
+    (the calls that can record gradients): a cap while any of them requires grad raises, as
+    the backward has no softcapping."""
+    if not (isinstance(softcap, numbers.Real) and not isinstance(softcap, bool)
+            and math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap={softcap!r}; it must be a finite number >= 0 (0: no "
+                         "softcapping; c > 0: scores become c * tanh(scores / c))")
+    if softcap and q is not None and _wants_grad(q, k, v):
+        raise NotImplementedError(
+            f"softcap={softcap!r} with inputs that require grad: softcapping is forward only "
+            "in cudaflash (no backward yet); run it under torch.no_grad() or pass softcap=0.0")
+    return float(softcap)
 
 
 def _check_window(window_size) -> tuple[int, int]:
@@ -791,26 +815,29 @@ def _wants_grad(q, k, v) -> bool:
                                    or getattr(v, "requires_grad", False))
 
 
-def _windowed_attention(q, k, v, softmax_scale, causal, window, deterministic,
+def _windowed_attention(q, k, v, softmax_scale, causal, window, softcap, deterministic,
                         return_attn_probs):
-    """flash_attn_func with a sliding window (``window``: checked (left, right) ints): a plan
-    keyed by the signature and the window for repeat calls, as flash_attn_func's own path
-    (one function call and a key lookup more); with gradients through
-    _FlashAttnFunction."""
+    """flash_attn_func with a sliding window or softcapping (``window``: checked (left,
+    right) ints; ``softcap``: the checked cap, 0.0 for none): a plan keyed by the signature,
+    the window and the cap for repeat calls, as flash_attn_func's own path (one function
+    call and a key lookup more); with gradients through _FlashAttnFunction (windows only:
+    _check_softcap refused gradients with a cap)."""
     _check_deterministic(deterministic)
     want_lse = True if return_attn_probs else False
     if _wants_grad(q, k, v):
         out, lse = _FlashAttnFunction.apply(q, k, v, softmax_scale, causal, deterministic,
                                             window)
         return (out, lse, None) if want_lse else out
-    # A repeat signature takes its plan, keyed with the window (_forward records it).
+    # A repeat signature takes its plan, keyed with the window and cap (_forward records it).
     try:
-        plan = _plans.get((_plan_key(q, k, v, softmax_scale, causal, want_lse), window))
+        plan = _plans.get((_plan_key(q, k, v, softmax_scale, causal, want_lse), window,
+                           softcap))
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks explain
         plan = None
     done = None if plan is None else _replay(plan, q, k, v, want_lse, 0, 0)
     if done is None:
-        done = _forward(None, q, k, v, None, softmax_scale, causal, want_lse, window=window)
+        done = _forward(None, q, k, v, None, softmax_scale, causal, want_lse, window=window,
+                        softcap=softcap)
     out, lse = done
     return (out, lse, None) if want_lse else out
 
@@ -1087,16 +1114,17 @@ def _plan_key(q, k, v, softmax_scale, causal, want_lse):
 
 
 def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal,
-             want_lse=True, num_splits=None, window=(-1, -1)):
+             want_lse=True, num_splits=None, window=(-1, -1), softcap=0.0):
     _check_qkv(q, k, v)
-    # flash_attn_func records a plan for the signature, if it is hashable; a windowed call's
-    # key is the signature's and the window (_windowed_attention looks it up).
+    # flash_attn_func records a plan for the signature, if it is hashable; a windowed or
+    # softcapped call's key is the signature's, the window and the cap (_windowed_attention
+    # looks it up).
     plan_key = None
     if config is None and out is None:
         try:
             plan_key = _plan_key(q, k, v, softmax_scale, causal, want_lse)
-            if window != (-1, -1):
-                plan_key = (plan_key, window)
+            if window != (-1, -1) or softcap:
+                plan_key = (plan_key, window, softcap)
             hash(plan_key)
         except TypeError:
             plan_key = None
@@ -1115,18 +1143,19 @@ def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal
         # The driver calls work in the current context: make q's device current.
         with torch.cuda.device(index):
             return _run(config, index, q, k, v, out, scale, bool(causal), want_lse, plan_key,
-                        num_splits, window=window)
+                        num_splits, window=window, softcap=softcap)
     return _run(config, index, q, k, v, out, scale, bool(causal), want_lse, plan_key,
-                num_splits, window=window)
+                num_splits, window=window, softcap=softcap)
 
 
 def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: bool,
-         plan_key=None, num_splits=None, seqused_k=None, plans=None, window=(-1, -1)):
+         plan_key=None, num_splits=None, seqused_k=None, plans=None, window=(-1, -1),
+         softcap=0.0):
     """One forward over a padded batch. ``seqused_k``: None, or a (batch,) int32 tensor of
     each entry's key count (flash_attn_with_kvcache; the kernel clamps it into [0,
     seqlen_k]). With a ``plan_key`` the launch is recorded in ``plans`` (default
     flash_attn_func's); the plan takes the key counts' pointer per call. ``window``: the
-    sliding window (left, right), -1 unbounded."""
+    sliding window (left, right), -1 unbounded; ``softcap``: the checked cap, 0.0 for none."""
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
     window = _clamp_window(window, seqlen_k)
@@ -1153,14 +1182,14 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
     if rows != seqlen_q:  # GQA decoding: row r of head h is query head h * rows + r
         q_seq, q_head, o_seq, o_head = qs[2], rows * qs[2], os_[2], rows * os_[2]
     # Params after the pointers, up to the split counts: strides (the lse's: (batch, n_heads,
-    # seqlen_q), which is (batch, heads, rows) for the kernel), sizes, scales;
-    # exp(s * scale) = exp2(s * scale * log2(e)).
+    # seqlen_q), which is (batch, heads, rows) for the kernel), sizes, scales.
     fixed_params = (qs[0], q_seq, q_head, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
                     os_[0], o_seq, o_head, n_heads * seqlen_q, rows, batch, heads, n_heads_k,
-                    rows, seqlen_k, int(causal), 0, 0, *kernel_window, scale, scale * _LOG2E)
+                    rows, seqlen_k, int(causal), 0, 0, *kernel_window,
+                    *_score_scales(scale, softcap))
     launch = _launch_function(kernel, index, q.device, fixed_params, num_splits, rows=rows,
                               heads=heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
-                              window=kernel_window)
+                              window=kernel_window, softcap=bool(softcap))
     # lse 0: writes no lse; cu_seqlens_q 0: not packed; cu_seqlens_k: the key counts, if any
     launch(_current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
            0 if lse is None else lse.data_ptr(), 0,
@@ -1177,21 +1206,21 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
 
 
 def _varlen_plan_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, causal, want_lse, window=(-1, -1)):
+                     softmax_scale, causal, want_lse, window=(-1, -1), softcap=0.0):
     """The argument signature a varlen _Plan is valid for (see _plan_key). The offsets'
     values are data (the kernel reads them): only their tensors' shape, layout, dtype and
-    device are in it. ``window``: the checked window_size."""
+    device are in it. ``window``: the checked window_size; ``softcap``: the checked cap."""
     return (q.shape, q.is_contiguous() or q.stride(), k.shape, k.is_contiguous() or k.stride(),
             v.shape, v.is_contiguous() or v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
             k.get_device(), v.get_device(), cu_seqlens_q.shape, cu_seqlens_k.shape,
             cu_seqlens_q.is_contiguous(), cu_seqlens_k.is_contiguous(), cu_seqlens_q.dtype,
             cu_seqlens_k.dtype, cu_seqlens_q.get_device(), cu_seqlens_k.get_device(),
-            max_seqlen_q, max_seqlen_k, softmax_scale, causal, want_lse, window)
+            max_seqlen_q, max_seqlen_k, softmax_scale, causal, want_lse, window, softcap)
 
 
 def _run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                 max_seqlen_k: int, scale: float, causal: bool, want_lse: bool, plan_key=None,
-                window=(-1, -1)):
+                window=(-1, -1), softcap=0.0):
     total_q, n_heads, d_head = q.shape
     total_k, n_heads_k = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.numel() - 1
@@ -1217,10 +1246,10 @@ def _run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
     # Batch strides 0: a sequence's place comes from its offsets. lse: (n_heads, total_q).
     fixed_params = (0, qs[0], qs[1], 0, ks[0], ks[1], 0, vs[0], vs[1], 0, os_[0], os_[1],
                     0, total_q, batch, n_heads, n_heads_k, rows, seqlen_k, int(causal),
-                    total_q, total_k, *kernel_window, scale, scale * _LOG2E)
+                    total_q, total_k, *kernel_window, *_score_scales(scale, softcap))
     launch = _launch_function(kernel, index, q.device, fixed_params, None, rows=rows,
                               heads=n_heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
-                              window=kernel_window)
+                              window=kernel_window, softcap=bool(softcap))
     launch(_current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
            0 if lse is None else lse.data_ptr(), cu_seqlens_q.data_ptr(),
            cu_seqlens_k.data_ptr())
@@ -1236,9 +1265,10 @@ def _run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
 
 def _launch_function(kernel: "_Kernel", index: int, device: torch.device, fixed_params: tuple,
                      num_splits: Optional[int], *, rows: int, heads: int, batch: int,
-                     seqlen_k: int, d_head: int, window=(-1, -1)):
+                     seqlen_k: int, d_head: int, window=(-1, -1), softcap: bool = False):
     """The launch of a call: ``fixed_params`` (every Params field between the pointers and
-    the split counts) plus the split counts, as one Launcher, or a split-KV pair. With a
+    the split counts) plus the split counts, as one Launcher, or a split-KV pair (the
+    *_softcap entries with ``softcap``). With a
     left window bound (clamped) a CTA visits at most its rows plus the window's keys, and
     its split-KV runs start at its first visible block: they are sized over that span."""
     q_blocks = (rows + kernel.block_rows - 1) // kernel.block_rows
@@ -1249,11 +1279,13 @@ def _launch_function(kernel: "_Kernel", index: int, device: torch.device, fixed_
     fixed_params = fixed_params + (num_splits, per_split)
     if num_splits == 1:
         return _driver.Launcher(
-            kernel.fns.forward, kernel.label, grid=(q_blocks, heads, batch),
+            kernel.fns.forward_softcap if softcap else kernel.fns.forward, kernel.label,
+            grid=(q_blocks, heads, batch),
             threads=kernel.threads, smem=kernel.smem, synchronize=kernel.synchronize,
             fixed_params=fixed_params).launch
     return _split_launch(kernel, device, fixed_params, q_blocks=q_blocks, heads=heads,
-                         batch=batch, rows=rows, d_head=d_head, num_splits=num_splits)
+                         batch=batch, rows=rows, d_head=d_head, num_splits=num_splits,
+                         softcap=softcap)
 
 
 def _kernel_problem(seqlen_q: int, n_heads: int, n_heads_k: int, causal: bool,
@@ -1271,6 +1303,15 @@ def _kernel_problem(seqlen_q: int, n_heads: int, n_heads_k: int, causal: bool,
     if seqlen_q == 1 and group > 1 and window == (-1, -1):
         return group, n_heads_k, False
     return seqlen_q, n_heads, causal
+
+
+def _score_scales(scale: float, softcap: float) -> tuple[float, float, float, float]:
+    """Params.softmax_scale, scale_log2, softcap_pre and reserved. exp(s * scale) =
+    exp2(s * scale * log2(e)); softcapped, the kernel takes t = tanh(s * scale / cap) and
+    exp(cap * t) = exp2(t * cap * log2(e))."""
+    if softcap:
+        return scale, softcap * _LOG2E, scale / softcap, 0.0
+    return scale, scale * _LOG2E, 0.0, 0.0
 
 
 def _window_params(window, causal: bool) -> tuple[int, int]:
@@ -1341,12 +1382,14 @@ def _split_count(ctas: int, slots: int, most: int) -> int:
 
 
 def _split_launch(kernel: "_Kernel", device: torch.device, fixed_params: tuple, *, q_blocks: int,
-                  heads: int, batch: int, rows: int, d_head: int, num_splits: int):
+                  heads: int, batch: int, rows: int, d_head: int, num_splits: int,
+                  softcap: bool = False):
     """The launch function of a split-KV call: allocate the float32 workspace (one tensor
     from torch's allocator, on the current stream: released once both kernels have run), run
     the split forward, then the combine kernel."""
     forward = _driver.Launcher(
-        kernel.fns.split, kernel.label.replace("(", "(split ", 1),
+        kernel.fns.split_softcap if softcap else kernel.fns.split,
+        kernel.label.replace("(", "(split ", 1),
         grid=(q_blocks, heads, batch * num_splits), threads=kernel.threads, smem=kernel.smem,
         synchronize=kernel.synchronize, fixed_params=fixed_params)
     combine = _driver.Launcher(
@@ -1553,21 +1596,22 @@ def _make_kernel(dk: _DeviceKernels, entry: KernelEntry, ctx: int) -> _Kernel:
 @torch.library.custom_op("cudaflash::fwd", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, float? softmax_scale, "
                                 "bool causal, bool deterministic=False, int window_left=-1, "
-                                "int window_right=-1) -> (Tensor, Tensor)")
+                                "int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)")
 def _fwd_op(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1,
-            window_right=-1):
+            window_right=-1, softcap=0.0):
     # The compiled graph runs this body eagerly (is_compiling() is False here), so the call
     # takes flash_attn_func's plans like any eager call instead of re-checking every time.
     # Gradients are the op's registered autograd (below), not flash_attn_func's own.
     with torch.no_grad():
         out, lse, _ = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                       window_size=(window_left, window_right),
-                                      return_attn_probs=True)
+                                      softcap=softcap, return_attn_probs=True)
     return out, lse
 
 
 @_fwd_op.register_fake
-def _(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1):
+def _(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1,
+      softcap=0.0):
     batch, seqlen_q, n_heads, _ = q.shape
     return torch.empty_like(q), q.new_empty((batch, n_heads, seqlen_q), dtype=torch.float32)
 
@@ -1591,7 +1635,7 @@ def _(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left
 
 
 def _fwd_op_setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, deterministic, window_left, window_right = inputs
+    q, k, v, softmax_scale, causal, deterministic, window_left, window_right, _softcap = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
@@ -1602,7 +1646,7 @@ def _fwd_op_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
                          ctx.deterministic, *ctx.window)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup_context)
@@ -1612,17 +1656,17 @@ _fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup_context)
                          schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
                                 "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
                                 "float? softmax_scale, bool causal, int window_left=-1, "
-                                "int window_right=-1) -> (Tensor, Tensor)")
+                                "int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)")
 def _varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   softmax_scale, causal, window_left=-1, window_right=-1):
+                   softmax_scale, causal, window_left=-1, window_right=-1, softcap=0.0):
     out, lse, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                          max_seqlen_k, softmax_scale=softmax_scale,
                                          causal=causal, window_size=(window_left, window_right),
-                                         return_attn_probs=True)
+                                         softcap=softcap, return_attn_probs=True)
     return out, lse
 
 
 @_varlen_fwd_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-      window_left=-1, window_right=-1):
+      window_left=-1, window_right=-1, softcap=0.0):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)

@@ -143,7 +143,8 @@ class KernelConfig:
     # The translation unit under cuda_src/ and the extern "C" entries every module of this
     # family exports (build_cubins.py checks the ptxas report and the PTX against them).
     SOURCE = "flash_fwd.cu"
-    ENTRIES = ("cudaflash_fwd", "cudaflash_fwd_split", "cudaflash_combine")
+    ENTRIES = ("cudaflash_fwd", "cudaflash_fwd_split", "cudaflash_combine",
+               "cudaflash_fwd_softcap", "cudaflash_fwd_split_softcap")
 
     # ---- derived quantities ---------------------------------------------------------------
 

@@ -22,7 +22,9 @@ from .selection import Rule, parse_rules
 # schema 4 would ignore them and attend to the whole cache, so they are refused.
 # 6: BwdParams carries the sliding window (360 bytes) and each backward module has a
 # dkdv_dq_window_entry.
-SCHEMA = 6
+# 7: Params carries softcap_pre (248 bytes) and each forward module has softcap_entry and
+# softcap_split_entry.
+SCHEMA = 7
 KINDS = ("cubin", "ptx")
 
 
@@ -38,6 +40,8 @@ class KernelEntry:
     entry: str  # the forward's extern "C" symbol
     split_entry: str  # the split-KV forward's
     combine_entry: str  # the kernel that merges split-KV partial results
+    softcap_entry: str  # the forward with softcapping (Params.softcap_pre)
+    softcap_split_entry: str  # the split-KV forward with softcapping
     threads: int  # per block
     smem_bytes: int  # dynamic shared memory per block
     registers: int | None  # per thread; None for PTX (decided by the JIT)
@@ -182,7 +186,8 @@ def _parse(data: dict, path: Path) -> Manifest:
         kernels.append(KernelEntry(
             name=k["name"], config=config, arch=int(k["arch"]), kind=k["kind"],
             path=path.parent / k["file"], entry=k["entry"], split_entry=k["split_entry"],
-            combine_entry=k["combine_entry"], threads=int(k["threads"]),
+            combine_entry=k["combine_entry"], softcap_entry=k["softcap_entry"],
+            softcap_split_entry=k["softcap_split_entry"], threads=int(k["threads"]),
             smem_bytes=int(k["smem_bytes"]), registers=k["registers"],
             spill_bytes=k["spill_bytes"], sha256=k["sha256"]))
     backward = []

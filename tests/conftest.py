@@ -119,7 +119,8 @@ def write_fake_kernel_dir(root, kernels=FAKE_KERNELS, selection=FAKE_SELECTION,
         entries.append({
             **fake_file(cfg, kind, arch, f"fake {kind} {i} {cfg.name}"),
             "entry": "cudaflash_fwd", "split_entry": "cudaflash_fwd_split",
-            "combine_entry": "cudaflash_combine", "threads": cfg.threads,
+            "combine_entry": "cudaflash_combine", "softcap_entry": "cudaflash_fwd_softcap",
+            "softcap_split_entry": "cudaflash_fwd_split_softcap", "threads": cfg.threads,
             "smem_bytes": cfg.smem_bytes,
             "registers": 128 if kind == "cubin" else None,
             "spill_bytes": 0 if kind == "cubin" else None})
@@ -140,7 +141,7 @@ def write_fake_kernel_dir(root, kernels=FAKE_KERNELS, selection=FAKE_SELECTION,
             "spill_bytes": 0 if kind == "cubin" else None})
     manifest = {"schema": SCHEMA, "nvcc_version": "13.0.88", "source_hash": "f" * 64,
                 "params_bytes": params_bytes, "bwd_params_bytes": BWD_PARAMS_BYTES,
-                "entries": ["cudaflash_fwd", "cudaflash_fwd_split", "cudaflash_combine"],
+                "entries": list(KernelConfig.ENTRIES),
                 "backward_entries": list(BackwardConfig.ENTRIES),
                 "archs": [80, 86, 90],
                 "ptx_arch": 90, "selection": selection, "kernels": entries,

@@ -175,7 +175,6 @@ def test_non_unit_last_stride_is_refused(name):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(dropout_p=0.1), r"dropout_p=0.1: cudaflash has no dropout.*dropout_p=0.0"),
-    (dict(softcap=30.0), r"softcap=30.0: softcapping is not implemented; pass softcap=0.0"),
     (dict(alibi_slopes=torch.ones(2)), r"alibi_slopes is a Tensor: ALiBi is not implemented"),
 ])
 def test_unsupported_features(kwargs, message):
@@ -195,6 +194,32 @@ def test_bad_window_size(window):
 def test_valid_window_reaches_the_device_check(window):
     with pytest.raises(ValueError, match=CPU_ERROR):
         flash_attn_func(*qkv(), window_size=window)
+
+
+@pytest.mark.parametrize("cap", [-1.0, math.nan, math.inf, True, "30", torch.ones(1)])
+def test_bad_softcap(cap):
+    with pytest.raises(ValueError, match=r"softcap=.*; it must be a finite number >= 0 \(0: no "
+                                         r"softcapping; c > 0: scores become c \* tanh"):
+        flash_attn_func(*qkv(), softcap=cap)
+
+
+@pytest.mark.parametrize("cap", [30.0, 5, 0.5])
+def test_valid_softcap_reaches_the_device_check(cap):
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        flash_attn_func(*qkv(), softcap=cap)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_softcap_with_gradients_is_refused(name):
+    """Softcapping has no backward: a call that would record gradients fails before any
+    work, naming the cap and the ways out; without grad mode the same call is accepted."""
+    tensors = dict(zip("qkv", qkv()))
+    tensors[name].requires_grad_()
+    with pytest.raises(NotImplementedError, match=r"softcap=30.0 with inputs that require "
+                                                  r"grad: softcapping is forward only"):
+        flash_attn_func(**tensors, softcap=30.0)
+    with torch.no_grad(), pytest.raises(ValueError, match=CPU_ERROR):
+        flash_attn_func(**tensors, softcap=30.0)
 
 
 def test_window_with_gradients_reaches_the_device_check():

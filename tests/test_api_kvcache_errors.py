@@ -38,12 +38,12 @@ def test_unimplemented_arguments_are_named(name):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(window_size=(8, 0, 1)), r"window_size=\(8, 0, 1\); it must be \(left, right\)"),
-    (dict(softcap=1.0), "softcapping is not implemented"),
+    (dict(softcap=-1.0), r"softcap=-1.0; it must be a finite number >= 0"),
     (dict(alibi_slopes=torch.zeros(4)), "ALiBi is not implemented"),
 ])
 def test_unsupported_features(kwargs, match):
     q, kc, vc, _, _ = tensors()
-    with pytest.raises(ValueError if "window_size" in kwargs else NotImplementedError,
+    with pytest.raises(NotImplementedError if "alibi_slopes" in kwargs else ValueError,
                        match=match):
         flash_attn_with_kvcache(q, kc, vc, **kwargs)
 

@@ -87,8 +87,8 @@ def test_paged_kv_and_other_features_are_refused():
     with pytest.raises(NotImplementedError, match="block_table is a Tensor: paged K/V is not "
                                                   "implemented; pass block_table=None"):
         call(args(), block_table=torch.zeros(2, 1, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="softcap=5.0: softcapping is not implemented"):
-        call(args(), softcap=5.0)
+    with pytest.raises(ValueError, match=r"softcap=-5.0; it must be a finite number >= 0"):
+        call(args(), softcap=-5.0)
 
 
 def test_causal_must_be_bool():

@@ -130,12 +130,22 @@ ptxas info    : Function properties for cudaflash_fwd
     16 bytes stack frame, 44 bytes spill stores, 36 bytes spill loads
 ptxas info    : Used 255 registers, used 1 barriers, 1024 bytes smem
 ptxas info    : Compile time = 161.2 ms
+ptxas info    : Compiling entry function 'cudaflash_fwd_softcap' for 'sm_90'
+ptxas info    : Function properties for cudaflash_fwd_softcap
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 250 registers, used 1 barriers, 1024 bytes smem
+ptxas info    : Compile time = 150.0 ms
+ptxas info    : Compiling entry function 'cudaflash_fwd_split_softcap' for 'sm_90'
+ptxas info    : Function properties for cudaflash_fwd_split_softcap
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 252 registers, used 1 barriers, 1024 bytes smem
+ptxas info    : Compile time = 150.0 ms
 """
 
 
 def test_parse_ptxas():
     # Registers and smem of the forward, the split forward's registers, spills summed over
-    # all three entries, the largest stack frame.
+    # all five entries, the largest stack frame.
     assert build_cubins.parse_ptxas(PTXAS_LOG) == {
         "registers": 255, "split_registers": 254, "spill_bytes": 88, "stack_bytes": 16,
         "static_smem": 1024, "wgmma_serialized": False}
@@ -329,14 +339,15 @@ BACKWARD_ENTRIES = ["cudaflash_bwd_preprocess", "cudaflash_bwd_dkdv", "cudaflash
                     "cudaflash_bwd_dkdv_dq_window", "cudaflash_bwd_preprocess_varlen", "cudaflash_bwd_dkdv_varlen",
                     "cudaflash_bwd_dq_varlen"]
 KERNEL_KEYS = {"name", "config", "arch", "kind", "file", "entry", "split_entry",
-               "combine_entry", "threads", "smem_bytes", "registers", "spill_bytes", "sha256",
+               "combine_entry", "softcap_entry", "softcap_split_entry", "threads", "smem_bytes", "registers", "spill_bytes", "sha256",
                "nvcc_version", "source_hash"}
-ENTRIES = ["cudaflash_fwd", "cudaflash_fwd_split", "cudaflash_combine"]
+ENTRIES = ["cudaflash_fwd", "cudaflash_fwd_split", "cudaflash_combine", "cudaflash_fwd_softcap",
+           "cudaflash_fwd_split_softcap"]
 
 
 def check_manifest(m: dict, out_dir: Path) -> None:
     assert set(m) == TOP_KEYS
-    assert m["schema"] == 6 and m["entries"] == ENTRIES
+    assert m["schema"] == 7 and m["entries"] == ENTRIES
     assert m["backward_entries"] == BACKWARD_ENTRIES
     assert re.fullmatch(r"\d+\.\d+\.\d+", m["nvcc_version"])
     assert re.fullmatch(r"[0-9a-f]{64}", m["source_hash"])
@@ -348,7 +359,8 @@ def check_manifest(m: dict, out_dir: Path) -> None:
         assert set(k) == KERNEL_KEYS, k.get("name")
         cfg = KernelConfig.from_dict(k["config"], where=k["name"])
         assert k["name"] == cfg.name
-        assert [k["entry"], k["split_entry"], k["combine_entry"]] == ENTRIES
+        assert [k["entry"], k["split_entry"], k["combine_entry"], k["softcap_entry"],
+                k["softcap_split_entry"]] == ENTRIES
         assert (k["threads"], k["smem_bytes"]) == (cfg.threads, cfg.smem_bytes)
         if k["kind"] == "cubin":
             assert k["arch"] in m["archs"] and cfg.builds_for(k["arch"])
@@ -441,6 +453,13 @@ extern "C" __global__ void cudaflash_fwd_split(const __grid_constant__ cudaflash
 }
 extern "C" __global__ void cudaflash_combine(const __grid_constant__ cudaflash::Params p) {
     p.lse_accum[threadIdx.x] = p.softmax_scale;
+}
+extern "C" __global__ void cudaflash_fwd_softcap(const __grid_constant__ cudaflash::Params p) {
+    p.o_accum[threadIdx.x] = p.softcap_pre;
+}
+extern "C" __global__ void cudaflash_fwd_split_softcap(
+        const __grid_constant__ cudaflash::Params p) {
+    p.lse_accum[threadIdx.x] = p.softcap_pre;
 }
 """
 FAKE_YAML = """\

@@ -70,12 +70,13 @@ def make_qkv(b, sq, sk, h, hk, d, dtype, seed=0):
                  for shape in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d)))
 
 
-def attention_ref(q, k, v, causal, scale, upcast, first_row=0, seqlen_q=None):
+def attention_ref(q, k, v, causal, scale, upcast, first_row=0, seqlen_q=None, softcap=0.0):
     """(out, lse) of softmax(scale * q k^T, bottom-right causal mask) v, in BSHD.
 
     upcast: the math in float32, else in q's dtype. q holds query rows [first_row,
     first_row + q.shape[1]) of a sequence of seqlen_q rows (default: all of it), so the causal
-    mask of a slice of rows is the one of the full problem.
+    mask of a slice of rows is the one of the full problem. softcap > 0: the scaled scores
+    become softcap * tanh(scores / softcap) before the mask (flash-attn's softcapping).
     """
     seqlen_q = q.shape[1] if seqlen_q is None else seqlen_q
     if upcast:
@@ -84,6 +85,8 @@ def attention_ref(q, k, v, causal, scale, upcast, first_row=0, seqlen_q=None):
     k = k.repeat_interleave(groups, dim=2)
     v = v.repeat_interleave(groups, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # (b, h, sq, sk)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     if causal:
         seqlen_k = k.shape[1]
         rows = torch.arange(first_row, first_row + q.shape[1], device=q.device)[:, None]
@@ -108,11 +111,12 @@ def _assert_within(what, ours, ref, lowp):
                           f"ref| + 1e-5 = {bound:.4g}")
 
 
-def check_attention(out, lse, q, k, v, causal, scale=None, first_row=0, seqlen_q=None):
+def check_attention(out, lse, q, k, v, causal, scale=None, first_row=0, seqlen_q=None,
+                    softcap=0.0):
     """Assert FlashAttention's accuracy rule for out and (if given) lse."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    ref, ref_lse = attention_ref(q, k, v, causal, scale, True, first_row, seqlen_q)
-    lowp, lowp_lse = attention_ref(q, k, v, causal, scale, False, first_row, seqlen_q)
+    ref, ref_lse = attention_ref(q, k, v, causal, scale, True, first_row, seqlen_q, softcap)
+    lowp, lowp_lse = attention_ref(q, k, v, causal, scale, False, first_row, seqlen_q, softcap)
     assert out.shape == q.shape and out.dtype == q.dtype
     bad = (~torch.isfinite(out)).sum().item()
     assert bad == 0, f"out has {bad} NaN/inf elements (unwritten or overflowed)"

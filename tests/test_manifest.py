@@ -34,7 +34,8 @@ def test_runs_on(kind, kernel_arch, device_arch, runs):
     entry = manifest.KernelEntry(
         name=D64["fp16"].name, config=D64["fp16"], arch=kernel_arch, kind=kind, path=None,
         entry="cudaflash_fwd", split_entry="cudaflash_fwd_split",
-        combine_entry="cudaflash_combine", threads=128, smem_bytes=32768, registers=None,
+        combine_entry="cudaflash_combine", softcap_entry="cudaflash_fwd_softcap",
+        softcap_split_entry="cudaflash_fwd_split_softcap", threads=128, smem_bytes=32768, registers=None,
         spill_bytes=None, sha256="")
     assert manifest.runs_on(entry, device_arch) is runs
 
@@ -47,7 +48,8 @@ def test_wgmma_cubins_run_on_sm90_only(device_arch, runs):
     entry = manifest.KernelEntry(
         name=config.name, config=config, arch=90, kind="cubin", path=None,
         entry="cudaflash_fwd", split_entry="cudaflash_fwd_split",
-        combine_entry="cudaflash_combine", threads=128, smem_bytes=config.smem_bytes,
+        combine_entry="cudaflash_combine", softcap_entry="cudaflash_fwd_softcap",
+        softcap_split_entry="cudaflash_fwd_split_softcap", threads=128, smem_bytes=config.smem_bytes,
         registers=None, spill_bytes=None, sha256="")
     assert manifest.runs_on(entry, device_arch) is runs
     assert not manifest.runs_on(entry, 91)  # a hypothetical later Hopper minor

@@ -25,7 +25,7 @@ _CUDA_TYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p,
 
 
 def test_sizes_agree():
-    assert ctypes.sizeof(Params) == PARAMS_BYTES == 240
+    assert ctypes.sizeof(Params) == PARAMS_BYTES == 248
     assert struct.calcsize(PARAMS_STRUCT_FORMAT) == PARAMS_BYTES
 
 
