@@ -85,7 +85,9 @@ config, selection = _load_cudaflash_modules()
 ConfigError = config.ConfigError
 ENTRY, SPLIT_ENTRY, COMBINE_ENTRY, SOFTCAP_ENTRY, SOFTCAP_SPLIT_ENTRY = config.KernelConfig.ENTRIES
 (PREPROCESS_ENTRY, DKDV_ENTRY, DQ_ENTRY, DKDV_DQ_ENTRY, DQ_CONVERT_ENTRY,
- DKDV_DQ_WINDOW_ENTRY, *VARLEN_ENTRIES) = config.BackwardConfig.ENTRIES
+ DKDV_DQ_WINDOW_ENTRY) = config.BackwardConfig.ENTRIES[:6]
+VARLEN_ENTRIES = list(config.BackwardConfig.ENTRIES[6:9])
+BACKWARD_SOFTCAP_ENTRIES = list(config.BackwardConfig.ENTRIES[9:])
 
 
 class BuildError(RuntimeError):
@@ -574,6 +576,8 @@ def manifest_dict(spec: Spec, jobs: Sequence[Job], stats: dict, *, out_dir: Path
                 "dq_convert_entry": DQ_CONVERT_ENTRY,
                 "dkdv_dq_window_entry": DKDV_DQ_WINDOW_ENTRY,
                 "varlen_entries": VARLEN_ENTRIES,  # preprocess, dkdv, dq on packed batches
+                # dkdv, dq, dkdv_varlen, dq_varlen with softcapping
+                "softcap_entries": BACKWARD_SOFTCAP_ENTRIES,
                 "threads": job.cfg.threads,
                 "preprocess_threads": job.cfg.PREPROCESS_THREADS,
                 "preprocess_rows": job.cfg.PREPROCESS_ROWS,

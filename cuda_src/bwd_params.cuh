@@ -51,7 +51,7 @@ struct BwdParams {
     int32_t is_causal;
 
     float softmax_scale;
-    float scale_log2;  // softmax_scale * log2(e)
+    float scale_log2;  // softmax_scale * log2(e); cap * log2(e) when softcapping (below)
 
     // Packed (varlen) batches, else null: as Params::cu_seqlens_q/k (params.cuh). Tensors are
     // then (total, n_heads, d_head) with batch strides 0, lse, delta (n_heads, total_q) and
@@ -68,9 +68,16 @@ struct BwdParams {
     // is_causal only orders the dQ kernel's CTAs.
     int32_t window_left;
     int32_t window_right;
+
+    // Softcapping, as Params::softcap_pre (params.cuh): softmax_scale / cap, with scale_log2 =
+    // cap * log2(e); read only by the *_softcap entries. The gradient of cap * tanh(s *
+    // softcap_pre) by s is softmax_scale * (1 - tanh^2): dS carries the (1 - tanh^2),
+    // softmax_scale is applied where it always is (dQ and dK at the end).
+    float softcap_pre;
+    float reserved;  // the struct's size a multiple of 8 without implicit padding
 };
 
-constexpr int kBwdParamsBytes = 360;
+constexpr int kBwdParamsBytes = 368;
 static_assert(sizeof(BwdParams) == kBwdParamsBytes,
               "BwdParams layout changed: update cudaflash/_params.py");
 

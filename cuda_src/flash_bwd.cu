@@ -166,6 +166,15 @@ __device__ __forceinline__ float lse_log2(const BwdParams& p, int64_t row_index,
 
 // Accumulators (16 x d_head per warp, times `scale`) -> the warp's rows of a shared tile, as
 // 16-bit values, for a coalesced copy to global memory.
+// Softcapping's slope (bwd_params.cuh): 1 - t^2 for the tanh value t of a score whose
+// probability is P. t * scale_log2 = log2(P) + lse (lse in log2 units), so t comes back from P
+// with one MUFU.LG2 instead of a second register array kept from the probabilities. A P of 0
+// (masked, or underflowed) has no gradient whatever its slope: 0, not lg2(0)'s -inf.
+__device__ __forceinline__ float softcap_slope(float P, float lse_log2, float scale_log2) {
+    const float t = __fdividef(lg2(P) + lse_log2, scale_log2);
+    return P > 0.f ? 1.f - t * t : 0.f;
+}
+
 template <int kRows, int kN = kD / 8>
 __device__ __forceinline__ void acc_to_tile(elem_t* tile, const float (&acc)[kN][4],
                                             float scale, int row0) {
@@ -454,7 +463,7 @@ __device__ __forceinline__ void ds_k(float (&acc)[C::kDqWgCols / 8][4], uint32_t
 // each: at 252-255 registers, the window's bounds and second comparison cost its causal and
 // full calls 2-5% (perf log "Sliding window backward"). The deterministic kernels measured
 // no such cost and always take the window.
-template <bool kFuseDq, bool kWindow>
+template <bool kFuseDq, bool kWindow, bool kSoftcap = false>
 __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
     constexpr int kKeys = C::kCtaRows;
     constexpr int kQ = C::kBr;
@@ -570,7 +579,9 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int col = nj * 8 + 2 * (lane % 4) + e % 2;
-                    float x = ex2(fmaf(P[nj][e], p.scale_log2, -lse[col]));
+                    const float score =
+                        kSoftcap ? tanh_approx(P[nj][e] * p.softcap_pre) : P[nj][e];
+                    float x = ex2(fmaf(score, p.scale_log2, -lse[col]));
                     const int key = key0 + row0 + lane / 4 + 8 * (e / 2);
                     if (mask && (kWindow ? window.hides(key - q0 - col - shift)
                                          : key > q0 + col + shift))
@@ -586,6 +597,8 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
                 for (int e = 0; e < 4; ++e) {
                     const int col = nj * 8 + 2 * (lane % 4) + e % 2;
                     dS[nj][e] = P[nj][e] * (dS[nj][e] - delta[col]);
+                    if constexpr (kSoftcap)
+                        dS[nj][e] *= softcap_slope(P[nj][e], lse[col], p.scale_log2);
                 }
         };
         const int head = head_k * group + step / tiles_per_head;
@@ -674,6 +687,7 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
 
 // ---- dQ -------------------------------------------------------------------------------------
 
+template <bool kSoftcap = false>
 __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
     constexpr int kRows = C::kCtaRows;
     constexpr int kKv = C::kBc;
@@ -769,7 +783,9 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
         for (int nj = 0; nj < kKv / 8; ++nj)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float x = ex2(fmaf(P[0][nj][e], p.scale_log2, -lse[e / 2]));
+                const float score =
+                    kSoftcap ? tanh_approx(P[0][nj][e] * p.softcap_pre) : P[0][nj][e];
+                float x = ex2(fmaf(score, p.scale_log2, -lse[e / 2]));
                 if (mask) {
                     const int key = tile * kKv + nj * 8 + 2 * (lane % 4) + e % 2;
                     const int row = q0 + row0 + lane / 4 + 8 * (e / 2);
@@ -783,8 +799,11 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
 #pragma unroll
         for (int nj = 0; nj < kKv / 8; ++nj)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
+            for (int e = 0; e < 4; ++e) {
                 dS[0][nj][e] = P[0][nj][e] * (dS[0][nj][e] - delta[e / 2]);
+                if constexpr (kSoftcap)
+                    dS[0][nj][e] *= softcap_slope(P[0][nj][e], lse[e / 2], p.scale_log2);
+            }
         gemm_regs_tile<kKv, kKv / 16>(dQ, dS, lo, k_tile);
     }
 
@@ -848,4 +867,28 @@ extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dq_varlen(const __grid_constant__ cudaflash::BwdParams p) {
     cudaflash::bwd_dq(cudaflash::sequence_view(p, blockIdx.z));
+}
+
+// Softcapping (BwdParams::softcap_pre): the deterministic scheme's GEMM kernels again, as
+// entries of their own so the ones above keep their registers (a runtime branch made the
+// d128 wgmma dK/dV kernel spill). The atomic scheme's fused kernel has none: with the tanh it
+// spilled at d128 on wgmma, so softcapped calls take the deterministic scheme.
+extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
+    cudaflash_bwd_dkdv_softcap(const __grid_constant__ cudaflash::BwdParams p) {
+    cudaflash::bwd_dkdv<false, true, true>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
+    cudaflash_bwd_dq_softcap(const __grid_constant__ cudaflash::BwdParams p) {
+    cudaflash::bwd_dq<true>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
+    cudaflash_bwd_dkdv_varlen_softcap(const __grid_constant__ cudaflash::BwdParams p) {
+    cudaflash::bwd_dkdv<false, true, true>(cudaflash::sequence_view(p, blockIdx.z));
+}
+
+extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
+    cudaflash_bwd_dq_varlen_softcap(const __grid_constant__ cudaflash::BwdParams p) {
+    cudaflash::bwd_dq<true>(cudaflash::sequence_view(p, blockIdx.z));
 }

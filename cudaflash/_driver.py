@@ -150,6 +150,11 @@ class BackwardFunctions:
     preprocess_varlen: object
     dkdv_varlen: object
     dq_varlen: object
+    # with softcapping: cudaflash_bwd_{dkdv,dq,dkdv_varlen,dq_varlen}_softcap
+    dkdv_softcap: object
+    dq_softcap: object
+    dkdv_varlen_softcap: object
+    dq_varlen_softcap: object
 
 
 _functions: dict[tuple[int, int, str], Functions | BackwardFunctions] = {}
@@ -219,7 +224,15 @@ def _load(entry: KernelEntry | BackwardEntry):
                                 dkdv_varlen=function(entry.varlen_entries[1],
                                                      entry.dkdv_smem_bytes),
                                 dq_varlen=function(entry.varlen_entries[2],
-                                                   entry.dq_smem_bytes))
+                                                   entry.dq_smem_bytes),
+                                dkdv_softcap=function(entry.softcap_entries[0],
+                                                      entry.dkdv_smem_bytes),
+                                dq_softcap=function(entry.softcap_entries[1],
+                                                    entry.dq_smem_bytes),
+                                dkdv_varlen_softcap=function(entry.softcap_entries[2],
+                                                             entry.dkdv_smem_bytes),
+                                dq_varlen_softcap=function(entry.softcap_entries[3],
+                                                           entry.dq_smem_bytes))
         log.debug("loaded %s (%s sm_%d) from %s", entry.name, entry.kind, entry.arch,
                   entry.path)
         return fns

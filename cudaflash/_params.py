@@ -74,7 +74,7 @@ PARAMS_STRUCT_FORMAT = (PARAMS_POINTERS_FORMAT + PARAMS_FIXED_FORMAT[1:]
                         + PARAMS_WORKSPACE_FORMAT[1:])
 
 
-BWD_PARAMS_BYTES = 360
+BWD_PARAMS_BYTES = 368
 
 
 class Strides(ctypes.Structure):
@@ -108,4 +108,6 @@ class BwdParams(ctypes.Structure):
         ("total_k", ctypes.c_int32),
         ("window_left", ctypes.c_int32),  # -1: unbounded; causal is window_right = 0
         ("window_right", ctypes.c_int32),
+        ("softcap_pre", ctypes.c_float),  # as Params.softcap_pre; scale_log2 then carries the cap
+        ("reserved", ctypes.c_float),
     ]

@@ -94,9 +94,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             included; repeat calls take a plan keyed with the window; under torch.compile
             the window reaches the custom ops (no graph break).
         softcap: 0 (none) or a cap c > 0: the scaled scores become c * tanh(scores / c)
-            before the softmax (Gemma 2, Grok), as in flash-attn. Forward only: with
-            gradients it raises NotImplementedError. Such calls take the checked path (a plan
-            keyed with the cap, as for a window), and reach the custom op under torch.compile.
+            before the softmax (Gemma 2, Grok), as in flash-attn. Gradients too, always in the
+            deterministic scheme (whatever ``deterministic`` says). Repeat calls take a plan
+            keyed with the cap, as for a window; under torch.compile the cap reaches the
+            custom ops.
         dropout_p, alibi_slopes: only their defaults (no dropout, no ALiBi); anything else
             raises NotImplementedError.
 
@@ -160,7 +161,7 @@ def _attention_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, s
     records a plan for the next call)."""
     _reject_unsupported(dropout_p, alibi_slopes)
     window = _check_window(window_size)
-    softcap = _check_softcap(softcap, q, k, v)
+    softcap = _check_softcap(softcap)
     padded = _padded_head_dim(q, k, v)
     if padded is not None:
         return _with_padded_head_dim(
@@ -186,18 +187,21 @@ class _FlashAttnFunction(torch.autograd.Function):
     backward.run. Inside forward grad mode is off, so _forward takes its usual path."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, deterministic, window=(-1, -1)):
+    def forward(ctx, q, k, v, softmax_scale, causal, deterministic, window=(-1, -1),
+                softcap=0.0):
         _check_deterministic(deterministic)
-        out, lse = _forward(None, q, k, v, None, softmax_scale, causal, True, window=window)
+        out, lse = _forward(None, q, k, v, None, softmax_scale, causal, True, window=window,
+                            softcap=softcap)
         # Fail now, not in the backward after a whole forward pass of work.
         _backward.check_supported(q.get_device(), q.dtype, q.shape[3],
-                                  _backward.scheme(deterministic))
+                                  _backward.scheme(deterministic, softcap))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = _softmax_scale(softmax_scale, q.shape[3])
         ctx.causal = bool(causal)
         ctx.deterministic = deterministic
         # The window as the forward's kernel took it (clamped by seqlen_k, causal as right 0).
         ctx.kernel_window = _kernel_window(window, k.shape[1], ctx.causal)
+        ctx.softcap = softcap
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -206,8 +210,8 @@ class _FlashAttnFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _run_backward(dout, q, k, v, out, lse, ctx.scale, ctx.causal,
-                                   ctx.deterministic, ctx.kernel_window)
-        return dq, dk, dv, None, None, None, None
+                                   ctx.deterministic, ctx.kernel_window, ctx.softcap)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _check_deterministic(deterministic) -> None:
@@ -216,15 +220,17 @@ def _check_deterministic(deterministic) -> None:
 
 
 def _run_backward(dout, q, k, v, out, lse, scale: float, causal: bool, deterministic: bool,
-                  kernel_window: tuple[int, int]):
+                  kernel_window: tuple[int, int], softcap: float = 0.0):
     """backward.run on q's device; ``kernel_window`` as the forward's kernel took it
-    (_kernel_window: the kernels mask by it, causal included)."""
-    scheme = _backward.scheme(deterministic)  # torch's global switch counts here too
+    (_kernel_window: the kernels mask by it, causal included); ``softcap`` the forward's."""
+    # torch's global switch counts here too; a cap takes the deterministic scheme
+    scheme = _backward.scheme(deterministic, softcap)
     index = q.get_device()
     if index != torch.cuda.current_device():
         with torch.cuda.device(index):
-            return _backward.run(dout, q, k, v, out, lse, scale, causal, scheme, kernel_window)
-    return _backward.run(dout, q, k, v, out, lse, scale, causal, scheme, kernel_window)
+            return _backward.run(dout, q, k, v, out, lse, scale, causal, scheme, kernel_window,
+                                 softcap)
+    return _backward.run(dout, q, k, v, out, lse, scale, causal, scheme, kernel_window, softcap)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -266,7 +272,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             and type(window_size) is tuple and window_size == (-1, -1)):
         _reject_unsupported(dropout_p, alibi_slopes)
         window = _check_window(window_size)
-        softcap = _check_softcap(softcap, q, k, v)
+        softcap = _check_softcap(softcap)
     else:
         softcap = 0.0
     if block_table is not None:
@@ -304,7 +310,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if _wants_grad(q, k, v):
             out, lse = _varlen_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, softmax_scale, causal, window,
-                                       deterministic)
+                                       deterministic, softcap)
             return (out, lse, None) if return_attn_probs else out
         out, lse = _varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale, causal, *window, softcap)
@@ -313,7 +319,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if _wants_grad(q, k, v):
         out, lse = _FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                   max_seqlen_q, max_seqlen_k, softmax_scale,
-                                                  causal, deterministic, window)
+                                                  causal, deterministic, window, softcap)
         return (out, lse, None) if want_lse else out
     _check_qkv(q, k, v, varlen=True)
     _check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k)
@@ -680,12 +686,12 @@ class _FlashAttnVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale, causal, deterministic, window=(-1, -1)):
+                softmax_scale, causal, deterministic, window=(-1, -1), softcap=0.0):
         _check_deterministic(deterministic)
         out, lse, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                              max_seqlen_k, softmax_scale=softmax_scale,
                                              causal=causal, window_size=window,
-                                             return_attn_probs=True)
+                                             softcap=softcap, return_attn_probs=True)
         # Fail now, not in the backward after a whole forward pass of work.
         _backward.check_supported(q.get_device(), q.dtype, q.shape[2], "deterministic")
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
@@ -694,6 +700,7 @@ class _FlashAttnVarlenFunction(torch.autograd.Function):
         ctx.causal = bool(causal)
         # As the forward's kernel took it: clamped by max_seqlen_k (flash-attn's rule).
         ctx.kernel_window = _kernel_window(window, ctx.max_seqlens[1], ctx.causal)
+        ctx.softcap = softcap
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -704,8 +711,8 @@ class _FlashAttnVarlenFunction(torch.autograd.Function):
         with torch.cuda.device(q.get_device()):
             dq, dk, dv = _backward.run_varlen(dout, q, k, v, out, lse, cu_seqlens_q,
                                               cu_seqlens_k, *ctx.max_seqlens, ctx.scale,
-                                              ctx.causal, ctx.kernel_window)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+                                              ctx.causal, ctx.kernel_window, ctx.softcap)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def forward(config, q, k, v, out=None, softmax_scale=None, causal=False, num_splits=None,
@@ -773,18 +780,12 @@ def _reject_unsupported(dropout_p, alibi_slopes) -> None:
                                   "not implemented; pass alibi_slopes=None")
 
 
-def _check_softcap(softcap, q=None, k=None, v=None) -> float:
-    """flash-attn's softcap as a float: 0.0 (none) or a finite cap > 0. With ``q, k, v``
-    (the calls that can record gradients): a cap while any of them requires grad raises, as
-    the backward has no softcapping."""
+def _check_softcap(softcap) -> float:
+    """flash-attn's softcap as a float: 0.0 (none) or a finite cap > 0."""
     if not (isinstance(softcap, numbers.Real) and not isinstance(softcap, bool)
             and math.isfinite(softcap) and softcap >= 0):
         raise ValueError(f"softcap={softcap!r}; it must be a finite number >= 0 (0: no "
                          "softcapping; c > 0: scores become c * tanh(scores / c))")
-    if softcap and q is not None and _wants_grad(q, k, v):
-        raise NotImplementedError(
-            f"softcap={softcap!r} with inputs that require grad: softcapping is forward only "
-            "in cudaflash (no backward yet); run it under torch.no_grad() or pass softcap=0.0")
     return float(softcap)
 
 
@@ -820,13 +821,12 @@ def _windowed_attention(q, k, v, softmax_scale, causal, window, softcap, determi
     """flash_attn_func with a sliding window or softcapping (``window``: checked (left,
     right) ints; ``softcap``: the checked cap, 0.0 for none): a plan keyed by the signature,
     the window and the cap for repeat calls, as flash_attn_func's own path (one function
-    call and a key lookup more); with gradients through _FlashAttnFunction (windows only:
-    _check_softcap refused gradients with a cap)."""
+    call and a key lookup more); with gradients through _FlashAttnFunction."""
     _check_deterministic(deterministic)
     want_lse = True if return_attn_probs else False
     if _wants_grad(q, k, v):
         out, lse = _FlashAttnFunction.apply(q, k, v, softmax_scale, causal, deterministic,
-                                            window)
+                                            window, softcap)
         return (out, lse, None) if want_lse else out
     # A repeat signature takes its plan, keyed with the window and cap (_forward records it).
     try:
@@ -899,12 +899,12 @@ def _with_padded_head_dim(function, padded: int, q, k, v, softmax_scale, kwargs:
 
 @torch.compiler.disable  # outside the graph: flash_attn_varlen_func's eager path
 def _varlen_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    softmax_scale, causal, window, deterministic):
+                    softmax_scale, causal, window, deterministic, softcap):
     """(out, lse) of flash_attn_varlen_func run eagerly, gradients included."""
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
-                                  window_size=window, deterministic=deterministic,
-                                  return_attn_probs=True)[:2]
+                                  window_size=window, softcap=softcap,
+                                  deterministic=deterministic, return_attn_probs=True)[:2]
 
 
 def _check_qkv(q, k, v, varlen=False, names=("q", "k", "v")):
@@ -1619,33 +1619,35 @@ def _(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, windo
 @torch.library.custom_op("cudaflash::bwd", mutates_args=(),
                          schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
                                 "Tensor lse, float? softmax_scale, bool causal, "
-                                "bool deterministic, int window_left=-1, int window_right=-1) "
-                                "-> (Tensor, Tensor, Tensor)")
+                                "bool deterministic, int window_left=-1, int window_right=-1, "
+                                "float softcap=0.0) -> (Tensor, Tensor, Tensor)")
 def _bwd_op(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1,
-            window_right=-1):
+            window_right=-1, softcap=0.0):
     return _run_backward(dout, q, k, v, out, lse, _softmax_scale(softmax_scale, q.shape[3]),
                          causal, deterministic,
-                         _kernel_window((window_left, window_right), k.shape[1], causal))
+                         _kernel_window((window_left, window_right), k.shape[1], causal),
+                         softcap)
 
 
 @_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1,
-      window_right=-1):
+      window_right=-1, softcap=0.0):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _fwd_op_setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, deterministic, window_left, window_right, _softcap = inputs
+    q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
     ctx.window = (window_left, window_right)
+    ctx.softcap = softcap
 
 
 def _fwd_op_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                         ctx.deterministic, *ctx.window)
+                         ctx.deterministic, *ctx.window, ctx.softcap)
     return dq, dk, dv, None, None, None, None, None, None
 
 

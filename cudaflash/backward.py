@@ -17,7 +17,9 @@ backward config the manifest has for the GPU, dtype, head
 dim and scheme (configs.yaml, ``backward``: an entry's ``scheme`` says which it serves).
 
 Packed (varlen) batches (run_varlen) always take the deterministic kernels, each CTA on its
-own sequence (flash_bwd.cu, sequence_view).
+own sequence (flash_bwd.cu, sequence_view). So do softcapped calls (``softcap`` > 0), through
+the modules' *_softcap entries: the atomic scheme's fused kernel has no softcapped form (with
+the tanh it spilled at d128 on wgmma).
 
 Only the autograd functions of flash_attn_func and flash_attn_varlen_func (api.py) call this;
 they have already checked q, k, v (the forward's checks) and made q's device current.
@@ -41,8 +43,9 @@ _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _LOG2E = math.log2(math.e)
 
 # cuda_src/bwd_params.cuh: 11 pointers, 8 x 3 tensor strides + 2 lse strides, 6 sizes, 2
-# scales, the packed batch's 2 offset pointers and 2 totals, the window's 2 sides.
-_PACK = struct.Struct("=11Q26q6i2f2Q4i")
+# scales, the packed batch's 2 offset pointers and 2 totals, the window's 2 sides, softcap_pre
+# and the reserved float.
+_PACK = struct.Struct("=11Q26q6i2f2Q4i2f")
 assert _PACK.size == BWD_PARAMS_BYTES
 
 
@@ -58,10 +61,11 @@ _kernels: dict[tuple, _BackwardKernel] = {}
 _entries: dict[tuple, BackwardEntry | None] = {}
 
 
-def scheme(deterministic: bool) -> str:
-    """The scheme of a call: deterministic when asked for, or when torch's global switch
-    (torch.use_deterministic_algorithms) asks every op for reproducible results."""
-    if deterministic or torch.are_deterministic_algorithms_enabled():
+def scheme(deterministic: bool, softcap: float = 0.0) -> str:
+    """The scheme of a call: deterministic when asked for, when torch's global switch
+    (torch.use_deterministic_algorithms) asks every op for reproducible results, or with
+    softcapping (the only scheme with softcap kernels)."""
+    if deterministic or softcap or torch.are_deterministic_algorithms_enabled():
         return "deterministic"
     return "atomic"
 
@@ -199,13 +203,17 @@ class _Launches:
 
 def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, scheme: str,
-        window: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        window: tuple[int, int], softcap: float = 0.0
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) laid out like q, k, v. ``lse`` is the forward's (batch, nheads, seqlen_q)
     float32 log-sum-exp; q's device must be current. ``scheme``: "atomic" or
     "deterministic" (see the module docstring). ``window``: (left, right) exactly as the
     forward's kernel took them (api._kernel_window: -1 unbounded, causal as right = 0); the
     kernels mask by it, so a causal call must pass right = 0 (``causal`` only orders CTAs
-    and picks the scheme)."""
+    and picks the scheme). ``softcap``: the forward's cap (0.0: none); a cap needs the
+    deterministic scheme (scheme())."""
+    if softcap and scheme != "deterministic":
+        raise ValueError(f"softcap={softcap} runs in the deterministic scheme, not {scheme!r}")
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
     dout = _kernel_dout(dout, q)
@@ -233,9 +241,9 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
         lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
         0 if dq_accum is None else dq_accum.data_ptr(), *strides, n_heads * seqlen_q, seqlen_q,
-        batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal), scale, scale * _LOG2E,
+        batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal), *_scales(scale, softcap)[:2],
         0, 0, 0, 0,  # not a packed batch
-        *window))
+        *window, *_scales(scale, softcap)[2:]))
 
     fns = kernel.fns
     go = _Launches(kernel, torch._C._cuda_getCurrentRawStream(index), args, seqlen_q,
@@ -249,23 +257,34 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             go.per_key_tile(fns.dkdv_dq_window, "dkdv_dq_window", entry.dkdv_dq_smem_bytes)
         go.per_row(fns.dq_convert, "dq_convert")
+    elif softcap:
+        go.per_key_tile(fns.dkdv_softcap, "dkdv_softcap", entry.dkdv_smem_bytes)
+        go.per_query_tile(fns.dq_softcap, "dq_softcap", entry.dq_smem_bytes)
     else:
         go.per_key_tile(fns.dkdv, "dkdv", entry.dkdv_smem_bytes)
         go.per_query_tile(fns.dq, "dq", entry.dq_smem_bytes)
     return dq, dk, dv
 
 
+def _scales(scale: float, softcap: float) -> tuple[float, float, float, float]:
+    """BwdParams.softmax_scale, scale_log2, softcap_pre, reserved: as the forward's
+    (api._score_scales), so that P is recomputed exactly as the forward's softmax took it."""
+    if softcap:
+        return scale, softcap * _LOG2E, scale / softcap, 0.0
+    return scale, scale * _LOG2E, 0.0, 0.0
+
+
 def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
-               causal: bool, window: tuple[int, int]
+               causal: bool, window: tuple[int, int], softcap: float = 0.0
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of flash_attn_varlen_func, laid out like q, k, v ((total, nheads,
     headdim)); ``lse`` is its forward's (nheads, total_q). Rows of no sequence get zero
     gradients. The maxima must be at least the real lengths (flash-attn's contract): a
     sequence longer than them has undefined gradients (the forward did not compute all of
     its rows). The deterministic kernels run whatever was asked: bitwise reproducible.
-    ``window`` as in run."""
+    ``window`` and ``softcap`` as in run."""
     total_q, n_heads, d_head = q.shape
     total_k, n_heads_k = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.numel() - 1
@@ -286,13 +305,17 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
         lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0,
         *strides, 0, total_q, batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal),
-        scale, scale * _LOG2E, cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), total_q,
-        total_k, *window))
+        *_scales(scale, softcap)[:2], cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(),
+        total_q, total_k, *window, *_scales(scale, softcap)[2:]))
 
     fns = kernel.fns
     go = _Launches(kernel, torch._C._cuda_getCurrentRawStream(index), args, seqlen_q,
                    seqlen_k, n_heads, n_heads_k, batch)
     go.per_row(fns.preprocess_varlen, "preprocess_varlen")
-    go.per_key_tile(fns.dkdv_varlen, "dkdv_varlen", entry.dkdv_smem_bytes)
-    go.per_query_tile(fns.dq_varlen, "dq_varlen", entry.dq_smem_bytes)
+    if softcap:
+        go.per_key_tile(fns.dkdv_varlen_softcap, "dkdv_varlen_softcap", entry.dkdv_smem_bytes)
+        go.per_query_tile(fns.dq_varlen_softcap, "dq_varlen_softcap", entry.dq_smem_bytes)
+    else:
+        go.per_key_tile(fns.dkdv_varlen, "dkdv_varlen", entry.dkdv_smem_bytes)
+        go.per_query_tile(fns.dq_varlen, "dq_varlen", entry.dq_smem_bytes)
     return dq, dk, dv

@@ -416,7 +416,11 @@ class BackwardConfig:
                "cudaflash_bwd_dkdv_dq_window",
                # the deterministic scheme's kernels on a packed (varlen) batch
                "cudaflash_bwd_preprocess_varlen", "cudaflash_bwd_dkdv_varlen",
-               "cudaflash_bwd_dq_varlen")
+               "cudaflash_bwd_dq_varlen",
+               # with softcapping, the deterministic scheme's dkdv and dq, padded and packed
+               # (the preprocess kernel does not see the scores)
+               "cudaflash_bwd_dkdv_softcap", "cudaflash_bwd_dq_softcap",
+               "cudaflash_bwd_dkdv_varlen_softcap", "cudaflash_bwd_dq_varlen_softcap")
     PREPROCESS_THREADS = 128  # kPreprocessThreads: one warp per query row, 4 rows per CTA
     PREPROCESS_ROWS = 4
 

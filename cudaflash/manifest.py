@@ -22,8 +22,8 @@ from .selection import Rule, parse_rules
 # schema 4 would ignore them and attend to the whole cache, so they are refused.
 # 6: BwdParams carries the sliding window (360 bytes) and each backward module has a
 # dkdv_dq_window_entry.
-# 7: Params carries softcap_pre (248 bytes) and each forward module has softcap_entry and
-# softcap_split_entry.
+# 7: Params and BwdParams carry softcap_pre (248 and 368 bytes); each forward module has
+# softcap_entry and softcap_split_entry, each backward module softcap_entries.
 SCHEMA = 7
 KINDS = ("cubin", "ptx")
 
@@ -66,6 +66,8 @@ class BackwardEntry:
     dkdv_dq_window_entry: str  # dkdv_dq with a sliding window
     # preprocess, dkdv and dq of a packed (varlen) batch, each CTA on its own sequence
     varlen_entries: tuple[str, str, str]
+    # with softcapping (the deterministic scheme): dkdv, dq, dkdv_varlen, dq_varlen
+    softcap_entries: tuple[str, str, str, str]
     threads: int  # per block of the dK/dV and dQ kernels
     preprocess_threads: int
     preprocess_rows: int  # query rows per preprocess block
@@ -199,7 +201,8 @@ def _parse(data: dict, path: Path) -> Manifest:
             dkdv_entry=k["dkdv_entry"], dq_entry=k["dq_entry"],
             dkdv_dq_entry=k["dkdv_dq_entry"], dq_convert_entry=k["dq_convert_entry"],
             dkdv_dq_window_entry=k["dkdv_dq_window_entry"],
-            varlen_entries=tuple(k["varlen_entries"]), threads=int(k["threads"]),
+            varlen_entries=tuple(k["varlen_entries"]),
+            softcap_entries=tuple(k["softcap_entries"]), threads=int(k["threads"]),
             preprocess_threads=int(k["preprocess_threads"]),
             preprocess_rows=int(k["preprocess_rows"]), cta_rows=int(k["cta_rows"]),
             dkdv_smem_bytes=int(k["dkdv_smem_bytes"]), dq_smem_bytes=int(k["dq_smem_bytes"]),

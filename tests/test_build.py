@@ -330,14 +330,16 @@ TOP_KEYS = {"schema", "nvcc_version", "source_hash", "params_bytes", "bwd_params
             "backward_kernels"}
 BACKWARD_KEYS = {"name", "config", "arch", "kind", "file", "preprocess_entry", "dkdv_entry",
                  "dq_entry", "dkdv_dq_entry", "dq_convert_entry", "dkdv_dq_window_entry",
-                 "varlen_entries", "threads",
+                 "varlen_entries", "softcap_entries", "threads",
                  "preprocess_threads", "preprocess_rows", "cta_rows", "dkdv_smem_bytes",
                  "dq_smem_bytes", "dkdv_dq_smem_bytes", "schemes", "registers", "spill_bytes", "sha256",
                  "nvcc_version", "source_hash"}
 BACKWARD_ENTRIES = ["cudaflash_bwd_preprocess", "cudaflash_bwd_dkdv", "cudaflash_bwd_dq",
                     "cudaflash_bwd_dkdv_dq", "cudaflash_bwd_dq_convert",
                     "cudaflash_bwd_dkdv_dq_window", "cudaflash_bwd_preprocess_varlen", "cudaflash_bwd_dkdv_varlen",
-                    "cudaflash_bwd_dq_varlen"]
+                    "cudaflash_bwd_dq_varlen", "cudaflash_bwd_dkdv_softcap",
+                    "cudaflash_bwd_dq_softcap", "cudaflash_bwd_dkdv_varlen_softcap",
+                    "cudaflash_bwd_dq_varlen_softcap"]
 KERNEL_KEYS = {"name", "config", "arch", "kind", "file", "entry", "split_entry",
                "combine_entry", "softcap_entry", "softcap_split_entry", "threads", "smem_bytes", "registers", "spill_bytes", "sha256",
                "nvcc_version", "source_hash"}
@@ -383,7 +385,7 @@ def check_manifest(m: dict, out_dir: Path) -> None:
         assert k["schemes"] and set(k["schemes"]) <= {"atomic", "deterministic"}
         assert [k["preprocess_entry"], k["dkdv_entry"], k["dq_entry"], k["dkdv_dq_entry"],
                 k["dq_convert_entry"], k["dkdv_dq_window_entry"],
-                *k["varlen_entries"]] == BACKWARD_ENTRIES
+                *k["varlen_entries"], *k["softcap_entries"]] == BACKWARD_ENTRIES
         assert (k["threads"], k["cta_rows"], k["dkdv_smem_bytes"], k["dq_smem_bytes"],
                 k["dkdv_dq_smem_bytes"]) == (cfg.threads, cfg.cta_rows, cfg.dkdv_smem_bytes,
                                              cfg.dq_smem_bytes, cfg.dkdv_dq_smem_bytes)

@@ -2,7 +2,9 @@
 softmax, as in Gemma 2 and Grok) on a GPU: every built kernel config's softcap entries, whole
 and split, then flash_attn_func (plans, decoding, padded head dims, torch.compile),
 flash_attn_varlen_func and flash_attn_with_kvcache, against the attention math in PyTorch
-with the cap, under FlashAttention's accuracy rule (test_gpu_correctness).
+with the cap, under FlashAttention's accuracy rule (test_gpu_correctness); gradients (every
+backward module's softcap entries, varlen, a window, torch.compile) against autograd through
+that math.
 
 The inputs' scores are made large (softmax_scale = 4 / sqrt(d): a standard deviation of about
 4) so that each cap changes the answer far beyond the rule's bound; assert_cap_matters checks
@@ -13,12 +15,15 @@ import math
 import pytest
 import torch
 
-from cudaflash import (api, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
-                       forward)
+from cudaflash import (api, backward, flash_attn_func, flash_attn_varlen_func,
+                       flash_attn_with_kvcache, forward)
 from test_gpu_correctness import (COMBOS, DTYPES, KERNELS, _combo_id, _pick_combo, attention_ref,
                                   check_attention, fp32_reference_without_tf32,  # noqa: F401
                                   make_qkv)
+from test_gpu_backward import (BWD_COMBOS, _usable_backward_entries, assert_compiled_matches_eager,
+                               assert_grads_within, run_with_grad)
 from test_gpu_varlen import packed
+from test_gpu_window import window_ref
 
 pytestmark = pytest.mark.requires_gpu
 
@@ -172,12 +177,97 @@ def test_torch_compile_fullgraph():
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
 
 
-def test_gradients_are_refused_before_any_work():
-    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
-    q, k, v = make_qkv(1, 64, 64, 2, 2, d, DTYPES[dtype])
-    q.requires_grad_()
-    with pytest.raises(NotImplementedError, match="softcapping is forward only"):
-        flash_attn_func(q, k, v, softcap=2.0)
-    with torch.no_grad():
-        check_attention(flash_attn_func(q, k, v, softcap=2.0), None, q.detach(), k, v, False,
-                        softcap=2.0)
+def reference_grads(q, k, v, dout, causal, scale, cap, upcast, window=(-1, -1)):
+    """(dq, dk, dv) of the capped attention math by autograd (float32 or q's dtype)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    if window == (-1, -1):
+        out, _ = attention_ref(*leaves, causal, scale, upcast, softcap=cap)
+    else:
+        out, _ = window_ref(*leaves, *window, causal, upcast, scale=scale, softcap=cap)
+    out.backward(dout.float() if upcast else dout)
+    return [t.grad for t in leaves]
+
+
+def check_grads(q, k, v, dout, causal, scale, cap, window=(-1, -1), **kwargs):
+    """flash_attn_func's gradients with the cap against autograd through the capped math,
+    and far from the uncapped ones (so an ignored cap in the backward fails)."""
+    out, grads = run_with_grad(q, k, v, dout, causal=causal, softmax_scale=scale, softcap=cap,
+                               window_size=window, **kwargs)
+    ref = reference_grads(q, k, v, dout, causal, scale, cap, True, window)
+    lowp = reference_grads(q, k, v, dout, causal, scale, cap, False, window)
+    assert_grads_within(grads, ref, lowp, (q, k, v))
+    uncapped = reference_grads(q, k, v, dout, causal, scale, 0.0, True, window)
+    change = max((g.float() - u).abs().max().item() for g, u in zip(grads, uncapped))
+    assert change > 0.05, f"the gradients are within {change:.3g} of the uncapped ones"
+    return out, grads
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_asked", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("dims", [(2, 257, 300, 4, 2), (1, 700, 700, 2, 2)],
+                         ids=["gqa_tails", "several_tiles"])
+@pytest.mark.parametrize("combo", BWD_COMBOS, ids=_combo_id)
+def test_gradients(combo, dims, causal, deterministic):
+    """Gradients with a cap, in either scheme asked (a cap always runs the deterministic
+    kernels' softcap entries): bitwise reproducible."""
+    dtype, d = DTYPES[combo[0]], combo[1]
+    q, k, v = make_qkv(*dims, d, dtype, seed=12)
+    dout = torch.randn_like(q)
+    scale = big_scale(d)
+    _, grads = check_grads(q, k, v, dout, causal, scale, 2.0, deterministic=deterministic)
+    _, again = run_with_grad(q, k, v, dout, causal=causal, softmax_scale=scale, softcap=2.0,
+                             deterministic=deterministic)
+    for first, second in zip(grads, again):
+        assert torch.equal(first, second)
+
+
+def test_gradients_with_a_window_and_under_torch_compile():
+    dtype, d = _pick_combo(("bf16", 128), *BWD_COMBOS)
+    q, k, v = make_qkv(1, 300, 300, 4, 2, d, DTYPES[dtype], seed=13)
+    dout = torch.randn_like(q)
+    scale = big_scale(d)
+    check_grads(q, k, v, dout, True, scale, 2.0, window=(64, 0))
+    assert_compiled_matches_eager(q, k, v, dout, causal=True, softmax_scale=scale, softcap=2.0,
+                                  deterministic=True)
+
+
+def test_every_backward_module_that_runs_here(monkeypatch):
+    """Each shipped backward module this GPU can run (not only the selected one): its
+    dkdv_softcap and dq_softcap entries."""
+    entries = _usable_backward_entries()
+    assert entries, "no backward module runs on this GPU"
+    for entry in entries:
+        cfg = entry.config
+        q, k, v = make_qkv(1, 200, 300, 4, 2, cfg.d_head, DTYPES[cfg.dtype], seed=14)
+        dout = torch.randn_like(q)
+        backward.clear_cache()  # the module per (device, dtype, d_head, scheme) is cached
+        with monkeypatch.context() as m:
+            m.setattr(backward, "find_entry", lambda *args, e=entry: e)
+            try:
+                check_grads(q, k, v, dout, True, big_scale(cfg.d_head), 2.0)
+            except AssertionError as e:
+                raise AssertionError(f"{entry.name}: {e}") from None
+            finally:
+                backward.clear_cache()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_varlen_gradients(causal):
+    lens_q, lens_k = [17, 200, 5, 40], [300, 50, 9, 40]
+    dtype, d = _pick_combo(("bf16", 128), *BWD_COMBOS)
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k, 4, 2, d, DTYPES[dtype], seed=15)
+    dout = torch.randn_like(q)
+    scale = big_scale(d)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lens_q), max(lens_k),
+                                 softmax_scale=scale, causal=causal, softcap=2.0)
+    out.backward(dout)
+    oq, ok = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(lens_q)):
+        rows, keys = slice(oq[b], oq[b + 1]), slice(ok[b], ok[b + 1])
+        one = (q[rows][None], k[keys][None], v[keys][None])
+        ref = reference_grads(*one, dout[rows][None], causal, scale, 2.0, True)
+        lowp = reference_grads(*one, dout[rows][None], causal, scale, 2.0, False)
+        ours = (leaves[0].grad[rows][None], leaves[1].grad[keys][None],
+                leaves[2].grad[keys][None])
+        assert_grads_within(ours, ref, lowp, one)

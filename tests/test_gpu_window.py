@@ -20,17 +20,21 @@ from test_gpu_varlen import offsets, packed
 pytestmark = pytest.mark.requires_gpu
 
 
-def window_ref(q, k, v, left, right, causal, upcast):
+def window_ref(q, k, v, left, right, causal, upcast, scale=None, softcap=0.0):
     """(out, lse) of softmax(q k^T / sqrt(d) with the window mask) v in BSHD: query i sees
     keys j with i + shift - left <= j <= i + shift + right (a side unbounded when -1, or when
-    at least seqlen_k, flash-attn's rule; causal is right = 0), shift = seqlen_k - seqlen_q."""
+    at least seqlen_k, flash-attn's rule; causal is right = 0), shift = seqlen_k - seqlen_q.
+    ``scale`` replaces 1 / sqrt(d); softcap > 0 caps the scaled scores (c * tanh(s / c))."""
     left = -1 if left >= k.shape[1] else left
     right = -1 if right >= k.shape[1] else right
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
     groups = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * (q.shape[-1] ** -0.5 if scale is None
+                                                      else scale)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     sq, sk = q.shape[1], k.shape[1]
     offset = (torch.arange(sk, device=q.device)[None, :]
               - torch.arange(sq, device=q.device)[:, None] - (sk - sq))

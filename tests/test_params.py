@@ -121,7 +121,7 @@ def test_bwd_fields_match_bwd_params_cuh():
 
 def test_backward_pack_fills_every_field_in_order():
     """backward.run packs BwdParams with one struct format: distinct values read back field
-    by field (the window's two sides last)."""
+    by field (the window's two sides, then softcap_pre and the reserved float, last)."""
     flat = _bwd_flat_fields()
     values = [float(i) + 0.5 if c is ctypes.c_float else 1000 + i
               for i, (_, c) in enumerate(flat)]
@@ -134,4 +134,5 @@ def test_backward_pack_fills_every_field_in_order():
             obj = getattr(obj, part)
         read.append(obj)
     assert read == values
-    assert flat[-2:] == [("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32)]
+    assert flat[-4:] == [("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32),
+                         ("softcap_pre", ctypes.c_float), ("reserved", ctypes.c_float)]
