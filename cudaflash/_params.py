@@ -6,6 +6,9 @@ with ``ctypes.sizeof(Params)`` by the tests.
 """
 
 import ctypes
+import math
+
+_LOG2E = math.log2(math.e)
 
 PARAMS_BYTES = 248
 
@@ -111,3 +114,13 @@ class BwdParams(ctypes.Structure):
         ("softcap_pre", ctypes.c_float),  # as Params.softcap_pre; scale_log2 then carries the cap
         ("reserved", ctypes.c_float),
     ]
+
+
+def score_scales(scale: float, softcap: float) -> tuple[float, float, float, float]:
+    """softmax_scale, scale_log2, softcap_pre and reserved, the four floats Params and
+    BwdParams share, so that the backward recomputes P exactly as the forward's softmax
+    took it. exp(s * scale) = exp2(s * scale * log2(e)); with a cap (softcap > 0) the
+    kernels take t = tanh(s * scale / cap) and exp(cap * t) = exp2(t * cap * log2(e))."""
+    if softcap:
+        return scale, softcap * _LOG2E, scale / softcap, 0.0
+    return scale, scale * _LOG2E, 0.0, 0.0

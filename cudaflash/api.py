@@ -27,11 +27,11 @@ import torch
 
 from . import _driver, _env, backward as _backward, manifest as _manifest, selection
 from ._env import log
+from ._params import score_scales
 from .config import BWD_D_HEADS, D_HEADS, KernelConfig
 from .manifest import KernelEntry
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-_LOG2E = math.log2(math.e)
 _GRID_YZ_MAX = 65535  # CUDA limit on grid.y (heads) and grid.z (batch)
 _INT32_MAX = 2**31 - 1  # Params sizes are int32
 _DIMS = ("batch", "seqlen", "head")
@@ -1186,7 +1186,7 @@ def _run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse:
     fixed_params = (qs[0], q_seq, q_head, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
                     os_[0], o_seq, o_head, n_heads * seqlen_q, rows, batch, heads, n_heads_k,
                     rows, seqlen_k, int(causal), 0, 0, *kernel_window,
-                    *_score_scales(scale, softcap))
+                    *score_scales(scale, softcap))
     launch = _launch_function(kernel, index, q.device, fixed_params, num_splits, rows=rows,
                               heads=heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
                               window=kernel_window, softcap=bool(softcap))
@@ -1246,7 +1246,7 @@ def _run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
     # Batch strides 0: a sequence's place comes from its offsets. lse: (n_heads, total_q).
     fixed_params = (0, qs[0], qs[1], 0, ks[0], ks[1], 0, vs[0], vs[1], 0, os_[0], os_[1],
                     0, total_q, batch, n_heads, n_heads_k, rows, seqlen_k, int(causal),
-                    total_q, total_k, *kernel_window, *_score_scales(scale, softcap))
+                    total_q, total_k, *kernel_window, *score_scales(scale, softcap))
     launch = _launch_function(kernel, index, q.device, fixed_params, None, rows=rows,
                               heads=n_heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
                               window=kernel_window, softcap=bool(softcap))
@@ -1303,15 +1303,6 @@ def _kernel_problem(seqlen_q: int, n_heads: int, n_heads_k: int, causal: bool,
     if seqlen_q == 1 and group > 1 and window == (-1, -1):
         return group, n_heads_k, False
     return seqlen_q, n_heads, causal
-
-
-def _score_scales(scale: float, softcap: float) -> tuple[float, float, float, float]:
-    """Params.softmax_scale, scale_log2, softcap_pre and reserved. exp(s * scale) =
-    exp2(s * scale * log2(e)); softcapped, the kernel takes t = tanh(s * scale / cap) and
-    exp(cap * t) = exp2(t * cap * log2(e))."""
-    if softcap:
-        return scale, softcap * _LOG2E, scale / softcap, 0.0
-    return scale, scale * _LOG2E, 0.0, 0.0
 
 
 def _window_params(window, causal: bool) -> tuple[int, int]:

@@ -27,7 +27,6 @@ they have already checked q, k, v (the forward's checks) and made q's device cur
 
 from __future__ import annotations
 
-import math
 import struct
 from dataclasses import dataclass
 
@@ -35,12 +34,11 @@ import torch
 
 from . import _driver, _env, manifest as _manifest
 from ._env import log
-from ._params import BWD_PARAMS_BYTES
+from ._params import BWD_PARAMS_BYTES, score_scales
 from .config import BWD_D_HEADS
 from .manifest import BackwardEntry
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-_LOG2E = math.log2(math.e)
 
 # cuda_src/bwd_params.cuh: 11 pointers, 8 x 3 tensor strides + 2 lse strides, 6 sizes, 2
 # scales, the packed batch's 2 offset pointers and 2 totals, the window's 2 sides, softcap_pre
@@ -237,13 +235,14 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         (batch, n_heads, seqlen_q, d_head), dtype=torch.float32, device=q.device)
 
     strides = [x for t in (q, k, v, out, dout, dq, dk, dv) for x in t.stride()[:3]]
+    scales = score_scales(scale, softcap)  # as the forward's Params had them
     args = _driver.PackedArgs(_PACK.pack(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
         lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
         0 if dq_accum is None else dq_accum.data_ptr(), *strides, n_heads * seqlen_q, seqlen_q,
-        batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal), *_scales(scale, softcap)[:2],
+        batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal), *scales[:2],
         0, 0, 0, 0,  # not a packed batch
-        *window, *_scales(scale, softcap)[2:]))
+        *window, *scales[2:]))
 
     fns = kernel.fns
     go = _Launches(kernel, torch._C._cuda_getCurrentRawStream(index), args, seqlen_q,
@@ -264,14 +263,6 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         go.per_key_tile(fns.dkdv, "dkdv", entry.dkdv_smem_bytes)
         go.per_query_tile(fns.dq, "dq", entry.dq_smem_bytes)
     return dq, dk, dv
-
-
-def _scales(scale: float, softcap: float) -> tuple[float, float, float, float]:
-    """BwdParams.softmax_scale, scale_log2, softcap_pre, reserved: as the forward's
-    (api._score_scales), so that P is recomputed exactly as the forward's softmax took it."""
-    if softcap:
-        return scale, softcap * _LOG2E, scale / softcap, 0.0
-    return scale, scale * _LOG2E, 0.0, 0.0
 
 
 def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -301,12 +292,13 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     lse = lse.contiguous()  # the forward's own: (nheads, total_q)
     # (total, nheads, headdim): batch stride 0
     strides = [x for t in (q, k, v, out, dout, dq, dk, dv) for x in (0, *t.stride()[:2])]
+    scales = score_scales(scale, softcap)
     args = _driver.PackedArgs(_PACK.pack(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
         lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0,
         *strides, 0, total_q, batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal),
-        *_scales(scale, softcap)[:2], cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(),
-        total_q, total_k, *window, *_scales(scale, softcap)[2:]))
+        *scales[:2], cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), total_q, total_k,
+        *window, *scales[2:]))
 
     fns = kernel.fns
     go = _Launches(kernel, torch._C._cuda_getCurrentRawStream(index), args, seqlen_q,
