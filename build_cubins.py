@@ -86,8 +86,6 @@ ConfigError = config.ConfigError
 ENTRY, SPLIT_ENTRY, COMBINE_ENTRY, SOFTCAP_ENTRY, SOFTCAP_SPLIT_ENTRY = config.KernelConfig.ENTRIES
 (PREPROCESS_ENTRY, DKDV_ENTRY, DQ_ENTRY, DKDV_DQ_ENTRY, DQ_CONVERT_ENTRY,
  DKDV_DQ_WINDOW_ENTRY) = config.BackwardConfig.ENTRIES[:6]
-VARLEN_ENTRIES = list(config.BackwardConfig.ENTRIES[6:9])
-BACKWARD_SOFTCAP_ENTRIES = list(config.BackwardConfig.ENTRIES[9:])
 
 
 class BuildError(RuntimeError):
@@ -575,9 +573,10 @@ def manifest_dict(spec: Spec, jobs: Sequence[Job], stats: dict, *, out_dir: Path
                 "dkdv_dq_entry": DKDV_DQ_ENTRY,
                 "dq_convert_entry": DQ_CONVERT_ENTRY,
                 "dkdv_dq_window_entry": DKDV_DQ_WINDOW_ENTRY,
-                "varlen_entries": VARLEN_ENTRIES,  # preprocess, dkdv, dq on packed batches
+                # preprocess, dkdv, dq on packed batches
+                "varlen_entries": list(config.BackwardConfig.VARLEN_ENTRIES),
                 # dkdv, dq, dkdv_varlen, dq_varlen with softcapping
-                "softcap_entries": BACKWARD_SOFTCAP_ENTRIES,
+                "softcap_entries": list(config.BackwardConfig.SOFTCAP_ENTRIES),
                 "threads": job.cfg.threads,
                 "preprocess_threads": job.cfg.PREPROCESS_THREADS,
                 "preprocess_rows": job.cfg.PREPROCESS_ROWS,

@@ -410,17 +410,17 @@ class BackwardConfig:
     wgmma: bool = False
 
     SOURCE = "flash_bwd.cu"
+    # The deterministic scheme's kernels on a packed (varlen) batch.
+    VARLEN_ENTRIES = ("cudaflash_bwd_preprocess_varlen", "cudaflash_bwd_dkdv_varlen",
+                      "cudaflash_bwd_dq_varlen")
+    # With softcapping, the deterministic scheme's dkdv and dq, padded and packed (the
+    # preprocess kernel does not see the scores).
+    SOFTCAP_ENTRIES = ("cudaflash_bwd_dkdv_softcap", "cudaflash_bwd_dq_softcap",
+                       "cudaflash_bwd_dkdv_varlen_softcap", "cudaflash_bwd_dq_varlen_softcap")
     ENTRIES = ("cudaflash_bwd_preprocess", "cudaflash_bwd_dkdv", "cudaflash_bwd_dq",
                "cudaflash_bwd_dkdv_dq", "cudaflash_bwd_dq_convert",
                # the atomic scheme's dK/dV/dQ kernel with a sliding window
-               "cudaflash_bwd_dkdv_dq_window",
-               # the deterministic scheme's kernels on a packed (varlen) batch
-               "cudaflash_bwd_preprocess_varlen", "cudaflash_bwd_dkdv_varlen",
-               "cudaflash_bwd_dq_varlen",
-               # with softcapping, the deterministic scheme's dkdv and dq, padded and packed
-               # (the preprocess kernel does not see the scores)
-               "cudaflash_bwd_dkdv_softcap", "cudaflash_bwd_dq_softcap",
-               "cudaflash_bwd_dkdv_varlen_softcap", "cudaflash_bwd_dq_varlen_softcap")
+               "cudaflash_bwd_dkdv_dq_window", *VARLEN_ENTRIES, *SOFTCAP_ENTRIES)
     PREPROCESS_THREADS = 128  # kPreprocessThreads: one warp per query row, 4 rows per CTA
     PREPROCESS_ROWS = 4
 
