@@ -198,6 +198,13 @@ class _Launches:
         tiles = (self.seqlen_q + e.cta_rows - 1) // e.cta_rows
         self._launch(fn, what, (tiles, self.n_heads, self.batch), e.threads, smem)
 
+    def dkdv_then_dq(self, dkdv, dq, suffix: str) -> None:
+        """The deterministic scheme's GEMM kernels: ``dkdv`` per key tile, then ``dq`` per
+        query tile (their padded, varlen or softcap entries: ``suffix`` names which)."""
+        e = self.kernel.entry
+        self.per_key_tile(dkdv, "dkdv" + suffix, e.dkdv_smem_bytes)
+        self.per_query_tile(dq, "dq" + suffix, e.dq_smem_bytes)
+
 
 def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, scheme: str,
@@ -257,11 +264,9 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             go.per_key_tile(fns.dkdv_dq_window, "dkdv_dq_window", entry.dkdv_dq_smem_bytes)
         go.per_row(fns.dq_convert, "dq_convert")
     elif softcap:
-        go.per_key_tile(fns.dkdv_softcap, "dkdv_softcap", entry.dkdv_smem_bytes)
-        go.per_query_tile(fns.dq_softcap, "dq_softcap", entry.dq_smem_bytes)
+        go.dkdv_then_dq(fns.dkdv_softcap, fns.dq_softcap, "_softcap")
     else:
-        go.per_key_tile(fns.dkdv, "dkdv", entry.dkdv_smem_bytes)
-        go.per_query_tile(fns.dq, "dq", entry.dq_smem_bytes)
+        go.dkdv_then_dq(fns.dkdv, fns.dq, "")
     return dq, dk, dv
 
 
@@ -287,7 +292,6 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
     index = q.get_device()
     kernel = _kernel(_driver.current_context(index), index, q.dtype, d_head, "deterministic")
-    entry = kernel.entry
     delta = torch.empty((n_heads, total_q), dtype=torch.float32, device=q.device)
     lse = lse.contiguous()  # the forward's own: (nheads, total_q)
     # (total, nheads, headdim): batch stride 0
@@ -305,9 +309,7 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                    seqlen_k, n_heads, n_heads_k, batch)
     go.per_row(fns.preprocess_varlen, "preprocess_varlen")
     if softcap:
-        go.per_key_tile(fns.dkdv_varlen_softcap, "dkdv_varlen_softcap", entry.dkdv_smem_bytes)
-        go.per_query_tile(fns.dq_varlen_softcap, "dq_varlen_softcap", entry.dq_smem_bytes)
+        go.dkdv_then_dq(fns.dkdv_varlen_softcap, fns.dq_varlen_softcap, "_varlen_softcap")
     else:
-        go.per_key_tile(fns.dkdv_varlen, "dkdv_varlen", entry.dkdv_smem_bytes)
-        go.per_query_tile(fns.dq_varlen, "dq_varlen", entry.dq_smem_bytes)
+        go.dkdv_then_dq(fns.dkdv_varlen, fns.dq_varlen, "_varlen")
     return dq, dk, dv
