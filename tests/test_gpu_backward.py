@@ -196,31 +196,43 @@ def _usable_backward_entries():
                                                          device.smem_optin).values())
 
 
+def for_each_backward_module(monkeypatch, body):
+    """body(entry) for each shipped backward module this GPU can run, not only the one the
+    selection picks, with backward.find_entry returning it; a failure names the module."""
+    entries = _usable_backward_entries()
+    assert entries, "no backward module runs on this GPU"
+    for entry in entries:
+        backward.clear_cache()  # the module per (device, dtype, d_head, scheme) is cached
+        with monkeypatch.context() as m:
+            m.setattr(backward, "find_entry", lambda *args, e=entry: e)
+            try:
+                body(entry)
+            except AssertionError as e:
+                raise AssertionError(f"{entry.name}: {e}") from None
+            finally:
+                backward.clear_cache()
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 def test_every_backward_module_that_runs_here(causal, monkeypatch):
     """Each shipped backward module this GPU can run, not only the one the selection picks
     (the others serve other GPUs, or --backward-config in tools/bwd_bench.py), in each scheme
     it serves, on a shape with tails, GQA and more than one query tile per step."""
     force_atomic_kernels(monkeypatch)
-    entries = _usable_backward_entries()
-    assert entries, "no backward module runs on this GPU"
-    for entry in entries:
+
+    def body(entry):
         cfg = entry.config
         q, k, v = make_qkv(2, 333, 517, 4, 2, cfg.d_head, DTYPES[cfg.dtype], seed=21)
         dout = torch.randn_like(q)
         for scheme in entry.schemes:
-            backward.clear_cache()  # the module per (device, dtype, d_head, scheme) is cached
-            with monkeypatch.context() as m:
-                m.setattr(backward, "find_entry", lambda *args, e=entry: e)
-                try:
-                    _, grads = run_with_grad(q, k, v, dout, causal=causal,
-                                             deterministic=scheme == "deterministic")
-                finally:
-                    backward.clear_cache()
+            _, grads = run_with_grad(q, k, v, dout, causal=causal,
+                                     deterministic=scheme == "deterministic")
             try:
                 check_grads(grads, q, k, v, dout, causal)
             except AssertionError as e:
-                raise AssertionError(f"{entry.name} ({scheme}): {e}") from None
+                raise AssertionError(f"({scheme}) {e}") from None
+
+    for_each_backward_module(monkeypatch, body)
 
 
 def test_empty_sequences_give_zero_gradients():

@@ -15,13 +15,13 @@ import math
 import pytest
 import torch
 
-from cudaflash import (api, backward, flash_attn_func, flash_attn_varlen_func,
-                       flash_attn_with_kvcache, forward)
+from cudaflash import (api, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
+                       forward)
 from test_gpu_correctness import (COMBOS, DTYPES, KERNELS, _combo_id, _pick_combo, attention_ref,
                                   check_attention, fp32_reference_without_tf32,  # noqa: F401
                                   make_qkv)
-from test_gpu_backward import (BWD_COMBOS, _usable_backward_entries, assert_compiled_matches_eager,
-                               assert_grads_within, run_with_grad)
+from test_gpu_backward import (BWD_COMBOS, assert_compiled_matches_eager, assert_grads_within,
+                               for_each_backward_module, run_with_grad)
 from test_gpu_varlen import packed
 from test_gpu_window import window_ref
 
@@ -234,21 +234,12 @@ def test_gradients_with_a_window_and_under_torch_compile():
 def test_every_backward_module_that_runs_here(monkeypatch):
     """Each shipped backward module this GPU can run (not only the selected one): its
     dkdv_softcap and dq_softcap entries."""
-    entries = _usable_backward_entries()
-    assert entries, "no backward module runs on this GPU"
-    for entry in entries:
+    def body(entry):
         cfg = entry.config
         q, k, v = make_qkv(1, 200, 300, 4, 2, cfg.d_head, DTYPES[cfg.dtype], seed=14)
-        dout = torch.randn_like(q)
-        backward.clear_cache()  # the module per (device, dtype, d_head, scheme) is cached
-        with monkeypatch.context() as m:
-            m.setattr(backward, "find_entry", lambda *args, e=entry: e)
-            try:
-                check_grads(q, k, v, dout, True, big_scale(cfg.d_head), 2.0)
-            except AssertionError as e:
-                raise AssertionError(f"{entry.name}: {e}") from None
-            finally:
-                backward.clear_cache()
+        check_grads(q, k, v, torch.randn_like(q), True, big_scale(cfg.d_head), 2.0)
+
+    for_each_backward_module(monkeypatch, body)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])

@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from cudaflash import (api, backward, flash_attn_func, flash_attn_varlen_func,
-                       flash_attn_with_kvcache, forward)
+from cudaflash import (api, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
+                       forward)
 from test_gpu_correctness import (COMBOS, DTYPES, KERNELS, _assert_within, _combo_id,
                                   _pick_combo, fp32_reference_without_tf32,  # noqa: F401
                                   make_qkv)
-from test_gpu_backward import (BWD_COMBOS, _usable_backward_entries, assert_compiled_matches_eager,
-                                assert_grads_within, force_atomic_kernels, run_with_grad)
+from test_gpu_backward import (BWD_COMBOS, assert_compiled_matches_eager, assert_grads_within,
+                               for_each_backward_module, force_atomic_kernels, run_with_grad)
 from test_gpu_varlen import offsets, packed
 
 pytestmark = pytest.mark.requires_gpu
@@ -201,26 +201,21 @@ def test_every_backward_module_with_a_window(causal, monkeypatch):
     """Each backward module this GPU runs, in each scheme it serves, with a two-sided window
     over several key and query tiles."""
     force_atomic_kernels(monkeypatch)
-    entries = _usable_backward_entries()
-    assert entries, "no backward module runs on this GPU"
     window = (70, 90)
-    for entry in entries:
+
+    def body(entry):
         cfg = entry.config
         q, k, v = make_qkv(2, 333, 517, 4, 2, cfg.d_head, DTYPES[cfg.dtype], seed=23)
         dout = torch.randn_like(q)
         for scheme in entry.schemes:
-            backward.clear_cache()
-            with monkeypatch.context() as m:
-                m.setattr(backward, "find_entry", lambda *args, e=entry: e)
-                try:
-                    _, grads = run_with_grad(q, k, v, dout, causal=causal, window_size=window,
-                                              deterministic=scheme == "deterministic")
-                finally:
-                    backward.clear_cache()
+            _, grads = run_with_grad(q, k, v, dout, causal=causal, window_size=window,
+                                     deterministic=scheme == "deterministic")
             try:
                 check_window_grads(grads, q, k, v, dout, *window, causal)
             except AssertionError as e:
-                raise AssertionError(f"{entry.name} ({scheme}): {e}") from None
+                raise AssertionError(f"({scheme}) {e}") from None
+
+    for_each_backward_module(monkeypatch, body)
 
 
 @pytest.mark.parametrize("window", [(40, 0), (30, 60)], ids=lambda w: f"w{w[0]}_{w[1]}")
