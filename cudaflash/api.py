@@ -172,8 +172,8 @@ def _attention_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, s
         out, lse = _fwd_op(q, k, v, softmax_scale, causal, deterministic, *window, softcap)
         return (out, lse, None) if return_attn_probs else out
     if window != (-1, -1) or softcap:
-        return _windowed_attention(q, k, v, softmax_scale, causal, window, softcap,
-                                   deterministic, return_attn_probs)
+        return _windowed_or_capped_attention(q, k, v, softmax_scale, causal, window, softcap,
+                                             deterministic, return_attn_probs)
     want_lse = True if return_attn_probs else False
     if _wants_grad(q, k, v):
         out, lse = _FlashAttnFunction.apply(q, k, v, softmax_scale, causal, deterministic)
@@ -816,8 +816,8 @@ def _wants_grad(q, k, v) -> bool:
                                    or getattr(v, "requires_grad", False))
 
 
-def _windowed_attention(q, k, v, softmax_scale, causal, window, softcap, deterministic,
-                        return_attn_probs):
+def _windowed_or_capped_attention(q, k, v, softmax_scale, causal, window, softcap,
+                                  deterministic, return_attn_probs):
     """flash_attn_func with a sliding window or softcapping (``window``: checked (left,
     right) ints; ``softcap``: the checked cap, 0.0 for none): a plan keyed by the signature,
     the window and the cap for repeat calls, as flash_attn_func's own path (one function
@@ -1117,8 +1117,8 @@ def _forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal
              want_lse=True, num_splits=None, window=(-1, -1), softcap=0.0):
     _check_qkv(q, k, v)
     # flash_attn_func records a plan for the signature, if it is hashable; a windowed or
-    # softcapped call's key is the signature's, the window and the cap (_windowed_attention
-    # looks it up).
+    # softcapped call's key is the signature's, the window and the cap
+    # (_windowed_or_capped_attention looks it up).
     plan_key = None
     if config is None and out is None:
         try:
