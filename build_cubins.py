@@ -1,15 +1,26 @@
 #!/usr/bin/env python3
-"""Compile every kernel config of configs.yaml with nvcc and write cudaflash/kernels/.
+"""Compile every kernel config of configs.yaml and write cudaflash/kernels/.
 
     python build_cubins.py [-j N] [--configs PATH] [--out DIR] [--src DIR] [--nvcc PATH]
-                           [--only SUBSTRING] [--archs 80,90]
+                           [--ptxas PATH] [--only SUBSTRING] [--archs 80,90]
+    python build_cubins.py --check WHEEL_OR_KERNEL_DIR [--max-cubin-driver 12.0]
+                           [--max-ptx-driver 12.3]
 
-One nvcc job per (config, arch): ``sm_XX/<name>.cubin`` for every arch of configs.yaml whose
+One job per (config, arch): ``sm_XX/<name>.cubin`` for every arch of configs.yaml whose
 shared-memory limit the config fits, plus ``ptx/compute_XX/<name>.ptx`` for ``ptx_arch`` so
-newer GPUs can JIT it. Then ``manifest.json`` (schema: docs/contracts.md) is written
-atomically. A job is skipped when its output exists and its ``.stamp`` file holds the same
-sha256 of (source files, nvcc argv, nvcc version). The build stops at the first nvcc error
-and prints that command with nvcc's full log.
+newer GPUs can JIT it. Each job runs two tools: nvcc's front end writes PTX, then ptxas
+assembles it. The PTX's ``.version`` is lowered to the lowest ISA its code needs (ptxas says
+which), and the ptxas is a CUDA 12 one when one is found (the ``nvidia-cuda-nvcc-cu12``
+package, a build requirement), so the cubins are in the CUDA 12 format every driver from R525
+on loads, whatever nvcc wrote the PTX (see cudaflash/driver_compat.py). Then
+``manifest.json`` (schema: docs/contracts.md) is written atomically, recording per file the
+toolkit that wrote it and the oldest driver that loads it. A job is skipped when its output
+exists and its ``.stamp`` file holds the same sha256 of (source files, commands, tool
+versions). The build stops at the first error and prints that command with the tool's log.
+
+``--check`` reads a built kernel directory or a wheel and fails unless every file's format
+matches what the manifest says, and no cubin (PTX) needs a newer driver than the maximum
+given: CI's guard against a CUDA 13 cubin slipping into the wheel.
 
 ``--only`` and ``--archs`` build a subset (the manifest then lists only that subset); files
 of other configs are kept so that the next full build does not redo them. Files of configs
@@ -18,8 +29,8 @@ no longer in configs.yaml are removed.
 This script runs inside pip's isolated build environment (setup.py calls ``build``), where
 torch is not installed: it loads cudaflash/config.py and cudaflash/selection.py by path
 instead of importing cudaflash. Environment (for setup.py, which takes no arguments):
-CUDAFLASH_NVCC (nvcc path), CUDAFLASH_SRC_DIR (kernel sources, default cuda_src),
-CUDAFLASH_BUILD_JOBS (parallel nvcc jobs, default: usable CPU cores).
+CUDAFLASH_NVCC (nvcc path), CUDAFLASH_PTXAS (ptxas path), CUDAFLASH_SRC_DIR (kernel
+sources, default cuda_src), CUDAFLASH_BUILD_JOBS (parallel jobs, default: usable CPU cores).
 """
 
 from __future__ import annotations
@@ -40,18 +51,19 @@ import sys
 import tempfile
 import threading
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent
 
-# Flags of every nvcc job, cubin and PTX alike (they are part of each job's stamp).
-# -std=c++17: the kernel headers use if constexpr. -O3 is nvcc's host-side level (ptxas
-# already optimises device code at -O3); it is listed so hand builds match. -Xptxas -v makes
-# ptxas print registers, spills and stack per entry, which go into the manifest (PTX jobs run
-# no ptxas and ignore it).
-NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas", "-v")
+# Flags of every nvcc (front end, to PTX) and ptxas run; they are part of each job's stamp.
+# -std=c++17: the kernel headers use if constexpr. nvcc's -O3 is its host-side level (the
+# device front end optimises fully by default); it is listed so hand builds match. ptxas -v
+# prints registers, spills and stack per entry, which go into the manifest.
+NVCC_FLAGS = ("-O3", "-std=c++17")
+PTXAS_FLAGS = ("-O3", "-v")
 
 # Each kernel family is one translation unit under the source dir (config.SOURCE) exporting a
 # fixed set of extern "C" entries (config.ENTRIES): the forward (flash_fwd.cu: the forward,
@@ -60,12 +72,14 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-Xptxas", "-v")
 PARAMS_HEADER = "params.cuh"  # holds `constexpr int kParamsBytes = N;`
 BWD_PARAMS_HEADER = "bwd_params.cuh"  # holds `constexpr int kBwdParamsBytes = N;`
 MANIFEST_NAME = "manifest.json"
-MANIFEST_SCHEMA = 7  # cudaflash/manifest.py SCHEMA says what each bump means
+KINDS = ("cubin", "ptx")
+MANIFEST_SCHEMA = 8  # cudaflash/manifest.py SCHEMA says what each bump means
 YAML_KEYS = ("archs", "ptx_arch", "defaults", "configs", "selection", "backward")
 
 
 def _load_cudaflash_modules():
-    """Import cudaflash/config.py and cudaflash/selection.py without cudaflash/__init__.py.
+    """Import cudaflash/config.py, selection.py and driver_compat.py without
+    cudaflash/__init__.py.
 
     The package __init__ imports torch, which pip's build environment does not have. A
     stand-in package whose __path__ is the cudaflash directory lets selection.py keep its
@@ -78,14 +92,19 @@ def _load_cudaflash_modules():
         pkg.__path__ = [str(ROOT / "cudaflash")]
         sys.modules[pkg_name] = pkg
     return (importlib.import_module(f"{pkg_name}.config"),
-            importlib.import_module(f"{pkg_name}.selection"))
+            importlib.import_module(f"{pkg_name}.selection"),
+            importlib.import_module(f"{pkg_name}.driver_compat"))
 
 
-config, selection = _load_cudaflash_modules()
+config, selection, driver_compat = _load_cudaflash_modules()
 ConfigError = config.ConfigError
 ENTRY, SPLIT_ENTRY, COMBINE_ENTRY, SOFTCAP_ENTRY, SOFTCAP_SPLIT_ENTRY = config.KernelConfig.ENTRIES
 (PREPROCESS_ENTRY, DKDV_ENTRY, DQ_ENTRY, DKDV_DQ_ENTRY, DQ_CONVERT_ENTRY,
  DKDV_DQ_WINDOW_ENTRY) = config.BackwardConfig.ENTRIES[:6]
+
+
+# The entry a PTX job's check compiles, per module family: the one that assembles fastest.
+SMALLEST_ENTRY = {"KernelConfig": COMBINE_ENTRY, "BackwardConfig": DQ_CONVERT_ENTRY}
 
 
 class BuildError(RuntimeError):
@@ -140,18 +159,27 @@ class Job:
 
 
 def nvcc_argv(cfg, arch: int, kind: str, *, nvcc: str, src_dir: Path, out: Path) -> list:
-    """The nvcc command that compiles one config for one arch (pure: no I/O)."""
-    if kind == "cubin":
-        # wgmma needs the arch-specific target sm_90a (its SASS runs on sm_90 GPUs only).
-        sm = f"{arch}a" if cfg.arch_specific else str(arch)
-        target = ["-cubin", "-gencode", f"arch=compute_{sm},code=sm_{sm}"]
-    elif kind == "ptx":
-        target = ["-ptx", f"-arch=compute_{arch}"]
-    else:
-        raise ValueError(f"kind={kind!r}; allowed: 'cubin', 'ptx'")
+    """The nvcc command that compiles one config to PTX for one arch (pure: no I/O); ptxas
+    then assembles it (``ptxas_argv``)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}; allowed: {list(KINDS)}")
     defines = [f"-D{macro}={value}" for macro, value in cfg.nvcc_defines().items()]
-    return [nvcc, *target, *NVCC_FLAGS, "-I", str(src_dir), *defines,
-            str(src_dir / cfg.SOURCE), "-o", str(out)]
+    return [nvcc, "-ptx", f"-arch=compute_{ptxas_target(cfg, arch, kind)[3:]}", *NVCC_FLAGS,
+            "-I", str(src_dir), *defines, str(src_dir / cfg.SOURCE), "-o", str(out)]
+
+
+def ptxas_target(cfg, arch: int, kind: str) -> str:
+    """The SASS target of a job: sm_XY, or sm_XYa for wgmma configs (their SASS runs on sm_90
+    GPUs only). A PTX job assembles for its own arch to prove the shipped PTX compiles."""
+    return f"sm_{arch}a" if cfg.arch_specific and kind == "cubin" else f"sm_{arch}"
+
+
+def ptxas_argv(cfg, arch: int, kind: str, *, ptxas: str, ptx: Path, out: Path) -> list:
+    """The ptxas command that assembles a job's PTX (pure). A PTX job compiles only its
+    smallest entry: ptxas parses (and checks the ISA of) the whole file either way."""
+    only = [] if kind == "cubin" else ["-e", SMALLEST_ENTRY[type(cfg).__name__]]
+    return [ptxas, f"-arch={ptxas_target(cfg, arch, kind)}", *PTXAS_FLAGS, *only, str(ptx),
+            "-o", str(out)]
 
 
 def load_spec(path: Path) -> Spec:
@@ -305,13 +333,45 @@ def find_nvcc(explicit: Optional[str] = None) -> str:
     return path
 
 
-def nvcc_version(nvcc: str) -> str:
-    out = subprocess.run([nvcc, "--version"], stdout=subprocess.PIPE,
+def tool_version(tool: str) -> str:
+    """'13.0.88' from ``nvcc --version`` or ``ptxas --version``."""
+    out = subprocess.run([tool, "--version"], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     m = re.search(r"\bV(\d+\.\d+\.\d+)", out.stdout)
     if out.returncode or not m:
-        raise BuildError(f"'{nvcc} --version' failed or printed no version:\n{out.stdout}")
+        raise BuildError(f"'{tool} --version' failed or printed no version:\n{out.stdout}")
     return m.group(1)
+
+
+# Where the nvidia-cuda-nvcc-cu12 wheel (a build requirement in pyproject.toml) puts ptxas,
+# under a site-packages directory.
+PIP_PTXAS = Path("nvidia") / "cuda_nvcc" / "bin"
+
+
+def find_ptxas(nvcc: str, explicit: Optional[str] = None) -> str:
+    """--ptxas, else $CUDAFLASH_PTXAS, else the CUDA 12 ptxas of the nvidia-cuda-nvcc-cu12
+    package on sys.path, else the ptxas beside nvcc (with a CUDA 13 nvcc, its cubins need a
+    CUDA 13 driver, R580+: the manifest records it)."""
+    for origin, candidate in (("--ptxas", explicit),
+                              ("CUDAFLASH_PTXAS", os.environ.get("CUDAFLASH_PTXAS"))):
+        if candidate:
+            path = shutil.which(candidate)
+            if path is None:
+                raise BuildError(f"{origin}={candidate!r} is not an executable ptxas")
+            return path
+    for site in sys.path:
+        for name in ("ptxas", "ptxas.exe"):
+            path = Path(site or ".") / PIP_PTXAS / name
+            if path.is_file() and os.access(path, os.X_OK):
+                return str(path)
+    beside = Path(nvcc).resolve().parent / "ptxas"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    path = shutil.which("ptxas")
+    if path is None:
+        raise BuildError(f"no ptxas beside {nvcc} or on PATH: pass --ptxas PATH, set "
+                         "CUDAFLASH_PTXAS, or `pip install nvidia-cuda-nvcc-cu12`")
+    return path
 
 
 def source_digest(src_dir: Path) -> str:
@@ -327,9 +387,9 @@ def source_digest(src_dir: Path) -> str:
 
 
 def job_stamp(digest: str, argv: Sequence[str], version: str) -> str:
-    # argv[0] (the nvcc path) is left out: the same nvcc version found elsewhere on PATH
-    # compiles the same cubin.
-    return hashlib.sha256("\0".join([digest, version, *argv[1:]]).encode()).hexdigest()
+    """``argv``: the job's commands, tool paths and output paths left out (the same tool
+    versions found elsewhere build the same file); ``version``: every tool's version."""
+    return hashlib.sha256("\0".join([digest, version, *argv]).encode()).hexdigest()
 
 
 def params_bytes(src_dir: Path, header_name: str = PARAMS_HEADER,
@@ -352,12 +412,13 @@ def sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write through a temp file in the same directory + os.replace: readers never see half."""
+def write_atomic(path: Path, data) -> None:
+    """Write ``data`` (str or bytes) through a temp file in the same directory + os.replace:
+    readers never see half."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -415,11 +476,13 @@ def ptx_entries(text: str) -> list:
 
 
 class Builder:
-    def __init__(self, *, out_dir: Path, src_dir: Path, nvcc: str, version: str, digest: str):
+    def __init__(self, *, out_dir: Path, src_dir: Path, nvcc: str, ptxas: str,
+                 versions: str, digest: str):
         self.out_dir = out_dir
         self.src_dir = src_dir
         self.nvcc = nvcc
-        self.version = version
+        self.ptxas = ptxas
+        self.versions = versions  # every tool's version, for the stamps
         self.digest = digest
         self._print_lock = threading.Lock()
         self._failed = threading.Event()  # set by the first failing job; later ones skip
@@ -428,9 +491,15 @@ class Builder:
         with self._print_lock:
             print(msg, flush=True)
 
-    def argv(self, job: Job) -> list:
-        return nvcc_argv(job.cfg, job.arch, job.kind, nvcc=self.nvcc, src_dir=self.src_dir,
-                         out=self.out_dir / job.file)
+    def commands(self, job: Job, ptx: Path, out: Path) -> tuple:
+        """(nvcc to ``ptx``, ptxas from ``ptx`` to ``out``)."""
+        return (nvcc_argv(job.cfg, job.arch, job.kind, nvcc=self.nvcc, src_dir=self.src_dir,
+                          out=ptx),
+                ptxas_argv(job.cfg, job.arch, job.kind, ptxas=self.ptxas, ptx=ptx, out=out))
+
+    def stamp(self, job: Job) -> str:
+        front, back = self.commands(job, Path("job.ptx"), Path("job.out"))
+        return job_stamp(self.digest, [*front[1:], "|", *back[1:]], self.versions)
 
     def stamp_path(self, job: Job) -> Path:
         return self.out_dir / (job.file + ".stamp")
@@ -457,33 +526,65 @@ class Builder:
     def _compile(self, job: Job, stamp: str) -> dict:
         out = self.out_dir / job.file
         out.parent.mkdir(parents=True, exist_ok=True)
-        # Drop the old stamp first: an interrupted nvcc may leave a partial output behind,
+        # Drop the old stamp first: an interrupted job may leave a partial output behind,
         # which must not look up to date next time.
         self.stamp_path(job).unlink(missing_ok=True)
-        argv = self.argv(job)
-        self.say(shlex.join(argv))
         start = time.monotonic()
-        proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        with tempfile.TemporaryDirectory(prefix="cudaflash-build-") as tmp:
+            ptx, assembled = Path(tmp) / "job.ptx", Path(tmp) / "job.cubin"
+            front, back = self.commands(job, ptx, assembled)
+            self.say(shlex.join(front))
+            proc = subprocess.run(front, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True)
+            if proc.returncode:
+                raise JobFailed(job, front, f"nvcc exited with status {proc.returncode}",
+                                proc.stdout)
+            text, isa, log = self._assemble(job, ptx, back)
+            try:
+                if job.kind == "cubin":
+                    stats = parse_ptxas(log, job.cfg)
+                    write_atomic(out, assembled.read_bytes())
+                else:
+                    entries = ptx_entries(text)
+                    if sorted(entries) != sorted(job.cfg.ENTRIES):
+                        raise BuildError(f"the PTX defines entries {entries}; it must define "
+                                         f"exactly {list(job.cfg.ENTRIES)} "
+                                         "(docs/contracts.md)")
+                    stats = {"registers": None, "split_registers": None, "spill_bytes": None,
+                             "stack_bytes": None, "static_smem": 0, "wgmma_serialized": False}
+                    write_atomic(out, text)
+            except BuildError as e:
+                raise JobFailed(job, back, str(e), log) from None
+        stats["ptx_isa"] = f"{isa[0]}.{isa[1]}"
         seconds = time.monotonic() - start
-        if proc.returncode:
-            raise JobFailed(job, argv, f"nvcc exited with status {proc.returncode}", proc.stdout)
-        try:
-            if job.kind == "cubin":
-                stats = parse_ptxas(proc.stdout, job.cfg)
-            else:
-                entries = ptx_entries(out.read_text())
-                if sorted(entries) != sorted(job.cfg.ENTRIES):
-                    raise BuildError(f"the PTX defines entries {entries}; it must define "
-                                     f"exactly {list(job.cfg.ENTRIES)} (docs/contracts.md)")
-                stats = {"registers": None, "split_registers": None, "spill_bytes": None,
-                         "stack_bytes": None, "static_smem": 0, "wgmma_serialized": False}
-        except BuildError as e:
-            raise JobFailed(job, argv, str(e), proc.stdout) from None
         write_atomic(self.stamp_path(job), json.dumps({"stamp": stamp, "stats": stats}) + "\n")
         regs = "" if stats["registers"] is None else \
-            f" ({stats['registers']} registers, {stats['spill_bytes']} bytes spilled)"
-        self.say(f"built {job.label} in {seconds:.1f}s{regs}")
+            f", {stats['registers']} registers, {stats['spill_bytes']} bytes spilled"
+        self.say(f"built {job.label} in {seconds:.1f}s (PTX ISA {stats['ptx_isa']}{regs})")
         return stats
+
+    def _assemble(self, job: Job, ptx: Path, back: list) -> tuple:
+        """Run ptxas on the PTX nvcc wrote, declared as the lowest ISA it needs: start at the
+        lowest ISA that knows the target and raise it to what ptxas says the code requires.
+        Returns (the PTX text as assembled, its ISA, ptxas's log)."""
+        original = ptx.read_text()
+        written = driver_compat.ptx_isa(original)
+        target = ptxas_target(job.cfg, job.arch, job.kind)
+        isa = min(written, driver_compat.TARGET_MIN_PTX_ISA.get(target, written))
+        while True:
+            text = driver_compat.with_ptx_isa(original, isa)
+            ptx.write_text(text)
+            self.say(shlex.join(back) + f"  # PTX declared as ISA {isa[0]}.{isa[1]}")
+            proc = subprocess.run(back, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True)
+            if not proc.returncode:
+                return text, isa, proc.stdout
+            needed = driver_compat.isa_required_by(proc.stdout)
+            if needed is None or needed <= isa:
+                raise JobFailed(job, back, f"ptxas exited with status {proc.returncode} (PTX "
+                                f"declared as ISA {isa[0]}.{isa[1]}; nvcc wrote "
+                                f"{written[0]}.{written[1]})", proc.stdout)
+            isa = needed
 
     def run(self, jobs: Sequence[Job], n_jobs: int) -> dict:
         """Compile what is out of date; returns {job: stats}. Raises JobFailed on the first
@@ -491,7 +592,7 @@ class Builder:
         stats = {}
         todo = []
         for job in jobs:
-            stamp = job_stamp(self.digest, self.argv(job), self.version)
+            stamp = self.stamp(job)
             recorded = self.up_to_date(job, stamp)
             if recorded is not None:
                 self.say(f"up to date: {job.label}")
@@ -525,8 +626,9 @@ class JobFailed(BuildError):
         self.log = log
 
     def report(self) -> str:
+        tool = Path(self.argv[0]).name
         return (f"error: {self}\ncommand:\n  {shlex.join(self.argv)}\n"
-                f"nvcc output:\n{self.log.rstrip() or '(none)'}")
+                f"{tool} output:\n{self.log.rstrip() or '(none)'}")
 
 
 # ---- outputs -----------------------------------------------------------------------------
@@ -554,12 +656,24 @@ def remove_stale(out_dir: Path, keep: set) -> list:
     return removed
 
 
+def file_floor(job: Job, out_dir: Path, stats: dict, ptxas_version: str) -> dict:
+    """What the manifest records of the toolchain behind one file and the driver it needs,
+    the floor read off the file itself (cudaflash/driver_compat.py)."""
+    data = (out_dir / job.file).read_bytes()
+    try:
+        floor = driver_compat.min_driver(job.kind, data)
+    except driver_compat.KernelFormatError as e:
+        raise BuildError(f"{job.file}: {e}") from None
+    return {"ptxas_version": ptxas_version, "ptx_isa": stats["ptx_isa"], "min_driver": floor}
+
+
 def manifest_dict(spec: Spec, jobs: Sequence[Job], stats: dict, *, out_dir: Path,
-                  version: str, src_hash: str, params_size: int,
+                  version: str, ptxas_version: str, src_hash: str, params_size: int,
                   bwd_params_size: int) -> dict:
     kernels, backward = [], []
     for job in jobs:
         s = stats[job]
+        floor = file_floor(job, out_dir, s, ptxas_version)
         if isinstance(job.cfg, config.BackwardConfig):
             backward.append({
                 "name": job.cfg.name,
@@ -589,6 +703,7 @@ def manifest_dict(spec: Spec, jobs: Sequence[Job], stats: dict, *, out_dir: Path
                 "spill_bytes": s["spill_bytes"],
                 "sha256": sha256_file(out_dir / job.file),
                 "nvcc_version": version,
+                **floor,
                 "source_hash": src_hash,
             })
             continue
@@ -609,11 +724,18 @@ def manifest_dict(spec: Spec, jobs: Sequence[Job], stats: dict, *, out_dir: Path
             "spill_bytes": s["spill_bytes"],
             "sha256": sha256_file(out_dir / job.file),
             "nvcc_version": version,
+            **floor,
             "source_hash": src_hash,
         })
+    every = kernels + backward
     return {
         "schema": MANIFEST_SCHEMA,
         "nvcc_version": version,
+        "ptxas_version": ptxas_version,
+        # The oldest driver that loads every cubin (every PTX) of this build, for messages
+        # and the README; the runtime checks each file's own floor before loading it.
+        "min_driver": {kind: max((k["min_driver"] for k in every if k["kind"] == kind),
+                                 default=None) for kind in KINDS},
         "source_hash": src_hash,
         "params_bytes": params_size,
         "bwd_params_bytes": bwd_params_size,
@@ -662,12 +784,12 @@ def default_jobs() -> int:
 def build(*, configs_path: Path = ROOT / "configs.yaml",
           out_dir: Path = ROOT / "cudaflash" / "kernels",
           src_dir: Optional[Path] = None, nvcc: Optional[str] = None,
-          jobs: Optional[int] = None, only: Optional[str] = None,
+          ptxas: Optional[str] = None, jobs: Optional[int] = None, only: Optional[str] = None,
           archs: Optional[Sequence[int]] = None) -> dict:
     """Build what is out of date and write the manifest; returns the manifest dict.
 
-    Raises ConfigError for a bad configs.yaml or filter, BuildError (JobFailed for nvcc) for
-    a failed build.
+    Raises ConfigError for a bad configs.yaml or filter, BuildError (JobFailed for nvcc or
+    ptxas) for a failed build.
     """
     start = time.monotonic()
     if src_dir is None:
@@ -689,23 +811,32 @@ def build(*, configs_path: Path = ROOT / "configs.yaml",
             raise BuildError(f"kernel source {src_dir / source} not found")
 
     nvcc = find_nvcc(nvcc)
-    version = nvcc_version(nvcc)
+    version = tool_version(nvcc)
+    ptxas = find_ptxas(nvcc, ptxas)
+    ptxas_version = tool_version(ptxas)
     digest = source_digest(src_dir)
-    src_hash = hashlib.sha256("\0".join([digest, *NVCC_FLAGS]).encode()).hexdigest()
+    src_hash = hashlib.sha256("\0".join([digest, *NVCC_FLAGS, *PTXAS_FLAGS]).encode()
+                              ).hexdigest()
     params_size = params_bytes(src_dir)
     bwd_params_size = params_bytes(src_dir, BWD_PARAMS_HEADER, "kBwdParamsBytes")
-    print(f"nvcc {version} ({nvcc}); sources {src_dir}; output {out_dir}", flush=True)
+    print(f"nvcc {version} ({nvcc}); ptxas {ptxas_version} ({ptxas}); sources {src_dir}; "
+          f"output {out_dir}", flush=True)
+    if int(ptxas_version.split(".")[0]) >= 13:
+        print(f"NOTE: ptxas {ptxas_version} writes cubins in the CUDA 13 format, which needs "
+              "an NVIDIA driver for CUDA 13 (R580+); a CUDA 12 ptxas (`pip install "
+              "nvidia-cuda-nvcc-cu12`, or --ptxas) makes cubins every driver from R525 on "
+              "loads", flush=True)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for rel in remove_stale(out_dir, expected_files(spec)):
         print(f"removed stale: {rel}", flush=True)
-    builder = Builder(out_dir=out_dir, src_dir=src_dir, nvcc=nvcc, version=version,
-                      digest=digest)
+    builder = Builder(out_dir=out_dir, src_dir=src_dir, nvcc=nvcc, ptxas=ptxas,
+                      versions=f"nvcc {version}, ptxas {ptxas_version}", digest=digest)
     stats = builder.run(plan, jobs or default_jobs())
 
     manifest = manifest_dict(spec, plan, stats, out_dir=out_dir, version=version,
-                             src_hash=src_hash, params_size=params_size,
-                             bwd_params_size=bwd_params_size)
+                             ptxas_version=ptxas_version, src_hash=src_hash,
+                             params_size=params_size, bwd_params_size=bwd_params_size)
     write_atomic(out_dir / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
 
     print(summary(plan, stats))
@@ -720,13 +851,105 @@ def build(*, configs_path: Path = ROOT / "configs.yaml",
                   "compiler did not unroll)")
         if s.get("wgmma_serialized"):  # .get: stamps written before this check lack the key
             print(f"WARNING: {job.label}: ptxas serialized its wgmma instructions (see the "
-                  "ptxas log: nvcc -Xptxas -v)")
+                  "ptxas log: ptxas -v)")
         if s["static_smem"]:
             print(f"WARNING: {job.label} uses {s['static_smem']} bytes of static shared "
                   f"memory on top of the {job.cfg.smem_bytes} dynamic bytes in the manifest")
+    floors = ", ".join(f"{kind} {driver_compat.describe_driver(v)}"
+                       for kind, v in manifest["min_driver"].items() if v is not None)
     print(f"wrote {out_dir / MANIFEST_NAME}: {len(plan)} kernels in "
-          f"{time.monotonic() - start:.1f}s", flush=True)
+          f"{time.monotonic() - start:.1f}s; driver floors: {floors}", flush=True)
     return manifest
+
+
+# ---- checking built kernels (CI, on the wheel) -------------------------------------------
+
+
+def _kernel_files(path: Path) -> tuple:
+    """(manifest dict, {relative path: bytes} of every cubin/PTX) of a kernel directory or a
+    wheel (whose kernels live under cudaflash/kernels/)."""
+    if path.is_dir():
+        files = {p.relative_to(path).as_posix(): p.read_bytes()
+                 for p in sorted(path.rglob("*")) if p.suffix in (".cubin", ".ptx")}
+        return json.loads((path / MANIFEST_NAME).read_text()), files
+    prefix = "cudaflash/kernels/"
+    with zipfile.ZipFile(path) as wheel:
+        names = [n for n in wheel.namelist() if n.startswith(prefix)]
+        files = {n[len(prefix):]: wheel.read(n) for n in names if n.endswith((".cubin", ".ptx"))}
+        return json.loads(wheel.read(prefix + MANIFEST_NAME)), files
+
+
+def check_kernels(path: Path, *, max_cubin_driver: Optional[int] = None,
+                  max_ptx_driver: Optional[int] = None) -> list:
+    """Problems with the kernels of a directory or wheel (empty: all good). Every cubin's
+    ELF header and every PTX ``.version`` must give the driver floor the manifest states for
+    that file, the manifest's toolchain must match the file's format, every kernel file must
+    be listed, and no floor may exceed the maximum given for its kind."""
+    manifest, files = _kernel_files(path)
+    problems = []
+    entries = manifest["kernels"] + manifest["backward_kernels"]
+    listed = {k["file"] for k in entries}
+    problems += [f"{f}: a kernel file the manifest does not list" for f in sorted(set(files)
+                                                                                  - listed)]
+    limit = {"cubin": max_cubin_driver, "ptx": max_ptx_driver}
+    for k in entries:
+        where = k["file"]
+        data = files.get(where)
+        if data is None:
+            problems.append(f"{where}: listed in the manifest but missing")
+            continue
+        if hashlib.sha256(data).hexdigest() != k["sha256"]:
+            problems.append(f"{where}: sha256 differs from the manifest's")
+        try:
+            floor = driver_compat.min_driver(k["kind"], data)
+            if k["kind"] == "cubin":
+                family = driver_compat.cubin_toolkit(data)
+                ptxas = k["ptxas_version"].split(".")
+                if family != ".".join(ptxas[:len(family.split("."))]):
+                    problems.append(f"{where}: a CUDA {family} cubin, but the manifest says "
+                                    f"ptxas {k['ptxas_version']} built it")
+            else:
+                isa = "%d.%d" % driver_compat.ptx_isa(data.decode("ascii", errors="replace"))
+                if isa != k["ptx_isa"]:
+                    problems.append(f"{where}: declares PTX ISA {isa}, the manifest says "
+                                    f"{k['ptx_isa']}")
+        except driver_compat.KernelFormatError as e:
+            problems.append(f"{where}: {e}")
+            continue
+        if floor != k["min_driver"]:
+            problems.append(f"{where}: needs a driver for CUDA "
+                            f"{driver_compat.cuda_version_text(floor)}, the manifest says "
+                            f"{k['min_driver']}")
+        most = limit[k["kind"]]
+        if most is not None and floor > most:
+            problems.append(f"{where}: needs {driver_compat.describe_driver(floor)}, above the "
+                            f"allowed {driver_compat.describe_driver(most)} for a {k['kind']}")
+    for kind in KINDS:
+        floors = [k["min_driver"] for k in entries if k["kind"] == kind]
+        if manifest["min_driver"].get(kind) != max(floors, default=None):
+            problems.append(f"manifest min_driver[{kind!r}] = {manifest['min_driver'].get(kind)}"
+                            f" is not the highest floor of its {kind} files")
+    return problems
+
+
+def _check_main(path: Path, max_cubin: Optional[str], max_ptx: Optional[str]) -> int:
+    limits = [None if v is None else driver_compat.parse_cuda_version(v)
+              for v in (max_cubin, max_ptx)]
+    manifest, files = _kernel_files(path)
+    problems = check_kernels(path, max_cubin_driver=limits[0], max_ptx_driver=limits[1])
+    counts: dict = {}
+    for k in manifest["kernels"] + manifest["backward_kernels"]:
+        fmt = (f"CUDA {driver_compat.cubin_toolkit(files[k['file']])} cubin"
+               if k["kind"] == "cubin" and k["file"] in files else f"PTX ISA {k['ptx_isa']}")
+        key = (k["kind"], fmt, k["min_driver"])
+        counts[key] = counts.get(key, 0) + 1
+    print(f"{path}: {len(files)} kernel files; nvcc {manifest['nvcc_version']}, ptxas "
+          f"{manifest['ptxas_version']}")
+    for (kind, fmt, floor), n in sorted(counts.items()):
+        print(f"  {n:4d} x {fmt}: needs {driver_compat.describe_driver(floor)}")
+    for problem in problems:
+        print(f"FAILED: {problem}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def _arch_list(text: str) -> list:
@@ -747,7 +970,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-j", "--jobs", type=_positive, default=None,
-                        help="parallel nvcc jobs (default: usable CPU cores, or "
+                        help="parallel jobs (default: usable CPU cores, or "
                              "$CUDAFLASH_BUILD_JOBS)")
     parser.add_argument("--configs", type=Path, default=ROOT / "configs.yaml",
                         help="config list (default: configs.yaml next to this script)")
@@ -757,14 +980,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="kernel source directory (default: $CUDAFLASH_SRC_DIR or cuda_src)")
     parser.add_argument("--nvcc", default=None,
                         help="nvcc to use (default: $CUDAFLASH_NVCC, $CUDA_HOME/bin/nvcc, PATH)")
+    parser.add_argument("--ptxas", default=None,
+                        help="ptxas to use (default: $CUDAFLASH_PTXAS, the nvidia-cuda-nvcc-cu12 "
+                             "package's, the one beside nvcc)")
     parser.add_argument("--only", default=None, metavar="SUBSTRING",
                         help="build only configs whose name contains SUBSTRING")
     parser.add_argument("--archs", type=_arch_list, default=None, metavar="90,...",
                         help="build only these archs (the PTX is built when ptx_arch is listed)")
+    parser.add_argument("--check", type=Path, default=None, metavar="WHEEL_OR_DIR",
+                        help="build nothing: check the kernel files of a wheel or kernel "
+                             "directory against its manifest")
+    parser.add_argument("--max-cubin-driver", default=None, metavar="12.0",
+                        help="with --check: fail if a cubin needs a driver newer than this "
+                             "CUDA version")
+    parser.add_argument("--max-ptx-driver", default=None, metavar="12.3",
+                        help="with --check: fail if a PTX file needs a driver newer than this")
     args = parser.parse_args(argv)
+    if args.check is not None:
+        try:
+            return _check_main(args.check, args.max_cubin_driver, args.max_ptx_driver)
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+            print(f"error: cannot check {args.check}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
     try:
         build(configs_path=args.configs, out_dir=args.out, src_dir=args.src, nvcc=args.nvcc,
-              jobs=args.jobs, only=args.only, archs=args.archs)
+              ptxas=args.ptxas, jobs=args.jobs, only=args.only, archs=args.archs)
     except JobFailed as e:
         print(e.report(), file=sys.stderr, flush=True)
         return 1

@@ -7,6 +7,7 @@ from .api import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacke
                   flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
                   flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache, forward,
                   list_kernels)
+from ._driver import CudaError, UnsupportedDriverError
 from .config import KernelConfig
 
 __version__ = "0.1.0"
@@ -14,4 +15,5 @@ __version__ = "0.1.0"
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "forward",
-           "list_kernels", "KernelConfig", "__version__"]
+           "list_kernels", "KernelConfig", "CudaError", "UnsupportedDriverError",
+           "__version__"]

@@ -30,7 +30,7 @@ def cmd_list(args) -> int:
         print(_table(("backward module", "arch", "kind", "threads", "smem", "regs", "spills",
                       "schemes"), backward))
     print(f"\n{len(rows)} forward kernels and {len(backward)} backward modules in {m.path} "
-          f"(nvcc {m.nvcc_version}, sources {m.source_hash[:12]})")
+          f"({m.describe_toolchain()}; sources {m.source_hash[:12]})")
     return 0
 
 
@@ -41,12 +41,13 @@ def cmd_info(args) -> int:
           f"{torch.__version__} (CUDA {torch.version.cuda}), cuda-bindings "
           f"{_driver.bindings_version() or 'not importable'}")
     m = load_manifest()
-    print(f"kernels: {len(m.kernels)} in {m.path} (nvcc {m.nvcc_version}, sources "
+    print(f"kernels: {len(m.kernels)} in {m.path} ({m.describe_toolchain()}; sources "
           f"{m.source_hash[:12]})")
     if not torch.cuda.is_available():
         print("GPU: none (torch.cuda.is_available() is False)")
         return 0
-    print(f"CUDA driver {_driver.driver_version()}")
+    module = _driver.kernel_module_version()
+    print(f"CUDA driver {_driver.driver_version()}" + (f" ({module})" if module else ""))
     for index in range(torch.cuda.device_count()):
         dk = api._device_kernels(index)
         print(f"\n{dk.describe()}: {len(dk.usable)} configs usable; selection for "

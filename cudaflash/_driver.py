@@ -12,11 +12,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import re
 import struct
 import threading
 from dataclasses import dataclass
 
 from ._env import log
+from .driver_compat import cuda_version_text, describe_driver, driver_branch
 from ._params import (PARAMS_BYTES, PARAMS_FIXED_FORMAT, PARAMS_POINTERS_BYTES,
                       PARAMS_POINTERS_FORMAT, PARAMS_WORKSPACE_FORMAT, PARAMS_WORKSPACE_OFFSET,
                       Params)
@@ -25,6 +27,12 @@ from .manifest import BackwardEntry, KernelEntry
 
 class CudaError(RuntimeError):
     """A CUDA driver call failed; the message names the call and the CUDA error."""
+
+
+class UnsupportedDriverError(CudaError):
+    """The NVIDIA driver cannot run cudaflash's kernels: it is older than they need, or it
+    refused a kernel image (CUDA_ERROR_NO_BINARY_FOR_GPU, CUDA_ERROR_UNSUPPORTED_PTX_VERSION).
+    The message names the driver found, the driver needed, the GPU and what to do."""
 
 
 def check(result: tuple, call_name: str):
@@ -62,9 +70,24 @@ def bindings_version():
     return __version__
 
 
+def driver_version_number() -> int:
+    """The CUDA version the driver supports, as cuDriverGetVersion says (12020 = CUDA 12.2)."""
+    return check(_cu().cuDriverGetVersion(), "cuDriverGetVersion")
+
+
 def driver_version() -> str:
-    v = check(_cu().cuDriverGetVersion(), "cuDriverGetVersion")
-    return f"{v // 1000}.{v % 1000 // 10}"
+    return cuda_version_text(driver_version_number())
+
+
+def kernel_module_version() -> str | None:
+    """The NVIDIA kernel module's version ('580.95.05') on Linux, None where unknown: the
+    number people know their driver by, which the CUDA driver API does not report."""
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            m = re.search(r"Kernel Module\s+(?:for \S+\s+)?(\d+\.\d+(?:\.\d+)?)", f.read())
+    except OSError:
+        return None
+    return m.group(1) if m else None
 
 
 # ---- devices and contexts --------------------------------------------------------------------
@@ -168,7 +191,7 @@ def get_functions(entry: KernelEntry | BackwardEntry, device_index: int,
     with _functions_lock:
         fns = _functions.get(key)
         if fns is None:
-            fns = _functions[key] = _load(entry)
+            fns = _functions[key] = _load(entry, device_index)
     return fns
 
 
@@ -180,8 +203,70 @@ def clear_cache() -> None:
     _stream_objects.clear()
 
 
-def _load(entry: KernelEntry | BackwardEntry):
+def _describe_file(entry: KernelEntry | BackwardEntry) -> str:
+    if entry.kind == "cubin":
+        return (f"a cubin for sm_{entry.arch} assembled by ptxas {entry.ptxas_version}, "
+                f"{entry.path.name}")
+    return f"PTX ISA {entry.ptx_isa} for compute_{entry.arch}, {entry.path.name}"
+
+
+def _describe_driver_found(version: int) -> str:
+    module = kernel_module_version()
+    return f"CUDA {cuda_version_text(version)}" + (f", driver {module}" if module else "")
+
+
+def require_driver(entry: KernelEntry | BackwardEntry, device_index: int) -> None:
+    """Raise UnsupportedDriverError unless the driver is at least as new as ``entry``'s file
+    needs (the manifest's min_driver): checked before the first load, so that an old driver
+    gets an answer instead of CUDA_ERROR_NO_BINARY_FOR_GPU."""
+    have = driver_version_number()
+    if have >= entry.min_driver:
+        return
+    dev = device(device_index)
+    raise UnsupportedDriverError(
+        f"the NVIDIA driver is too old for cudaflash on {dev.name} (sm_{dev.arch}, cuda:"
+        f"{device_index}): it supports {_describe_driver_found(have)}, and cudaflash's kernel "
+        f"{entry.name} ({_describe_file(entry)}) needs {describe_driver(entry.min_driver)}. "
+        f"Update the NVIDIA driver to {driver_branch(entry.min_driver)} or newer (the README "
+        "lists the driver each GPU generation needs).")
+
+
+def _load_refused(entry: KernelEntry | BackwardEntry, device_index: int, err) -> str | None:
+    """The message for a cuModuleLoadData failure that means "this driver cannot run this
+    file", or None for any other error."""
     cu = _cu()
+    codes = cu.CUresult
+    if err == codes.CUDA_ERROR_NO_BINARY_FOR_GPU:
+        why = ("it does not know this kernel's format or GPU target. The file needs "
+               f"{describe_driver(entry.min_driver)}; if the driver is that new, the kernel "
+               "files do not match this GPU or are damaged: reinstall cudaflash or rebuild "
+               "them with `python build_cubins.py`")
+    elif err in (codes.CUDA_ERROR_UNSUPPORTED_PTX_VERSION, codes.CUDA_ERROR_INVALID_PTX):
+        why = (f"its PTX compiler does not accept PTX ISA {entry.ptx_isa}, which needs "
+               f"{describe_driver(entry.min_driver)}: update the NVIDIA driver to "
+               f"{driver_branch(entry.min_driver)} or newer")
+    else:
+        return None
+    dev = device(device_index)
+    return (f"the NVIDIA driver ({_describe_driver_found(driver_version_number())}) refused "
+            f"cudaflash's kernel {entry.name} ({_describe_file(entry)}) on {dev.name} "
+            f"(sm_{dev.arch}, cuda:{device_index}) with {_error_text(err)}: {why}.")
+
+
+def load_image(entry: KernelEntry | BackwardEntry, device_index: int, image: bytes):
+    """cuModuleLoadData of ``image`` (``entry``'s file), a refusal by the driver turned into
+    UnsupportedDriverError."""
+    result = _cu().cuModuleLoadData(image)
+    if result[0]:
+        refused = _load_refused(entry, device_index, result[0])
+        if refused:
+            raise UnsupportedDriverError(refused)
+    return check(result, f"cuModuleLoadData({entry.path})")
+
+
+def _load(entry: KernelEntry | BackwardEntry, device_index: int):
+    cu = _cu()
+    require_driver(entry, device_index)
     try:
         image = entry.path.read_bytes()
     except FileNotFoundError:
@@ -197,7 +282,7 @@ def _load(entry: KernelEntry | BackwardEntry):
             "kernels with `python build_cubins.py`")
     if entry.kind == "ptx":
         image += b"\0"  # the driver reads PTX as a C string
-    module = check(cu.cuModuleLoadData(image), f"cuModuleLoadData({entry.path})")
+    module = load_image(entry, device_index, image)
 
     def function(symbol: str, smem: int):
         fn = check(cu.cuModuleGetFunction(module, symbol.encode()),

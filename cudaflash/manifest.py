@@ -16,6 +16,7 @@ from pathlib import Path
 from . import _env
 from ._params import BWD_PARAMS_BYTES, PARAMS_BYTES
 from .config import BackwardConfig, KernelConfig
+from .driver_compat import describe_driver
 from .selection import Rule, parse_rules
 
 # 5: a padded batch's cu_seqlens_k holds key counts (flash_attn_with_kvcache); kernels of
@@ -24,7 +25,10 @@ from .selection import Rule, parse_rules
 # dkdv_dq_window_entry.
 # 7: Params and BwdParams carry softcap_pre (248 and 368 bytes); each forward module has
 # softcap_entry and softcap_split_entry, each backward module softcap_entries.
-SCHEMA = 7
+# 8: cubins assembled by a CUDA 12 ptxas (R525+) from PTX lowered to the ISA it needs; every
+# entry records ptxas_version, ptx_isa and min_driver (the oldest CUDA driver version that
+# loads the file), checked against cuDriverGetVersion before the first load.
+SCHEMA = 8
 KINDS = ("cubin", "ptx")
 
 
@@ -47,6 +51,11 @@ class KernelEntry:
     registers: int | None  # per thread; None for PTX (decided by the JIT)
     spill_bytes: int | None
     sha256: str
+    # The oldest CUDA driver that loads the file (cuDriverGetVersion units, 12000 = CUDA 12.0),
+    # read off the file by the build (cudaflash/driver_compat.py), and what made it.
+    min_driver: int
+    ptxas_version: str  # the ptxas that assembled the cubin (or checked the PTX)
+    ptx_isa: str  # the PTX ISA the code was declared as, e.g. "8.3"
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,9 @@ class BackwardEntry:
     registers: int | None
     spill_bytes: int | None
     sha256: str
+    min_driver: int  # as in KernelEntry
+    ptxas_version: str
+    ptx_isa: str
 
     @property
     def smem_bytes(self) -> int:
@@ -89,11 +101,21 @@ class BackwardEntry:
 class Manifest:
     path: Path
     nvcc_version: str
+    ptxas_version: str
     source_hash: str
+    # The oldest CUDA driver version that loads all cubins, and all PTX: {"cubin": 12000, ...}
+    min_driver: dict
     ptx_arch: int | None
     selection: tuple[Rule, ...]
     kernels: tuple[KernelEntry, ...]
     backward: tuple[BackwardEntry, ...] = ()
+
+    def describe_toolchain(self) -> str:
+        """'nvcc 13.0.88 + ptxas 12.9.86; needs a driver for: cubins CUDA 12.0 (R525+), ...'"""
+        floors = ", ".join(f"{kind}s {describe_driver(v)}"
+                           for kind, v in self.min_driver.items() if v is not None)
+        return (f"nvcc {self.nvcc_version} + ptxas {self.ptxas_version}; needs a driver for: "
+                f"{floors}")
 
     def usable_backward(self, arch: int, smem_limit: int) -> dict[str, BackwardEntry]:
         """``usable`` for the backward modules."""
@@ -177,6 +199,15 @@ def _entry_config(cls, k: dict, where: str):
     return config
 
 
+def _floor(k: dict) -> dict:
+    """An entry's toolchain and driver floor fields."""
+    if not isinstance(k["min_driver"], int) or k["min_driver"] < 11000:
+        raise ValueError(f"{k['file']}: min_driver={k['min_driver']!r} is not a CUDA driver "
+                         "version such as 12000")
+    return {"min_driver": k["min_driver"], "ptxas_version": str(k["ptxas_version"]),
+            "ptx_isa": str(k["ptx_isa"])}
+
+
 def _parse(data: dict, path: Path) -> Manifest:
     if data["schema"] != SCHEMA:
         raise ValueError(f"schema {data['schema']!r}, this cudaflash reads schema {SCHEMA}")
@@ -191,7 +222,7 @@ def _parse(data: dict, path: Path) -> Manifest:
             combine_entry=k["combine_entry"], softcap_entry=k["softcap_entry"],
             softcap_split_entry=k["softcap_split_entry"], threads=int(k["threads"]),
             smem_bytes=int(k["smem_bytes"]), registers=k["registers"],
-            spill_bytes=k["spill_bytes"], sha256=k["sha256"]))
+            spill_bytes=k["spill_bytes"], sha256=k["sha256"], **_floor(k)))
     backward = []
     for i, k in enumerate(data["backward_kernels"]):
         config = _entry_config(BackwardConfig, k, f"backward_kernels[{i}]")
@@ -207,8 +238,10 @@ def _parse(data: dict, path: Path) -> Manifest:
             preprocess_rows=int(k["preprocess_rows"]), cta_rows=int(k["cta_rows"]),
             dkdv_smem_bytes=int(k["dkdv_smem_bytes"]), dq_smem_bytes=int(k["dq_smem_bytes"]),
             dkdv_dq_smem_bytes=int(k["dkdv_dq_smem_bytes"]), schemes=tuple(k["schemes"]),
-            registers=k["registers"], spill_bytes=k["spill_bytes"], sha256=k["sha256"]))
+            registers=k["registers"], spill_bytes=k["spill_bytes"], sha256=k["sha256"],
+            **_floor(k)))
     selection = parse_rules(data["selection"], where=path.name)
     return Manifest(path=path, nvcc_version=data["nvcc_version"],
+                    ptxas_version=data["ptxas_version"], min_driver=dict(data["min_driver"]),
                     source_hash=data["source_hash"], ptx_arch=data.get("ptx_arch"),
                     selection=selection, kernels=tuple(kernels), backward=tuple(backward))

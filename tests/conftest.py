@@ -112,7 +112,8 @@ def write_fake_kernel_dir(root, kernels=FAKE_KERNELS, selection=FAKE_SELECTION,
         (root / rel).write_bytes(data)
         return {"name": cfg.name, "config": cfg.to_dict(), "arch": arch, "kind": kind,
                 "file": rel, "sha256": hashlib.sha256(data).hexdigest(),
-                "nvcc_version": "13.0.88", "source_hash": "f" * 64}
+                "nvcc_version": "13.0.88", "ptxas_version": "12.9.86", "ptx_isa": "8.3",
+                "min_driver": 12000 if kind == "cubin" else 12030, "source_hash": "f" * 64}
 
     entries = []
     for i, (cfg, kind, arch) in enumerate(kernels):
@@ -140,7 +141,8 @@ def write_fake_kernel_dir(root, kernels=FAKE_KERNELS, selection=FAKE_SELECTION,
             "schemes": ["atomic", "deterministic"],
             "registers": 200 if kind == "cubin" else None,
             "spill_bytes": 0 if kind == "cubin" else None})
-    manifest = {"schema": SCHEMA, "nvcc_version": "13.0.88", "source_hash": "f" * 64,
+    manifest = {"schema": SCHEMA, "nvcc_version": "13.0.88", "ptxas_version": "12.9.86",
+                "min_driver": {"cubin": 12000, "ptx": 12030}, "source_hash": "f" * 64,
                 "params_bytes": params_bytes, "bwd_params_bytes": BWD_PARAMS_BYTES,
                 "entries": list(KernelConfig.ENTRIES),
                 "backward_entries": list(BackwardConfig.ENTRIES),

@@ -45,40 +45,49 @@ def load_params_module():
 # ---- pure pieces -------------------------------------------------------------------------
 
 
-def test_nvcc_argv_cubin():
+def test_nvcc_argv_writes_ptx_for_the_job_arch():
     argv = build_cubins.nvcc_argv(CFG, 86, "cubin", nvcc="/x/nvcc", src_dir=Path("/s"),
-                                  out=Path("/o/sm_86/k.cubin"))
+                                  out=Path("/t/job.ptx"))
     assert argv[0] == "/x/nvcc"
-    assert argv[argv.index("-gencode") + 1] == "arch=compute_86,code=sm_86"
-    assert "-cubin" in argv and "-ptx" not in argv
+    assert "-ptx" in argv and "-arch=compute_86" in argv
+    assert "-cubin" not in argv and "-gencode" not in argv
     joined = " ".join(argv)
     assert " ".join(build_cubins.NVCC_FLAGS) in joined
-    assert "-I /s " in joined and "/s/flash_fwd.cu -o /o/sm_86/k.cubin" in joined
+    assert "-I /s " in joined and "/s/flash_fwd.cu -o /t/job.ptx" in joined
     for macro, value in CFG.nvcc_defines().items():
         assert f"-D{macro}={value}" in argv
     assert "-DCF_DTYPE_BF16=1" in argv and "-DCF_D_HEAD=128" in argv and "-DCF_Q_FRAGS=2" in argv
     again = build_cubins.nvcc_argv(CFG, 86, "cubin", nvcc="/x/nvcc", src_dir=Path("/s"),
-                                   out=Path("/o/sm_86/k.cubin"))
+                                   out=Path("/t/job.ptx"))
     assert again == argv
-
-
-def test_nvcc_argv_ptx():
-    argv = build_cubins.nvcc_argv(CFG, 90, "ptx", nvcc="nvcc", src_dir=Path("src"),
-                                  out=Path("k.ptx"))
-    assert "-ptx" in argv and "-arch=compute_90" in argv
-    assert "-cubin" not in argv and "-gencode" not in argv
+    ptx_job = build_cubins.nvcc_argv(CFG, 90, "ptx", nvcc="nvcc", src_dir=Path("src"),
+                                     out=Path("k.ptx"))
+    assert "-ptx" in ptx_job and "-arch=compute_90" in ptx_job
     with pytest.raises(ValueError, match="kind='sass'"):
         build_cubins.nvcc_argv(CFG, 90, "sass", nvcc="nvcc", src_dir=Path("s"), out=Path("o"))
 
 
-def test_nvcc_argv_wgmma_targets_sm90a():
+def test_ptxas_argv():
+    argv = build_cubins.ptxas_argv(CFG, 86, "cubin", ptxas="/p/ptxas", ptx=Path("/t/job.ptx"),
+                                   out=Path("/t/job.cubin"))
+    assert argv == ["/p/ptxas", "-arch=sm_86", *build_cubins.PTXAS_FLAGS, "/t/job.ptx", "-o",
+                    "/t/job.cubin"]
+    assert "-v" in build_cubins.PTXAS_FLAGS  # registers and spills for the manifest
+    # A PTX job proves the shipped PTX assembles, compiling only its smallest entry.
+    argv = build_cubins.ptxas_argv(CFG, 90, "ptx", ptxas="ptxas", ptx=Path("k.ptx"),
+                                   out=Path("k.cubin"))
+    assert argv[argv.index("-e") + 1] == "cudaflash_combine" and "-arch=sm_90" in argv
+
+
+def test_wgmma_configs_target_sm90a():
     cfg = dataclasses.replace(CFG, n_warps=8, Q_mma_load_K_fragments=0, K_mma_load_K_fragments=0,
                               V_mma_load_K_fragments=0, mma_double_buffer_loads=False,
                               wgmma=True).validate()
     argv = build_cubins.nvcc_argv(cfg, 90, "cubin", nvcc="nvcc", src_dir=Path("s"),
                                   out=Path("o"))
-    assert argv[argv.index("-gencode") + 1] == "arch=compute_90a,code=sm_90a"
-    assert "-DCF_WGMMA=1" in argv
+    assert "-arch=compute_90a" in argv and "-DCF_WGMMA=1" in argv
+    argv = build_cubins.ptxas_argv(cfg, 90, "cubin", ptxas="ptxas", ptx=Path("p"), out=Path("o"))
+    assert "-arch=sm_90a" in argv
     assert [a for a in (80, 86, 89, 90) if cfg.builds_for(a)] == [90]
 
 
@@ -173,13 +182,15 @@ def test_parse_ptxas_requires_exactly_the_three_entries(log):
         build_cubins.parse_ptxas(log)
 
 
-def test_stamp_depends_on_sources_flags_and_nvcc_version():
-    argv = ["/a/nvcc", "-cubin", "-DCF_D_HEAD=64"]
-    base = build_cubins.job_stamp("src", argv, "13.0.88")
-    assert build_cubins.job_stamp("src", ["/b/nvcc", *argv[1:]], "13.0.88") == base
-    assert build_cubins.job_stamp("src2", argv, "13.0.88") != base
-    assert build_cubins.job_stamp("src", argv[:-1] + ["-DCF_D_HEAD=128"], "13.0.88") != base
-    assert build_cubins.job_stamp("src", argv, "13.1.0") != base
+def test_stamp_depends_on_sources_commands_and_tool_versions():
+    argv = ["-ptx", "-DCF_D_HEAD=64", "|", "-arch=sm_90"]
+    versions = "nvcc 13.0.88, ptxas 12.9.86"
+    base = build_cubins.job_stamp("src", argv, versions)
+    assert build_cubins.job_stamp("src", list(argv), versions) == base
+    assert build_cubins.job_stamp("src2", argv, versions) != base
+    assert build_cubins.job_stamp("src", argv[:1] + ["-DCF_D_HEAD=128"] + argv[2:],
+                                  versions) != base
+    assert build_cubins.job_stamp("src", argv, "nvcc 13.0.88, ptxas 13.0.88") != base
 
 
 def test_source_digest_sees_every_file(tmp_path):
@@ -325,7 +336,7 @@ def test_rule_whose_config_cannot_fit_its_arch(tmp_path):
 
 # ---- manifest schema (docs/contracts.md) ------------------------------------------------
 
-TOP_KEYS = {"schema", "nvcc_version", "source_hash", "params_bytes", "bwd_params_bytes",
+TOP_KEYS = {"schema", "nvcc_version", "ptxas_version", "min_driver", "source_hash", "params_bytes", "bwd_params_bytes",
             "entries", "backward_entries", "archs", "ptx_arch", "selection", "kernels",
             "backward_kernels"}
 BACKWARD_KEYS = {"name", "config", "arch", "kind", "file", "preprocess_entry", "dkdv_entry",
@@ -333,7 +344,7 @@ BACKWARD_KEYS = {"name", "config", "arch", "kind", "file", "preprocess_entry", "
                  "varlen_entries", "softcap_entries", "threads",
                  "preprocess_threads", "preprocess_rows", "cta_rows", "dkdv_smem_bytes",
                  "dq_smem_bytes", "dkdv_dq_smem_bytes", "schemes", "registers", "spill_bytes", "sha256",
-                 "nvcc_version", "source_hash"}
+                 "nvcc_version", "ptxas_version", "ptx_isa", "min_driver", "source_hash"}
 BACKWARD_ENTRIES = ["cudaflash_bwd_preprocess", "cudaflash_bwd_dkdv", "cudaflash_bwd_dq",
                     "cudaflash_bwd_dkdv_dq", "cudaflash_bwd_dq_convert",
                     "cudaflash_bwd_dkdv_dq_window", "cudaflash_bwd_preprocess_varlen", "cudaflash_bwd_dkdv_varlen",
@@ -342,16 +353,19 @@ BACKWARD_ENTRIES = ["cudaflash_bwd_preprocess", "cudaflash_bwd_dkdv", "cudaflash
                     "cudaflash_bwd_dq_varlen_softcap"]
 KERNEL_KEYS = {"name", "config", "arch", "kind", "file", "entry", "split_entry",
                "combine_entry", "softcap_entry", "softcap_split_entry", "threads", "smem_bytes", "registers", "spill_bytes", "sha256",
-               "nvcc_version", "source_hash"}
+               "nvcc_version", "ptxas_version", "ptx_isa", "min_driver", "source_hash"}
 ENTRIES = ["cudaflash_fwd", "cudaflash_fwd_split", "cudaflash_combine", "cudaflash_fwd_softcap",
            "cudaflash_fwd_split_softcap"]
 
 
 def check_manifest(m: dict, out_dir: Path) -> None:
     assert set(m) == TOP_KEYS
-    assert m["schema"] == 7 and m["entries"] == ENTRIES
+    assert m["schema"] == 8 and m["entries"] == ENTRIES
     assert m["backward_entries"] == BACKWARD_ENTRIES
     assert re.fullmatch(r"\d+\.\d+\.\d+", m["nvcc_version"])
+    assert re.fullmatch(r"\d+\.\d+\.\d+", m["ptxas_version"])
+    # Every file's driver floor is what its own header / .version line says.
+    assert build_cubins.check_kernels(out_dir) == []
     assert re.fullmatch(r"[0-9a-f]{64}", m["source_hash"])
     assert m["archs"] == sorted(m["archs"]) and all(isinstance(a, int) for a in m["archs"])
     assert isinstance(m["ptx_arch"], int)
@@ -374,7 +388,8 @@ def check_manifest(m: dict, out_dir: Path) -> None:
             assert k["file"] == f"ptx/compute_{k['arch']}/{cfg.name}.ptx"
             assert k["registers"] is None and k["spill_bytes"] is None
         assert k["sha256"] == hashlib.sha256((out_dir / k["file"]).read_bytes()).hexdigest()
-        assert (k["nvcc_version"], k["source_hash"]) == (m["nvcc_version"], m["source_hash"])
+        assert (k["nvcc_version"], k["ptxas_version"], k["source_hash"]) == (
+            m["nvcc_version"], m["ptxas_version"], m["source_hash"])
         key = (k["name"], k["kind"], k["arch"])
         assert key not in seen, key
         seen.add(key)
@@ -504,7 +519,8 @@ def test_build_incremental_and_stale(fake_tree, capsys):
         (n, kind, arch) for n in FAKE_NAMES
         for kind, arch in (("cubin", 80), ("cubin", 90), ("ptx", 90))]
     out = capsys.readouterr().out
-    assert "-gencode arch=compute_80,code=sm_80" in out and "-ptx -arch=compute_90" in out
+    assert "-ptx -arch=compute_80" in out and "-ptx -arch=compute_90" in out
+    assert re.search(r"ptxas -arch=sm_80 .* # PTX declared as ISA 7\.0", out)
     assert re.search(rf"{FAKE_NAMES[0]} +sm_90 +\d+ +\d+ +0 +0 +24576", out)  # summary row
 
     assert fake_build(fake_tree) == m  # nothing changed: nothing compiled
@@ -527,6 +543,51 @@ def test_build_incremental_and_stale(fake_tree, capsys):
 
 
 @needs_nvcc
+def test_build_declares_the_lowest_ptx_isa_and_records_driver_floors(fake_tree):
+    m = fake_build(fake_tree)
+    out = fake_tree / "out"
+    for k in m["kernels"]:
+        data = (out / k["file"]).read_bytes()
+        if k["kind"] == "ptx":
+            # The stand-in uses nothing newer than what compute_90 itself needs (ISA 7.8):
+            # the PTX is declared as that, whatever nvcc wrote, so CUDA 11.8+ drivers JIT it.
+            assert build_cubins.driver_compat.ptx_isa(data.decode()) == (7, 8)
+            assert (k["ptx_isa"], k["min_driver"]) == ("7.8", 11080)
+        else:
+            assert k["min_driver"] == build_cubins.driver_compat.cubin_min_driver(data)
+            assert k["ptx_isa"] == {80: "7.0", 90: "7.8"}[k["arch"]]
+    assert m["min_driver"]["ptx"] == 11080
+    assert m["min_driver"]["cubin"] == max(k["min_driver"] for k in m["kernels"]
+                                           if k["kind"] == "cubin")
+
+
+@needs_nvcc
+def test_check_kernels_catches_a_foreign_format(fake_tree, capsys):
+    m = fake_build(fake_tree)
+    out = fake_tree / "out"
+    assert build_cubins.check_kernels(out) == []
+    cubin_floor = m["min_driver"]["cubin"]
+    too_low = build_cubins.driver_compat.cuda_version_text(cubin_floor - 10)
+    assert build_cubins.main(["--check", str(out), "--max-cubin-driver", too_low]) == 1
+    assert "above the allowed" in capsys.readouterr().err
+    # A cubin in the other toolkit family's format than its manifest entry says (what a
+    # CUDA 13 ptxas slipping into a release build would look like).
+    first = next(k for k in m["kernels"] if k["kind"] == "cubin")
+    path = out / first["file"]
+    data = bytearray(path.read_bytes())
+    data[7] = 0x41 if data[7] == 0x33 else 0x33
+    path.write_bytes(bytes(data))
+    problems = build_cubins.check_kernels(out)
+    assert any("sha256 differs" in p for p in problems)
+    assert any(first["file"] in p and ("driver for CUDA" in p or "cubin, but" in p)
+               for p in problems), problems
+    # An unlisted kernel file.
+    (out / "sm_80" / "stray.cubin").write_bytes(bytes(data))
+    assert any("stray.cubin: a kernel file the manifest does not list" in p
+               for p in build_cubins.check_kernels(out))
+
+
+@needs_nvcc
 def test_build_subset_keeps_other_outputs(fake_tree):
     fake_build(fake_tree)
     m = fake_build(fake_tree, only="bf16", archs=[80])
@@ -546,7 +607,7 @@ def test_build_stops_at_first_nvcc_error(fake_tree, capsys):
     assert "command:\n  " in report and "-DCF_D_HEAD=64" in report
     assert "error: expected a \";\"" in report  # nvcc's own message
     out = capsys.readouterr().out
-    assert out.count("nvcc -cubin") == 1, "jobs after the failure must be cancelled"
+    assert out.count("nvcc -ptx") == 1, "jobs after the failure must be cancelled"
     assert "FAILED: " in out and not (fake_tree / "out" / "manifest.json").exists()
 
     rc = build_cubins.main(["--configs", str(fake_tree / "configs.yaml"), "--src",

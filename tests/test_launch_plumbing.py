@@ -30,6 +30,7 @@ class FakeDriver:
     CUfunction_attribute = real_driver.CUfunction_attribute
     CUstreamCaptureStatus = real_driver.CUstreamCaptureStatus
     CUstream = real_driver.CUstream
+    CUresult = real_driver.CUresult
 
     def __init__(self):
         self.loaded = []  # images given to cuModuleLoadData
@@ -39,12 +40,19 @@ class FakeDriver:
         self.capturing = False
         self.launch_result = OK
         self.ctas_per_sm = 2
+        self.driver_version = 13000  # cuDriverGetVersion: CUDA 13.0
+        self.load_result = OK
 
     def cuCtxGetCurrent(self):
         return OK, CTX
 
+    def cuDriverGetVersion(self):
+        return OK, self.driver_version
+
     def cuModuleLoadData(self, image):
         self.loaded.append(bytes(image))
+        if self.load_result != OK:
+            return self.load_result, None
         return OK, f"module{len(self.loaded)}"
 
     def cuModuleGetFunction(self, module, name):
@@ -324,6 +332,39 @@ def test_no_keys_gives_zeros_and_minus_inf(fake):
     assert torch.equal(out, torch.zeros_like(q))
     assert torch.equal(lse, torch.full((2, 4, 7), -math.inf))
     assert fake.launches == []
+
+
+def test_driver_older_than_the_kernels_is_refused_before_loading(fake):
+    fake.driver_version = 11080  # CUDA 11.8 (R520); the fake cubins need CUDA 12.0
+    with pytest.raises(_driver.UnsupportedDriverError,
+                       match=r"on Fake A100 \(sm_80, cuda:0\): it supports CUDA 11\.8.* needs "
+                             r"CUDA 12\.0 \(R525\+\)\. Update the NVIDIA driver to R525"):
+        run(*qkv())
+    assert fake.loaded == [] and fake.launches == []
+    fake.driver_version = 12000
+    run(*qkv())
+    assert len(fake.loaded) == 1 and len(fake.launches) == 1
+
+
+@pytest.mark.parametrize("code, says", [
+    ("CUDA_ERROR_NO_BINARY_FOR_GPU", "does not know this kernel's format or GPU target"),
+    ("CUDA_ERROR_UNSUPPORTED_PTX_VERSION", "does not accept PTX ISA 8.3"),
+    ("CUDA_ERROR_INVALID_PTX", "does not accept PTX ISA 8.3"),
+])
+def test_kernel_image_refused_by_the_driver(fake, code, says):
+    fake.load_result = getattr(real_driver.CUresult, code)
+    with pytest.raises(_driver.UnsupportedDriverError) as exc:
+        run(*qkv())
+    message = str(exc.value)
+    assert f"refused cudaflash's kernel" in message and code in message and says in message
+    assert "Fake A100 (sm_80, cuda:0)" in message and fake.launches == []
+
+
+def test_other_load_errors_stay_cuda_errors(fake):
+    fake.load_result = real_driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+    with pytest.raises(_driver.CudaError, match="cuModuleLoadData.*CUDA_ERROR_OUT_OF_MEMORY") as exc:
+        run(*qkv())
+    assert not isinstance(exc.value, _driver.UnsupportedDriverError)
 
 
 def test_corrupt_and_missing_kernel_files(fake, fake_kernel_dir):

@@ -36,7 +36,7 @@ def test_runs_on(kind, kernel_arch, device_arch, runs):
         entry="cudaflash_fwd", split_entry="cudaflash_fwd_split",
         combine_entry="cudaflash_combine", softcap_entry="cudaflash_fwd_softcap",
         softcap_split_entry="cudaflash_fwd_split_softcap", threads=128, smem_bytes=32768, registers=None,
-        spill_bytes=None, sha256="")
+        spill_bytes=None, sha256="", min_driver=12000, ptxas_version="12.9.86", ptx_isa="8.3")
     assert manifest.runs_on(entry, device_arch) is runs
 
 
@@ -50,7 +50,8 @@ def test_wgmma_cubins_run_on_sm90_only(device_arch, runs):
         entry="cudaflash_fwd", split_entry="cudaflash_fwd_split",
         combine_entry="cudaflash_combine", softcap_entry="cudaflash_fwd_softcap",
         softcap_split_entry="cudaflash_fwd_split_softcap", threads=128, smem_bytes=config.smem_bytes,
-        registers=None, spill_bytes=None, sha256="")
+        registers=None, spill_bytes=None, sha256="", min_driver=12000, ptxas_version="12.9.86",
+        ptx_isa="8.3")
     assert manifest.runs_on(entry, device_arch) is runs
     assert not manifest.runs_on(entry, 91)  # a hypothetical later Hopper minor
 
