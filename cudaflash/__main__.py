@@ -6,7 +6,8 @@ import argparse
 import platform
 import sys
 
-from . import __version__, _driver, api, bench, tune
+from . import __version__, _driver, api, dispatch
+from .cli import bench, tune
 from .manifest import load_manifest
 
 
@@ -49,7 +50,7 @@ def cmd_info(args) -> int:
     module = _driver.kernel_module_version()
     print(f"CUDA driver {_driver.driver_version()}" + (f" ({module})" if module else ""))
     for index in range(torch.cuda.device_count()):
-        dk = api._device_kernels(index)
+        dk = dispatch.device_kernels(index)
         print(f"\n{dk.describe()}: {len(dk.usable)} configs usable; selection for "
               f"seqlen_q = seqlen_k = {args.seqlen}:")
         rows = []

@@ -1,4 +1,5 @@
-"""The backward pass of flash_attn_func: dq, dk, dv from dout and what the forward saved.
+"""The backward's launches: dq, dk, dv from dout and what the forward saved (flash_attn_func
+and flash_attn_varlen_func).
 
 Three launches on torch's current stream (cuda_src/flash_bwd.cu), in one of two schemes:
 
@@ -12,16 +13,17 @@ Three launches on torch's current stream (cuda_src/flash_bwd.cu), in one of two 
   reproducible.
 
 Calls with few query rows per dK/dV CTA run the deterministic kernels even when atomic was
-asked for (effective_scheme: they are faster there). The module for a call is the first
-backward config the manifest has for the GPU, dtype, head
-dim and scheme (configs.yaml, ``backward``: an entry's ``scheme`` says which it serves).
+asked for (heuristics.effective_scheme: they are faster there). The module for a call is the
+first backward config the manifest has for the GPU, dtype, head dim and scheme
+(dispatch.find_backward_entry; configs.yaml, ``backward``: an entry's ``scheme`` says which
+it serves).
 
 Packed (varlen) batches (run_varlen) always take the deterministic kernels, each CTA on its
 own sequence (flash_bwd.cu, sequence_view). So do softcapped calls (``softcap`` > 0), through
 the modules' *_softcap entries: the atomic scheme's fused kernel has no softcapped form (with
 the tanh it spilled at d128 on wgmma).
 
-Only the autograd functions of flash_attn_func and flash_attn_varlen_func (api.py) call this;
+Only the autograd functions and the custom ops (_autograd.py) call this;
 they have already checked q, k, v (the forward's checks) and made q's device current.
 """
 
@@ -32,31 +34,15 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _driver, _env, manifest as _manifest
-from ._env import log
+from . import _driver, dispatch, heuristics
 from ._params import BWD_PARAMS_BYTES, score_scales
-from .config import BWD_D_HEADS
-from .manifest import BackwardEntry
-
-_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+from ._torch import current_stream
 
 # cuda_src/bwd_params.cuh: 11 pointers, 8 x 3 tensor strides + 2 lse strides, 6 sizes, 2
 # scales, the packed batch's 2 offset pointers and 2 totals, the window's 2 sides, softcap_pre
 # and the reserved float.
 _PACK = struct.Struct("=11Q26q6i2f2Q4i2f")
 assert _PACK.size == BWD_PARAMS_BYTES
-
-
-@dataclass(frozen=True)
-class _BackwardKernel:
-    entry: BackwardEntry
-    fns: "_driver.BackwardFunctions"
-    synchronize: bool  # CUDAFLASH_DEBUG
-
-
-_kernels: dict[tuple, _BackwardKernel] = {}
-# find_entry's answers: every forward that records gradients asks (check_supported).
-_entries: dict[tuple, BackwardEntry | None] = {}
 
 
 def scheme(deterministic: bool, softcap: float = 0.0) -> str:
@@ -66,80 +52,6 @@ def scheme(deterministic: bool, softcap: float = 0.0) -> str:
     if deterministic or softcap or torch.are_deterministic_algorithms_enabled():
         return "deterministic"
     return "atomic"
-
-
-# The atomic scheme's dK/dV CTAs (128 keys) pay their fixed costs (K/V loads, dK/dV stores)
-# over the query rows they stream: group * seqlen_q, half of it when causal. At or below
-# these many the deterministic kernels were faster, so such calls take them: never less
-# reproducible than asked for. mma.sync modules: 1-14% faster up to 512 rows (H100, perf log
-# "Backward v2"); wgmma modules (sm_90): only up to 256 rows, by ~4% at d64 (H200, perf log
-# "Backward v3").
-_ATOMIC_MIN_ROWS_PER_CTA = 512
-_ATOMIC_MIN_ROWS_PER_CTA_WGMMA = 256
-
-
-def effective_scheme(asked: str, seqlen_q: int, group: int, causal: bool,
-                     wgmma: bool = False, window: tuple[int, int] = (-1, -1)) -> str:
-    """The scheme that runs a call for which ``asked`` was chosen (see scheme()); ``wgmma``:
-    whether the atomic module for the call is a wgmma one; ``window``: the kernels' (left,
-    right), whose span bounds the query rows that see a key."""
-    rows = group * seqlen_q // (2 if causal else 1)
-    left, right = window
-    if left >= 0 and right >= 0:
-        rows = min(rows, group * (left + right + 1))
-    limit = _ATOMIC_MIN_ROWS_PER_CTA_WGMMA if wgmma else _ATOMIC_MIN_ROWS_PER_CTA
-    if asked == "atomic" and rows <= limit:
-        return "deterministic"
-    return asked
-
-
-def clear_cache() -> None:
-    _kernels.clear()
-    _entries.clear()
-
-
-def find_entry(index: int, dtype: torch.dtype, d_head: int,
-               scheme: str) -> BackwardEntry | None:
-    """The backward module for (dtype, d_head, scheme) that runs on cuda:``index``, or None."""
-    key = (index, dtype, d_head, scheme)
-    if key not in _entries:
-        device = _driver.device(index)
-        usable = _manifest.load_manifest().usable_backward(device.arch, device.smem_optin)
-        _entries[key] = next(  # manifest order: configs.yaml's
-            (e for e in usable.values()
-             if e.config.dtype == _DTYPES[dtype] and e.config.d_head == d_head
-             and scheme in e.schemes), None)
-    return _entries[key]
-
-
-def check_supported(index: int, dtype: torch.dtype, d_head: int, scheme: str) -> None:
-    """Raise NotImplementedError unless a backward module serves this call: checked when the
-    forward runs, so an unsupported training call fails before any work is done."""
-    if find_entry(index, dtype, d_head, scheme) is None:
-        device = _driver.device(index)
-        raise NotImplementedError(
-            f"no backward kernel for {_DTYPES[dtype]} with head dim {d_head} runs on cuda:"
-            f"{index} ({device.name}, sm_{device.arch}) in the {scheme} scheme; the backward "
-            f"supports head dims "
-            f"{list(BWD_D_HEADS)}. Call flash_attn_func under torch.no_grad() for inference")
-
-
-def _kernel(ctx: int, index: int, dtype: torch.dtype, d_head: int,
-            scheme: str) -> _BackwardKernel:
-    key = (ctx, index, dtype, d_head, scheme)
-    kernel = _kernels.get(key)
-    if kernel is None:
-        entry = find_entry(index, dtype, d_head, scheme)
-        if entry is None:  # the forward checked; only a changed manifest or switch gets here
-            check_supported(index, dtype, d_head, scheme)
-            raise AssertionError("check_supported did not raise")
-        debug = _env.debug()
-        if debug:
-            log.debug("cuda:%d backward %s d_head=%d %s -> %s", index, _DTYPES[dtype], d_head,
-                      scheme, entry.name)
-        kernel = _kernels[key] = _BackwardKernel(
-            entry, _driver.get_functions(entry, index, ctx), debug)
-    return kernel
 
 
 def _kernel_ready(t: torch.Tensor) -> bool:
@@ -166,7 +78,7 @@ class _Launches:
     """The launches of one backward call, all with one packed BwdParams: the grid of each
     kernel follows from what it iterates over (query rows, key tiles, query tiles)."""
 
-    kernel: _BackwardKernel
+    kernel: dispatch.BackwardKernel
     stream: int
     args: "_driver.PackedArgs"
     seqlen_q: int
@@ -213,7 +125,7 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """(dq, dk, dv) laid out like q, k, v. ``lse`` is the forward's (batch, nheads, seqlen_q)
     float32 log-sum-exp; q's device must be current. ``scheme``: "atomic" or
     "deterministic" (see the module docstring). ``window``: (left, right) exactly as the
-    forward's kernel took them (api._kernel_window: -1 unbounded, causal as right = 0); the
+    forward's kernel took them (heuristics.kernel_window: -1 unbounded, causal as right = 0); the
     kernels mask by it, so a causal call must pass right = 0 (``causal`` only orders CTAs
     and picks the scheme). ``softcap``: the forward's cap (0.0: none); a cap needs the
     deterministic scheme (scheme())."""
@@ -229,10 +141,11 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     index = q.get_device()
     if scheme == "atomic":
-        atomic = find_entry(index, q.dtype, d_head, "atomic")
-        scheme = effective_scheme(scheme, seqlen_q, n_heads // n_heads_k, causal,
-                                  atomic is not None and atomic.config.wgmma, window)
-    kernel = _kernel(_driver.current_context(index), index, q.dtype, d_head, scheme)
+        atomic = dispatch.find_backward_entry(index, q.dtype, d_head, "atomic")
+        scheme = heuristics.effective_scheme(scheme, seqlen_q, n_heads // n_heads_k, causal,
+                                             atomic is not None and atomic.config.wgmma, window)
+    kernel = dispatch.backward_kernel(_driver.current_context(index), index, q.dtype, d_head,
+                                      scheme)
     deterministic = scheme == "deterministic"
     entry = kernel.entry
     delta = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -252,7 +165,7 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         *window, *scales[2:]))
 
     fns = kernel.fns
-    go = _Launches(kernel, torch._C._cuda_getCurrentRawStream(index), args, seqlen_q,
+    go = _Launches(kernel, current_stream(index), args, seqlen_q,
                    seqlen_k, n_heads, n_heads_k, batch)
     go.per_row(fns.preprocess, "preprocess")
     if not deterministic:
@@ -291,7 +204,8 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         return dq, dk, dv
 
     index = q.get_device()
-    kernel = _kernel(_driver.current_context(index), index, q.dtype, d_head, "deterministic")
+    kernel = dispatch.backward_kernel(_driver.current_context(index), index, q.dtype, d_head,
+                                      "deterministic")
     delta = torch.empty((n_heads, total_q), dtype=torch.float32, device=q.device)
     lse = lse.contiguous()  # the forward's own: (nheads, total_q)
     # (total, nheads, headdim): batch stride 0
@@ -305,7 +219,7 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         *window, *scales[2:]))
 
     fns = kernel.fns
-    go = _Launches(kernel, torch._C._cuda_getCurrentRawStream(index), args, seqlen_q,
+    go = _Launches(kernel, current_stream(index), args, seqlen_q,
                    seqlen_k, n_heads, n_heads_k, batch)
     go.per_row(fns.preprocess_varlen, "preprocess_varlen")
     if softcap:

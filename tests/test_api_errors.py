@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from cudaflash import KernelConfig, flash_attn_func, forward
-from cudaflash.api import _internal_overlap, _padded_head_dim
 from cudaflash.config import ConfigError
+
+import _internals as internals
 
 F16 = torch.float16
 CPU_ERROR = r"on cpu; cudaflash runs on CUDA GPUs only"
@@ -82,7 +83,7 @@ def test_shape_mismatch(shapes, message):
     (1, 64), (8, 64), (32, 64), (63, 64), (65, 128), (80, 128), (96, 128), (127, 128),
     (129, 256), (160, 256), (192, 256), (255, 256)])
 def test_head_dims_without_a_kernel_are_padded_to_the_next_one(d_head, padded):
-    assert _padded_head_dim(*qkv(d=d_head)) == padded
+    assert internals.padded_head_dim(*qkv(d=d_head)) == padded
 
 
 @pytest.mark.parametrize("shapes", [
@@ -90,15 +91,15 @@ def test_head_dims_without_a_kernel_are_padded_to_the_next_one(d_head, padded):
     dict(d=264),  # above flash-attn's limit: _check_qkv refuses it
 ])
 def test_no_padding_for_built_or_too_large_head_dims(shapes):
-    assert _padded_head_dim(*qkv(**shapes)) is None
+    assert internals.padded_head_dim(*qkv(**shapes)) is None
 
 
 def test_no_padding_unless_three_tensors_share_the_head_dim():
     q, k, v = qkv(d=96)
-    assert _padded_head_dim(q, k[..., :80], v) is None  # the shape check explains it
-    assert _padded_head_dim(q, k, v[..., :80]) is None
-    assert _padded_head_dim(q.numpy(), k, v) is None  # the type check explains it
-    assert _padded_head_dim(q, None, v) is None
+    assert internals.padded_head_dim(q, k[..., :80], v) is None  # the shape check explains it
+    assert internals.padded_head_dim(q, k, v[..., :80]) is None
+    assert internals.padded_head_dim(q.numpy(), k, v) is None  # the type check explains it
+    assert internals.padded_head_dim(q, None, v) is None
 
 
 def test_padded_head_dim_reaches_the_device_check():
@@ -249,24 +250,23 @@ def test_causal_must_be_bool():
 
 
 def test_small_calls_take_the_deterministic_kernels():
-    from cudaflash.backward import effective_scheme
     # group * seqlen_q (halved when causal) query rows per dK/dV CTA; at most 512: deterministic
-    assert effective_scheme("atomic", 512, 1, False) == "deterministic"
-    assert effective_scheme("atomic", 513, 1, False) == "atomic"
-    assert effective_scheme("atomic", 1024, 1, True) == "deterministic"
-    assert effective_scheme("atomic", 300, 2, False) == "atomic"
-    assert effective_scheme("deterministic", 16384, 8, False) == "deterministic"
+    assert internals.effective_scheme("atomic", 512, 1, False) == "deterministic"
+    assert internals.effective_scheme("atomic", 513, 1, False) == "atomic"
+    assert internals.effective_scheme("atomic", 1024, 1, True) == "deterministic"
+    assert internals.effective_scheme("atomic", 300, 2, False) == "atomic"
+    assert internals.effective_scheme("deterministic", 16384, 8, False) == "deterministic"
     # wgmma modules: the limit is 256 rows.
-    assert effective_scheme("atomic", 256, 1, False, wgmma=True) == "deterministic"
-    assert effective_scheme("atomic", 257, 1, False, wgmma=True) == "atomic"
-    assert effective_scheme("atomic", 512, 1, True, wgmma=True) == "deterministic"
-    assert effective_scheme("atomic", 513, 1, False, wgmma=False) == "atomic"
+    assert internals.effective_scheme("atomic", 256, 1, False, wgmma=True) == "deterministic"
+    assert internals.effective_scheme("atomic", 257, 1, False, wgmma=True) == "atomic"
+    assert internals.effective_scheme("atomic", 512, 1, True, wgmma=True) == "deterministic"
+    assert internals.effective_scheme("atomic", 513, 1, False, wgmma=False) == "atomic"
     # A window bounded on both sides: a key is seen by at most left + right + 1 rows per head.
-    assert effective_scheme("atomic", 16384, 1, True, window=(511, 0)) == "deterministic"
-    assert effective_scheme("atomic", 16384, 2, True, window=(511, 0)) == "atomic"
-    assert effective_scheme("atomic", 16384, 1, False, window=(512, 0)) == "atomic"
-    assert effective_scheme("atomic", 16384, 1, False, window=(-1, 0)) == "atomic"
-    assert effective_scheme("atomic", 16384, 1, False, window=(100, 100), wgmma=True) == \
+    assert internals.effective_scheme("atomic", 16384, 1, True, window=(511, 0)) == "deterministic"
+    assert internals.effective_scheme("atomic", 16384, 2, True, window=(511, 0)) == "atomic"
+    assert internals.effective_scheme("atomic", 16384, 1, False, window=(512, 0)) == "atomic"
+    assert internals.effective_scheme("atomic", 16384, 1, False, window=(-1, 0)) == "atomic"
+    assert internals.effective_scheme("atomic", 16384, 1, False, window=(100, 100), wgmma=True) == \
         "deterministic"
 
 
@@ -365,4 +365,4 @@ def test_out_next_to_an_input_is_fine():
 ])
 def test_internal_overlap(shape, strides, overlaps):
     t = torch.empty(4096, dtype=F16).as_strided(shape, strides)
-    assert _internal_overlap(t) is overlaps
+    assert internals.internal_overlap(t) is overlaps

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cudaflash import _env, bench, selection, tune
+from cudaflash import _env, selection
+from cudaflash.cli import bench, timing, tune
 
 D64 = "fwd_{dtype}_d64_br128_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma0"
 D64_W8 = "fwd_{dtype}_d64_br128_bc128_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma0"
@@ -263,8 +264,8 @@ def test_bench_reports_a_refusing_backend_as_na():
 
     # SDPA's flash backend has no fp32 kernel: it must come back as a reason, not raise.
     q = torch.randn(1, 128, 2, 64, device="cuda")
-    result = bench.time_backend("flash", q, q, q, False, config=None, iters=20, warmup=1,
-                                flush=bench.flush_buffer(q.device))
+    result = timing.time_backend("flash", q, q, q, False, config=None, iters=20, warmup=1,
+                                 flush=timing.flush_buffer(q.device))
     assert isinstance(result, str) and result
 
 

@@ -6,11 +6,13 @@ schemes: atomic dq accumulation (deterministic=False, the default) and determini
 import pytest
 import torch
 
-from cudaflash import _driver, api, backward, flash_attn_func, manifest
+from cudaflash import flash_attn_func
 from cudaflash.config import BWD_D_HEADS
 from test_gpu_correctness import (COMBOS, DTYPES, _assert_within, _combo_id, attention_ref,
                                   check_attention, fp32_reference_without_tf32,  # noqa: F401
                                   make_qkv)
+
+import _internals as internals
 
 pytestmark = pytest.mark.requires_gpu
 
@@ -20,8 +22,7 @@ BWD_COMBOS = [c for c in COMBOS if c[1] in BWD_D_HEADS]
 def force_atomic_kernels(monkeypatch):
     """Small calls run the deterministic kernels in either scheme (effective_scheme); these
     tests want the atomic kernels on every shape."""
-    monkeypatch.setattr(backward, "_ATOMIC_MIN_ROWS_PER_CTA", 0)
-    monkeypatch.setattr(backward, "_ATOMIC_MIN_ROWS_PER_CTA_WGMMA", 0)
+    internals.force_atomic_kernels(monkeypatch)
 
 
 def reference_grads(q, k, v, dout, causal, scale, upcast):
@@ -180,8 +181,8 @@ def test_atomic_scheme_differs_from_deterministic_only_in_dq_rounding(combo, mon
     atomic = run_with_grad(q, k, v, dout, causal=True, deterministic=False)[1]
     fixed = run_with_grad(q, k, v, dout, causal=True, deterministic=True)[1]
     index = torch.cuda.current_device()
-    same_module = (backward.find_entry(index, q.dtype, d, "atomic")
-                   is backward.find_entry(index, q.dtype, d, "deterministic"))
+    same_module = (internals.find_backward_entry(index, q.dtype, d, "atomic")
+                   is internals.find_backward_entry(index, q.dtype, d, "deterministic"))
     if same_module:
         assert torch.equal(atomic[1], fixed[1]) and torch.equal(atomic[2], fixed[2])
     check_grads(atomic, q, k, v, dout, True)
@@ -190,27 +191,20 @@ def test_atomic_scheme_differs_from_deterministic_only_in_dq_rounding(combo, mon
     assert (atomic[0].float() - fixed[0].float()).abs().max() / scale < 1e-2
 
 
-def _usable_backward_entries():
-    device = _driver.device(torch.cuda.current_device())
-    return list(manifest.load_manifest().usable_backward(device.arch,
-                                                         device.smem_optin).values())
-
-
 def for_each_backward_module(monkeypatch, body):
     """body(entry) for each shipped backward module this GPU can run, not only the one the
-    selection picks, with backward.find_entry returning it; a failure names the module."""
-    entries = _usable_backward_entries()
+    selection picks, as the one every backward call finds; a failure names the module."""
+    entries = internals.usable_backward_entries(torch.cuda.current_device())
     assert entries, "no backward module runs on this GPU"
     for entry in entries:
-        backward.clear_cache()  # the module per (device, dtype, d_head, scheme) is cached
         with monkeypatch.context() as m:
-            m.setattr(backward, "find_entry", lambda *args, e=entry: e)
+            internals.force_backward_module(m, entry)
             try:
                 body(entry)
             except AssertionError as e:
                 raise AssertionError(f"{entry.name}: {e}") from None
             finally:
-                backward.clear_cache()
+                internals.clear_backward_cache()
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
@@ -275,7 +269,7 @@ def test_torch_compile_backward_matches_eager():
 
 def test_debug_mode_synchronizes_and_passes(monkeypatch):
     monkeypatch.setenv("CUDAFLASH_DEBUG", "1")
-    api.clear_caches()
+    internals.clear_caches()
     try:
         dtype, d = BWD_COMBOS[0]
         q, k, v = make_qkv(1, 100, 100, 2, 2, d, DTYPES[dtype], seed=12)
@@ -284,4 +278,4 @@ def test_debug_mode_synchronizes_and_passes(monkeypatch):
         check_grads(grads, q, k, v, dout, False)
     finally:
         monkeypatch.delenv("CUDAFLASH_DEBUG")
-        api.clear_caches()
+        internals.clear_caches()

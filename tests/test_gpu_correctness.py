@@ -20,7 +20,9 @@ import torch
 
 import cudaflash
 from conftest import gpu_skip_reason
-from cudaflash import api, flash_attn_func, forward, manifest
+from cudaflash import flash_attn_func, forward, manifest
+
+import _internals as internals
 
 pytestmark = pytest.mark.requires_gpu
 
@@ -172,7 +174,7 @@ def test_split_matches_whole_closely():
     combo = _pick_combo(("bf16", 128), ("fp16", 64))
     dtype, d = DTYPES[combo[0]], combo[1]
     q, k, v = make_qkv(2, 37, 3000, 4, 2, d, dtype, seed=11)
-    cfg = api.selected_config(0, combo[0], d, False, 37, 3000)[0]
+    cfg = internals.selected_config(0, combo[0], d, False, 37, 3000)[0]
     whole, whole_lse = forward(cfg, q, k, v, num_splits=1)
     for splits in (2, 5, 17):
         out, lse = forward(cfg, q, k, v, num_splits=splits)
@@ -385,7 +387,7 @@ def test_repeat_calls_recheck_what_the_signature_does_not_fix():
     dtype, d = _pick_combo(("bf16", 128), *COMBOS)
     q, k, v = make_qkv(2, 300, 200, 4, 2, d, DTYPES[dtype], seed=1)
     flash_attn_func(q, k, v, causal=True)  # records the plan
-    assert any(key[0] == q.shape for key in api._plans)
+    assert any(key[0] == q.shape for key in internals.plans)
     q2, k2, v2 = make_qkv(2, 300, 200, 4, 2, d, DTYPES[dtype], seed=2)
     out, lse, _ = flash_attn_func(q2, k2, v2, causal=True, return_attn_probs=True)
     check_attention(out, lse, q2, k2, v2, causal=True)
@@ -438,9 +440,9 @@ def test_repeat_calls_allocate_through_the_plan():
     dtype, d = _pick_combo(("bf16", 64), *COMBOS)
     q, k, v = make_qkv(2, 200, 300, 4, 2, d, DTYPES[dtype], seed=11)
     q = q.transpose(1, 2).contiguous().transpose(1, 2)
-    api.clear_caches()
+    internals.clear_caches()
     first, first_lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
-    (plan,) = api._plans.values()
+    (plan,) = internals.plans.values()
     assert plan.new_out is not None and plan.new_lse is not None, \
         "torch's _empty_strided_cuda is missing or differs: plans fall back to empty_like"
     for _ in range(2):
@@ -463,7 +465,7 @@ def test_corrupt_or_missing_kernel_file(tmp_path, monkeypatch):
     q, k, v = make_qkv(1, 64, 64, 2, 2, entry.config.d_head, DTYPES[entry.config.dtype])
 
     monkeypatch.setenv("CUDAFLASH_KERNEL_DIR", str(dst))
-    api.clear_caches()  # loaded functions are cached per (device, context, kernel)
+    internals.clear_caches()  # loaded functions are cached per (device, context, kernel)
     try:
         with pytest.raises(RuntimeError, match=f"kernel file {path} is corrupt"):
             forward(entry.config, q, k, v)
@@ -472,4 +474,4 @@ def test_corrupt_or_missing_kernel_file(tmp_path, monkeypatch):
             forward(entry.config, q, k, v)
     finally:
         monkeypatch.undo()
-        api.clear_caches()
+        internals.clear_caches()

@@ -9,7 +9,8 @@ import struct
 import pytest
 
 import cudaflash
-from cudaflash import _driver, api, driver_compat, manifest
+from _internals import clear_caches
+from cudaflash import _driver, driver_compat, manifest
 
 pytestmark = pytest.mark.requires_gpu
 
@@ -33,7 +34,7 @@ def test_old_driver_gets_a_clear_error(monkeypatch):
     import torch
 
     q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.float16)
-    api.clear_caches()  # so that the call loads its kernel again
+    clear_caches()  # so that the call loads its kernel again
     monkeypatch.setattr(_driver, "driver_version_number", lambda: 11080)  # CUDA 11.8, R520
     try:
         with pytest.raises(cudaflash.UnsupportedDriverError) as exc:
@@ -45,7 +46,7 @@ def test_old_driver_gets_a_clear_error(monkeypatch):
         assert "Update the NVIDIA driver to R525 or newer" in message
     finally:
         monkeypatch.undo()
-        api.clear_caches()
+        clear_caches()
     out = cudaflash.flash_attn_func(q, q, q)  # the real driver loads the same kernel
     assert out.isfinite().all()
 

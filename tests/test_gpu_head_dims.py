@@ -7,9 +7,10 @@ packed functions, torch.compile) against the float32 reference at the caller's h
 import pytest
 import torch
 
-from cudaflash import (api, flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
+from cudaflash import (flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
                        flash_attn_with_kvcache)
 from cudaflash.config import D_HEADS
+import _internals as internals
 from test_gpu_backward import assert_compiled_matches_eager, check_grads, run_with_grad
 from test_gpu_correctness import COMBOS, DTYPES, check_attention, make_qkv
 from test_gpu_kvcache import assert_appended, cache, check_each_sequence
@@ -46,12 +47,12 @@ def test_forward(d, causal):
 def test_repeat_calls_take_the_padded_signatures_plan():
     dtype = _dtype_with(96)
     q, k, v = make_qkv(1, 64, 64, 2, 2, 96, dtype, seed=5)
-    api.clear_caches()
+    internals.clear_caches()
     first = flash_attn_func(q, k, v)
-    plans = len(api._plans)
+    plans = len(internals.plans)
     assert plans == 1  # the padded (d = 128) call's plan
     assert torch.equal(flash_attn_func(q, k, v), first)
-    assert len(api._plans) == plans
+    assert len(internals.plans) == plans
 
 
 def test_non_unit_last_stride_is_fine_when_padded():

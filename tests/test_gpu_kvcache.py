@@ -5,7 +5,9 @@ position by position."""
 import pytest
 import torch
 
-from cudaflash import api, flash_attn_func, flash_attn_with_kvcache
+from cudaflash import flash_attn_func, flash_attn_with_kvcache
+
+import _internals as internals
 from test_gpu_correctness import (COMBOS, DTYPES, _combo_id, _pick_combo, check_attention,
                                   fp32_reference_without_tf32)  # noqa: F401 (autouse fixture)
 
@@ -156,7 +158,7 @@ def test_lengths_out_of_range_are_clamped_not_a_fault():
 
 def test_debug_checks_the_lengths(monkeypatch):
     monkeypatch.setenv("CUDAFLASH_DEBUG", "1")
-    api.clear_caches()
+    internals.clear_caches()
     try:
         dtype, d = _pick_combo(("bf16", 128), *COMBOS)
         q, kc, vc, _, _ = cache(2, 1, 64, 2, 2, d, DTYPES[dtype], seed=7)
@@ -165,7 +167,7 @@ def test_debug_checks_the_lengths(monkeypatch):
             flash_attn_with_kvcache(q, kc, vc, cache_seqlens=bad)
     finally:
         monkeypatch.delenv("CUDAFLASH_DEBUG")
-        api.clear_caches()
+        internals.clear_caches()
 
 
 def test_cuda_graph_capture_and_replay():
@@ -194,7 +196,7 @@ def test_repeat_calls_take_new_lengths_and_tensors():
         out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
                                            return_softmax_lse=True)
         check_each_sequence(out, lse, q, kc, vc, lens, False)
-    assert api._kvcache_plans, "the decoding step should have recorded a plan"
+    assert internals.kvcache_plans, "the decoding step should have recorded a plan"
     q.requires_grad_(True)
     with pytest.raises(NotImplementedError,
                        match="only flash_attn_func and flash_attn_varlen_func have a backward"):
@@ -230,7 +232,7 @@ def test_a_call_that_cannot_run_leaves_the_cache(monkeypatch):
     def no_kernel(*args, **kwargs):
         raise ValueError("no kernel (test)")
 
-    monkeypatch.setattr(api, "_auto_kernel", no_kernel)
+    internals.replace_auto_kernel(monkeypatch, no_kernel)
     for lengths in (3, torch.tensor([3], dtype=torch.int32, device="cuda")):
         with pytest.raises(ValueError, match=r"no kernel \(test\)"):
             flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lengths)

@@ -15,8 +15,9 @@ import math
 import pytest
 import torch
 
-from cudaflash import (api, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
+from cudaflash import (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
                        forward)
+import _internals as internals
 from test_gpu_correctness import (COMBOS, DTYPES, KERNELS, _combo_id, _pick_combo, attention_ref,
                                   check_attention, fp32_reference_without_tf32,  # noqa: F401
                                   make_qkv)
@@ -86,12 +87,12 @@ def test_plans_keep_capped_and_uncapped_calls_apart():
     dtype, d = _pick_combo(("bf16", 128), *COMBOS)
     q, k, v = make_qkv(1, 200, 200, 4, 4, d, DTYPES[dtype], seed=5)
     scale = big_scale(d)
-    api.clear_caches()
+    internals.clear_caches()
     for cap in (2.0, 0.0, 8.0, 2.0, 0.0):
         results = [flash_attn_func(q, k, v, softmax_scale=scale, softcap=cap) for _ in range(2)]
         assert torch.equal(results[0], results[1])
         check_attention(results[0], None, q, k, v, False, scale, softcap=cap)
-    assert sum(1 for key in api._plans if isinstance(key[0], tuple) and key[2] == 2.0) == 1
+    assert sum(1 for key in internals.plans if isinstance(key[0], tuple) and key[2] == 2.0) == 1
 
 
 @pytest.mark.parametrize("dims", [(1, 1, 8193, 16, 1), (2, 1, 1000, 8, 2), (1, 4, 5000, 4, 4)],
@@ -152,7 +153,7 @@ def test_kvcache():
               for _ in range(2))
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     scale = big_scale(d)
-    api.clear_caches()
+    internals.clear_caches()
     for cap in (2.0, 0.0, 0.0, 2.0):
         out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, softmax_scale=scale,
                                            causal=True, softcap=cap, return_softmax_lse=True)

@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from cudaflash import api, flash_attn_func, flash_attn_varlen_func
+from cudaflash import flash_attn_func, flash_attn_varlen_func
+
+import _internals as internals
 from test_gpu_correctness import (COMBOS, DTYPES, _combo_id, _pick_combo, check_attention,
                                   fp32_reference_without_tf32)  # noqa: F401 (autouse fixture)
 
@@ -124,10 +126,10 @@ def test_offsets_out_of_range_are_clamped_not_a_fault():
 def debug_mode(monkeypatch):
     """CUDAFLASH_DEBUG=1 for one test; caches cleared around it (they hold the debug flag)."""
     monkeypatch.setenv("CUDAFLASH_DEBUG", "1")
-    api.clear_caches()
+    internals.clear_caches()
     yield
     monkeypatch.delenv("CUDAFLASH_DEBUG")
-    api.clear_caches()
+    internals.clear_caches()
 
 
 def test_debug_checks_the_offsets(debug_mode):
@@ -175,13 +177,13 @@ def test_repeat_calls_take_the_plan_and_read_new_offsets(monkeypatch):
     q, k, v, cu_q, cu_k = packed([100, 156], [300, 20], 4, 2, d, DTYPES[dtype])
     flash_attn_varlen_func(q, k, v, cu_q, cu_k, 200, 300, causal=True)
     flash_attn_varlen_func(q, k, v, cu_q, cu_k, 200, 300, causal=True, return_attn_probs=True)
-    assert api._varlen_plan_key(q, k, v, cu_q, cu_k, 200, 300, None, True, False) in \
-        api._varlen_plans
+    assert internals.varlen_plan_key(q, k, v, cu_q, cu_k, 200, 300, None, True, False) in \
+        internals.varlen_plans
 
     def checked_path(*args, **kwargs):
         raise AssertionError("the repeat call took the checked path")
 
-    monkeypatch.setattr(api, "_run_varlen", checked_path)
+    internals.replace_run_varlen(monkeypatch, checked_path)
     cu_q2, cu_k2 = offsets([200, 56]), offsets([20, 300])
     out = flash_attn_varlen_func(q, k, v, cu_q2, cu_k2, 200, 300, causal=True)
     lse = flash_attn_varlen_func(q, k, v, cu_q2, cu_k2, 200, 300, causal=True,

@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from cudaflash import (api, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
+from cudaflash import (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
                        forward)
+import _internals as internals
 from test_gpu_correctness import (COMBOS, DTYPES, KERNELS, _assert_within, _combo_id,
                                   _pick_combo, fp32_reference_without_tf32,  # noqa: F401
                                   make_qkv)
@@ -277,7 +278,7 @@ def test_repeat_windowed_calls_take_a_plan(monkeypatch):
     flash_attn_func(q, k, v, causal=True, window_size=(64, 0))
     q2, k2, v2 = make_qkv(2, 300, 300, 4, 2, d, DTYPES[dtype], seed=32)
     with monkeypatch.context() as m:
-        m.setattr(api, "_forward", _refuse)
+        internals.replace_checked_forward(m, _refuse)
         out = flash_attn_func(q2, k2, v2, causal=True, window_size=(64, 0))
     check_window(out, None, q2, k2, v2, 64, 0, True)
     out, lse, _ = flash_attn_func(q2, k2, v2, causal=True, window_size=(16, 0),
@@ -296,7 +297,7 @@ def test_repeat_windowed_decoding_steps_take_a_plan(monkeypatch):
     new_lens = [1, 599, 128]
     lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
     with monkeypatch.context() as m:
-        m.setattr(api, "_run", _refuse)
+        internals.replace_run(m, _refuse)
         out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True,
                                       window_size=(128, 0))
     for b, n in enumerate(new_lens):
@@ -314,7 +315,7 @@ def test_repeat_windowed_varlen_calls_take_a_plan(monkeypatch):
     flash_attn_varlen_func(q, k, v, cu_q, cu_k, 200, 300, causal=True, window_size=(40, 0))
     cu_q2, cu_k2 = offsets([200, 100]), offsets([50, 300])
     with monkeypatch.context() as m:
-        m.setattr(api, "_run_varlen", _refuse)
+        internals.replace_run_varlen(m, _refuse)
         out = flash_attn_varlen_func(q, k, v, cu_q2, cu_k2, 200, 300, causal=True,
                                      window_size=(40, 0))
     oq, ok = cu_q2.tolist(), cu_k2.tolist()

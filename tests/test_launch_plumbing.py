@@ -2,7 +2,7 @@
 (sha256 checks), the packed Params, the launch geometry and empty inputs.
 
 A fake ``cuda.bindings.driver`` records the calls, and CPU tensors stand in for CUDA ones:
-``api._run`` (what runs after the argument checks and the device switch) is called directly.
+``launch.run`` (what runs after the argument checks and the device switch) is called directly.
 The same paths on a real GPU are covered by test_gpu_correctness.py.
 """
 
@@ -16,6 +16,7 @@ import pytest
 import torch
 from cuda.bindings import driver as real_driver
 
+import _internals as internals
 from conftest import D64, D64_WIDE, D128, D256_BIG
 from cudaflash import _driver, api, manifest
 from cudaflash._params import PARAMS_BYTES, Params
@@ -98,7 +99,7 @@ def fake(fake_kernel_dir, monkeypatch):
                         lambda index: _driver.Device(index, "Fake A100", 80, 166912, 1))
     monkeypatch.setattr(_driver, "_error_text",
                         lambda err: f"{err.name}: (error text of the real driver)")
-    monkeypatch.setattr(api, "_current_stream", lambda index: 0x77)
+    internals.fake_stream(monkeypatch, 0x77)
     return drv
 
 
@@ -108,7 +109,7 @@ def qkv(b=2, sq=100, sk=300, h=4, hk=2, d=64, dtype=torch.float16):
 
 
 def run(q, k, v, causal=False, scale=0.125, config=None, out=None, want_lse=True):
-    return api._run(config, 0, q, k, v, out, scale, causal, want_lse)
+    return internals.run(config, 0, q, k, v, out, scale, causal, want_lse)
 
 
 def test_launch_packs_params_and_geometry(fake):
@@ -149,17 +150,17 @@ def test_repeat_call_takes_the_plan(fake, monkeypatch):
     """flash_attn_func's per-call path: a plan recorded by the checked path is found with the
     key flash_attn_func builds inline, launches with the new pointers and the first call's
     fixed fields, and hands back to the checked path whatever the key does not fix."""
-    monkeypatch.setattr(api, "_current_device", lambda: 0)
+    internals.fake_current_device(monkeypatch, 0)
     q, k, v = qkv()
-    api._run(None, 0, q, k, v, None, 0.125, True, False,
-             plan_key=api._plan_key(q, k, v, None, True, False))
+    internals.run(None, 0, q, k, v, None, 0.125, True, False,
+                  plan_key=internals.plan_key(q, k, v, None, True, False))
     checked = []  # calls that fell back to the checked path
 
     def checked_path(config, q, k, v, out, softmax_scale, causal, want_lse):
         checked.append((softmax_scale, want_lse))
         return "checked", "lse"
 
-    monkeypatch.setattr(api, "_forward", checked_path)
+    internals.replace_checked_forward(monkeypatch, checked_path)
     q2, k2, v2 = qkv()
     out = api.flash_attn_func(q2, k2, v2, causal=True)
     assert not checked and out.shape == q2.shape and out.stride() == q2.stride()
@@ -185,13 +186,13 @@ def test_repeat_call_takes_the_plan(fake, monkeypatch):
     assert falls_back(shifted, k2, v2, causal=True)  # misaligned
     # Gradients wanted: the autograd function, never the plan's launch.
     to_autograd = []
-    monkeypatch.setattr(api._FlashAttnFunction, "apply",
-                        lambda *args: to_autograd.append(args) or ("out", "lse"))
+    internals.replace_autograd_apply(monkeypatch,
+                                     lambda *args: to_autograd.append(args) or ("out", "lse"))
     assert api.flash_attn_func(q2.requires_grad_(), k2, v2, causal=True) == "out"
     assert [a[3:] for a in to_autograd] == [(None, True, False)]  # scale, causal, deterministic
     with torch.no_grad():
         assert not falls_back(q2, k2, v2, causal=True)
-    monkeypatch.setattr(api, "_current_device", lambda: 1)
+    internals.fake_current_device(monkeypatch, 1)
     assert falls_back(k2, k2, v2, causal=True)  # not a known shape
     assert falls_back(q, k, v, causal=True)  # another device current
     assert len(fake.launches) == 3
@@ -204,23 +205,23 @@ def _empty_strided(shape, stride, dtype):
 
 def test_fast_allocator_keeps_only_what_empty_like_would_give():
     like = torch.empty_like(qkv()[0].transpose(1, 2))  # non-contiguous, dense
-    allocate = api._fast_allocator(like, _empty_strided)
+    allocate = internals.fast_allocator(like, _empty_strided)
     made = allocate()
     assert (made.shape, made.stride(), made.dtype, made.device) == \
         (like.shape, like.stride(), like.dtype, like.device)
     assert made.data_ptr() != allocate().data_ptr()  # a new tensor per call
     # Any difference, or a function that takes other arguments: public allocation instead.
-    assert api._fast_allocator(like, lambda *a: torch.empty(like.shape, dtype=like.dtype)) \
+    assert internals.fast_allocator(like, lambda *a: torch.empty(like.shape, dtype=like.dtype)) \
         is None  # contiguous strides
-    assert api._fast_allocator(like, lambda *a: torch.empty_like(like, dtype=torch.float32)) \
+    assert internals.fast_allocator(like, lambda *a: torch.empty_like(like, dtype=torch.float32)) \
         is None
-    assert api._fast_allocator(like, lambda shape, stride: None) is None
-    assert api._fast_allocator(like, lambda *a: like.numpy()) is None  # not a tensor
+    assert internals.fast_allocator(like, lambda shape, stride: None) is None
+    assert internals.fast_allocator(like, lambda *a: like.numpy()) is None  # not a tensor
 
 
 def test_fast_allocator_missing_from_torch(monkeypatch):
-    monkeypatch.setattr(api, "_empty_strided_cuda", None)
-    assert api._fast_allocator(torch.empty(2, 3)) is None
+    internals.fake_empty_strided_cuda(monkeypatch, None)
+    assert internals.fast_allocator(torch.empty(2, 3)) is None
 
 
 def test_repeat_call_allocates_through_the_plan(fake, monkeypatch):
@@ -233,12 +234,12 @@ def test_repeat_call_allocates_through_the_plan(fake, monkeypatch):
         made.append((shape, stride, dtype))
         return _empty_strided(shape, stride, dtype)
 
-    monkeypatch.setattr(api, "_current_device", lambda: 0)
-    monkeypatch.setattr(api, "_empty_strided_cuda", empty_strided)
+    internals.fake_current_device(monkeypatch, 0)
+    internals.fake_empty_strided_cuda(monkeypatch, empty_strided)
     q, k, v = qkv()
     q = q.transpose(1, 2).contiguous().transpose(1, 2)
-    api._run(None, 0, q, k, v, None, 0.125, False, True,
-             plan_key=api._plan_key(q, k, v, None, False, True))
+    internals.run(None, 0, q, k, v, None, 0.125, False, True,
+                  plan_key=internals.plan_key(q, k, v, None, False, True))
     made.clear()  # the plan's own check
     out, lse, _ = api.flash_attn_func(q, k, v, return_attn_probs=True)
     assert out.stride() == torch.empty_like(q).stride() == q.stride()
@@ -248,9 +249,9 @@ def test_repeat_call_allocates_through_the_plan(fake, monkeypatch):
     assert fake.launches[-1].params.lse == lse.data_ptr()
 
     api.clear_caches()
-    monkeypatch.setattr(api, "_empty_strided_cuda", None)
-    api._run(None, 0, q, k, v, None, 0.125, False, True,
-             plan_key=api._plan_key(q, k, v, None, False, True))
+    internals.fake_empty_strided_cuda(monkeypatch, None)
+    internals.run(None, 0, q, k, v, None, 0.125, False, True,
+                  plan_key=internals.plan_key(q, k, v, None, False, True))
     made.clear()
     out, lse, _ = api.flash_attn_func(q, k, v, return_attn_probs=True)
     assert not made and out.stride() == q.stride() and lse.shape == (2, 4, 100)
@@ -441,7 +442,7 @@ def test_check_unpacks_cuda_python_results(monkeypatch):
     (1, 4, 128, 4),
 ])
 def test_split_count(ctas, slots, most, expected):
-    assert api._split_count(ctas, slots, most) == expected
+    assert internals.split_count(ctas, slots, most) == expected
 
 
 @pytest.mark.parametrize("keys, kv_blocks, rows, batch, expected", [
@@ -452,7 +453,7 @@ def test_split_count(ctas, slots, most, expected):
     (4096, 64, 4, 40000, 1),  # grid.z = batch * splits would pass 65535
 ])
 def test_max_splits(keys, kv_blocks, rows, batch, expected):
-    assert api._max_splits(keys, kv_blocks, rows, batch) == expected
+    assert internals.max_splits(keys, kv_blocks, rows, batch) == expected
 
 
 def test_split_count_only_splits_to_fill_the_gpu_better():
@@ -462,7 +463,7 @@ def test_split_count_only_splits_to_fill_the_gpu_better():
 
     for ctas in range(1, 400, 7):
         for most in (1, 2, 8, 17, 128):
-            splits = api._split_count(ctas, 396, most)
+            splits = internals.split_count(ctas, 396, most)
             assert 1 <= splits <= most
             if splits > 1:
                 assert ctas < 0.8 * 396 and fill(ctas, splits) > fill(ctas, 1) / 0.85
@@ -504,7 +505,7 @@ def test_forced_split_counts(fake):
     for asked, splits, per_split in ((1, 1, 8), (2, 2, 4), (3, 3, 3), (5, 4, 2), (8, 8, 1),
                                      (100, 8, 1)):
         fake.launches.clear()
-        api._run(d64, 0, q, k, v, None, 0.125, False, True, num_splits=asked)
+        internals.run(d64, 0, q, k, v, None, 0.125, False, True, num_splits=asked)
         if splits == 1:
             (launch,) = fake.launches
             assert launch.fn[1] == b"cudaflash_fwd"
@@ -540,23 +541,23 @@ def test_plan_key_takes_contiguity_for_strides(fake, monkeypatch):
     """A contiguous tensor's key holds True instead of its strides: same-shape contiguous
     tensors share a plan even when a size-1 dim's stride differs (never multiplied by a
     non-zero index), and a non-contiguous one of the same shape gets its own."""
-    monkeypatch.setattr(api, "_current_device", lambda: 0)
+    internals.fake_current_device(monkeypatch, 0)
     q, k, v = qkv(b=1, sq=100, sk=300, h=4, hk=2)
-    api._run(None, 0, q, k, v, None, 0.125, False, False,
-             plan_key=api._plan_key(q, k, v, None, False, False))
+    internals.run(None, 0, q, k, v, None, 0.125, False, False,
+                  plan_key=internals.plan_key(q, k, v, None, False, False))
     # Batch dim of size 1 with another stride: still contiguous, the same plan.
     odd = torch.empty(q.numel() + 8, dtype=q.dtype)[8:].as_strided(q.shape, (3,) + q.stride()[1:])
     assert odd.is_contiguous() and odd.stride() != q.stride()
-    assert api._plan_key(odd, k, v, None, False, False) == api._plan_key(q, k, v, None, False,
-                                                                          False)
+    assert internals.plan_key(odd, k, v, None, False, False) == \
+        internals.plan_key(q, k, v, None, False, False)
     out = api.flash_attn_func(odd, k, v)
     assert len(fake.launches) == 2 and fake.launches[1].params.q == odd.data_ptr()
     assert out.shape == q.shape
     # The same shape laid out as (b, h, s, d): not contiguous, so a key of its own.
     bhsd = q.transpose(1, 2).contiguous().transpose(1, 2)
     assert not bhsd.is_contiguous()
-    assert api._plan_key(bhsd, k, v, None, False, False) != api._plan_key(q, k, v, None,
-                                                                           False, False)
+    assert internals.plan_key(bhsd, k, v, None, False, False) != \
+        internals.plan_key(q, k, v, None, False, False)
 
 
 def test_selected_config_sees_the_packed_problem(fake, monkeypatch):
@@ -568,7 +569,7 @@ def test_selected_config_sees_the_packed_problem(fake, monkeypatch):
         picked.append(call)
         return "cfg", "rule"
 
-    monkeypatch.setattr(api.selection, "select", select)
-    api.selected_config(0, "fp16", 64, True, 1, 5000, n_heads=8, n_heads_k=2)
-    api.selected_config(0, "fp16", 64, True, 1, 5000)  # MHA: unchanged
+    internals.replace_select(monkeypatch, select)
+    internals.selected_config(0, "fp16", 64, True, 1, 5000, n_heads=8, n_heads_k=2)
+    internals.selected_config(0, "fp16", 64, True, 1, 5000)  # MHA: unchanged
     assert [(c["seqlen_q"], c["causal"]) for c in picked] == [(4, False), (1, True)]

@@ -87,13 +87,13 @@ def test_manifest_records_the_same_size():
 
 
 def test_combine_geometry_matches_the_kernel():
-    """api launches cudaflash_combine with one warp per row, _COMBINE_ROWS rows per CTA: the
-    kernel's kCombineRows must agree."""
-    from cudaflash import api
+    """launch.py launches cudaflash_combine with one warp per row, COMBINE_ROWS rows per CTA:
+    the kernel's kCombineRows must agree."""
+    import _internals as internals
 
     source = (PARAMS_CUH.parent / "flash_fwd.cu").read_text()
-    assert f"constexpr int kCombineRows = {api._COMBINE_ROWS};" in source
-    assert api._COMBINE_THREADS == 32 * api._COMBINE_ROWS
+    assert f"constexpr int kCombineRows = {internals.COMBINE_ROWS};" in source
+    assert internals.COMBINE_THREADS == 32 * internals.COMBINE_ROWS
 
 
 # ---- BwdParams (cuda_src/bwd_params.cuh): the backward's argument ----------------------------

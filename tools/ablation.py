@@ -98,7 +98,7 @@ def write_yaml(path: Path, only: str | None = None) -> int:
 def bench(args) -> int:
     import torch
 
-    from cudaflash import bench as cfbench
+    from cudaflash.cli import bench as cfbench
 
     device = torch.device("cuda", torch.cuda.current_device())
     flush = cfbench.flush_buffer(device)

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cudaflash import api, bench
+from cudaflash import _plans, api
+from cudaflash.cli import bench
 
 CALLS, ROUNDS = 400, 9
 
@@ -24,12 +25,12 @@ def one_process() -> None:
     q, k, v = bench.make_qkv(1, 128, 1, 64, "bf16", "cuda")
     with torch.inference_mode():
         api.flash_attn_func(q, k, v)
-        (key, fast), = api._plans.items()
+        (key, fast), = _plans.plans.items()
         slow = dataclasses.replace(fast, new_out=None, new_lse=None)
 
         def with_plan(plan):
             def call():
-                api._plans[key] = plan
+                _plans.plans[key] = plan
                 for _ in range(CALLS):
                     api.flash_attn_func(q, k, v)
             return call

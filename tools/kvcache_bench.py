@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cudaflash import bench, flash_attn_func, flash_attn_with_kvcache  # noqa: E402
+from cudaflash import flash_attn_func, flash_attn_with_kvcache  # noqa: E402
+from cudaflash.cli import bench  # noqa: E402
+from cudaflash.cli.timing import TORCH_DTYPES  # noqa: E402
 
 CASES = ((1, 16384), (8, 8192), (32, 4096), (64, 16384))  # (batch, seqlen_cache)
 HEADS, HEADS_K, D_HEAD = 32, 8, 128
@@ -34,9 +36,9 @@ HEADS, HEADS_K, D_HEAD = 32, 8, 128
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dtype", choices=sorted(bench.TORCH_DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="bf16")
     args = p.parse_args()
-    dtype = bench.TORCH_DTYPES[args.dtype]
+    dtype = TORCH_DTYPES[args.dtype]
     device = torch.device("cuda", torch.cuda.current_device())
     flush = bench.flush_buffer(device)
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """Split-KV on the GPU: flash_attn_func with its split rule ("auto") against the same call
-never split ("whole": api._split_count patched to 1) and SDPA's flash and cuDNN backends, for
+never split ("whole": heuristics.split_count patched to 1) and SDPA's flash and cuDNN backends, for
 decoding, chunked-prefill and prefill shapes. bf16; CUDA-event medians of 30 calls with the
-L2 flushed (bench.time_gpu). SDPA gets K/V with the heads repeated for GQA, and is skipped
+L2 flushed (timing.time_gpu). SDPA gets K/V with the heads repeated for GQA, and is skipped
 for causal with seqlen_q != seqlen_k (its causal mask is top-left aligned).
 
     python3 tools/split_vs_whole.py     (from the repo root, after build_cubins.py)
@@ -10,9 +10,10 @@ import sys
 sys.path.insert(0, ".")
 import torch
 import cudaflash
-from cudaflash import api, bench
+from cudaflash import _plans, heuristics
+from cudaflash.cli import timing
 dev = torch.device("cuda", 0)
-flush = bench.flush_buffer(dev)
+flush = timing.flush_buffer(dev)
 shapes = [  # B, Sq, H, Hk, Sk, d, causal
     (1, 1, 32, 32, 4096, 128, False), (1, 1, 32, 32, 32768, 128, False),
     (8, 1, 32, 32, 8192, 128, False), (32, 1, 32, 32, 4096, 128, False),
@@ -24,7 +25,7 @@ shapes = [  # B, Sq, H, Hk, Sk, d, causal
     (1, 4096, 8, 8, 4096, 128, True),
 ]
 def t(fn):
-    r = bench._attempt(lambda: bench.time_gpu(fn, iters=30, warmup=10, flush=flush), __import__("contextlib").nullcontext)
+    r = timing.attempt(lambda: timing.time_gpu(fn, iters=30, warmup=10, flush=flush), __import__("contextlib").nullcontext)
     return None if isinstance(r, str) else r.median_ms * 1e3
 from torch.nn.attention import sdpa_kernel, SDPBackend
 import torch.nn.functional as F
@@ -35,15 +36,15 @@ with torch.inference_mode():
         k = torch.randn(B, Sk, Hk, d, device=dev, dtype=torch.bfloat16)
         v = torch.randn_like(k)
         auto = t(lambda: cudaflash.flash_attn_func(q, k, v, causal=causal))
-        plan = next(p for key, p in api._plans.items() if key[0] == q.shape and key[2] == k.shape and key[13] == causal)
+        plan = next(p for key, p in _plans.plans.items() if key[0] == q.shape and key[2] == k.shape and key[13] == causal)
         launch = plan.launch
         splits = "split" if not hasattr(launch, "__self__") else "1"
-        rule = api._split_count
-        api._split_count = lambda *a: 1
-        api._plans.clear()
+        rule = heuristics.split_count
+        heuristics.split_count = lambda *a: 1
+        _plans.plans.clear()
         whole = t(lambda: cudaflash.flash_attn_func(q, k, v, causal=causal))
-        api._split_count = rule
-        api._plans.clear()
+        heuristics.split_count = rule
+        _plans.plans.clear()
         kk, vv = (k.repeat_interleave(H // Hk, 2), v.repeat_interleave(H // Hk, 2)) if H != Hk else (k, v)
         qt, kt, vt = q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2)
         res = []

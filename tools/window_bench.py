@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cudaflash import bench, flash_attn_func, flash_attn_with_kvcache  # noqa: E402
+from cudaflash import flash_attn_func, flash_attn_with_kvcache  # noqa: E402
+from cudaflash.cli import bench  # noqa: E402
 
 
 def window_flops(seqlen: int, window: int, nheads: int, d: int) -> float:

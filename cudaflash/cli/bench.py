@@ -5,40 +5,31 @@ cudaflash gets BSHD tensors; SDPA gets ``transpose(1, 2)`` views of the same ten
 copy). The default sweep is the FlashAttention benchmark convention: batch = 16384 / S,
 nheads = 2048 / d, TFLOP/s = 4 * B * H * Sq * Sk * d / time, halved when causal. ``--decode``
 times decoding instead: one query row against a K/V cache of S keys, in microseconds and
-GB/s of K/V read, with and without GQA. How a call is timed: ``method_text``. The measurement functions (``time_gpu``, ``time_backend``,
-``measure_case``, ``measure_host``) return numbers and print nothing, so ``tune`` reuses them.
+GB/s of K/V read, with and without GQA. How a call is timed: ``timing.method_text``.
+``measure_case`` and ``measure_host`` return numbers and print nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import platform
 import statistics
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Optional
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import __version__, _driver, api
-from .config import D_HEADS, DTYPES, KernelConfig
-from .tune import comma_list  # tune.py is stdlib-only at import: no cycle, no cost
-
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-SDPA_BACKENDS = {
-    "flash": SDPBackend.FLASH_ATTENTION,
-    "cudnn": SDPBackend.CUDNN_ATTENTION,
-    "efficient": SDPBackend.EFFICIENT_ATTENTION,
-}
-BACKENDS = ("cudaflash", *SDPA_BACKENDS)
+from .. import __version__, _driver, dispatch
+from ..config import D_HEADS, DTYPES, KernelConfig
+from ._common import Progress, comma_list, format_table
+from .timing import (BACKENDS, CASE_ROUNDS, DEFAULT_ITERS, DEFAULT_WARMUP, L2_FLUSH_BYTES,
+                     MIN_ITERS, Timing, attempt, backend_call, flush_buffer, make_qkv,
+                     method_text, time_calls)
 
 # FlashAttention's benchmark convention: a constant number of tokens per batch and a constant
 # model width, so every size does comparable total work.
@@ -54,17 +45,9 @@ DECODE_GQA_GROUPS = (1, 4)
 DEFAULT_HEAD_DIMS = (64, 128)
 CAUSAL_CHOICES = {"both": (False, True), "yes": (True,), "no": (False,)}
 
-DEFAULT_ITERS = 30
-MIN_ITERS = 20  # fewer timed calls make the median too noisy to compare backends
-DEFAULT_WARMUP = 10
-# Larger than the L2 of any current GPU (H100: 50 MB): zeroing it evicts the inputs, so every
-# timed call reads them from device memory, as a call inside a model would.
-L2_FLUSH_BYTES = 256 * 2**20
-
 # Host overhead probe: a problem so small that the GPU finishes each call before the host has
 # issued the next, so the loop time is the time the host spends per call.
 HOST_BATCH, HOST_HEADS, HOST_SEQLEN, HOST_D_HEAD, HOST_DTYPE = 1, 1, 128, 64, "bf16"
-CASE_ROUNDS = 3  # timed calls per case are taken in this many rounds, backends taking turns
 HOST_CALLS = 400  # per round: few enough that the GPU queue never fills and throttles the host
 HOST_ROUNDS = 7  # backends take turns, round by round: host-speed drift hits them all alike
 HOST_WARMUP = 100
@@ -141,114 +124,11 @@ def build_decode_cases(dtypes, head_dims, seqlens) -> list[Case]:
             for batch in DECODE_BATCHES for seqlen in seqlens]
 
 
-def make_qkv(batch: int, seqlen: int, nheads: int, d_head: int, dtype: str, device,
-             seqlen_q: Optional[int] = None, nheads_k: Optional[int] = None):
-    """Random BSHD q (seqlen_q rows, default seqlen) and k, v (nheads_k heads, default
-    nheads): never zeros, which hide wrong indexing and can run faster."""
-    q_shape = (batch, seqlen if seqlen_q is None else seqlen_q, nheads, d_head)
-    kv_shape = (batch, seqlen, nheads if nheads_k is None else nheads_k, d_head)
-    return tuple(torch.randn(shape, dtype=TORCH_DTYPES[dtype], device=device)
-                 for shape in (q_shape, kv_shape, kv_shape))
-
-
-# ---- timing ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Timing:
-    median_ms: float
-    min_ms: float
-    max_ms: float
-    iters: int
-
-
-def flush_buffer(device) -> torch.Tensor:
-    return torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
-
-
-def method_text(iters: int, warmup: int) -> str:
-    return (f"CUDA events around each single call, after {warmup} warm-up calls; median of "
-            f"{iters} calls, taken in {CASE_ROUNDS} rounds with the backends taking turns "
-            f"(min and max kept in --json); L2 flushed before every timed call "
-            f"by zeroing a {L2_FLUSH_BYTES // 2**20} MiB buffer, outside the events; inputs "
-            "torch.randn (BSHD for cudaflash, transpose(1, 2) views of the same tensors for "
-            "SDPA); torch.inference_mode()")
-
-
-def time_gpu(fn: Callable[[], object], *, iters: int, warmup: int,
-             flush: torch.Tensor) -> Timing:
-    """Device time of ``fn()``: events around each call, L2 flushed before each (see
-    ``method_text``)."""
-    times = time_calls(fn, iters=iters, warmup=warmup, flush=flush)
-    return Timing(statistics.median(times), min(times), max(times), iters)
-
-
-def time_calls(fn: Callable[[], object], *, iters: int, warmup: int,
-               flush: torch.Tensor) -> list:
-    """Milliseconds of each of ``iters`` calls of ``fn()`` after ``warmup`` untimed ones."""
-    for _ in range(warmup):  # module loads, kernel selection, cuDNN plan building
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for start, end in zip(starts, ends):
-        flush.zero_()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) for start, end in zip(starts, ends)]
-
-
-def backend_call(backend: str, q, k, v, causal: bool,
-                 config: Optional[KernelConfig] = None):
-    """``(fn, context)``: ``fn()`` runs one forward of ``backend`` and must run inside
-    ``context()``. The context is separate so that a timing loop enters it once: entering
-    ``sdpa_kernel`` per call would add its own host cost to SDPA's.
-
-    For cudaflash, ``config`` None means ``flash_attn_func`` (the runtime's selection); a
-    config runs that kernel through ``cudaflash.forward``.
-    """
-    if backend == "cudaflash":
-        if config is None:
-            return (lambda: api.flash_attn_func(q, k, v, causal=causal)), contextlib.nullcontext
-        return (lambda: api.forward(config, q, k, v, causal=causal)), contextlib.nullcontext
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # views, no copy
-    if k.shape[2] != q.shape[2]:  # GQA: SDPA's own option, where the backend has it
-        return ((lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
-                                                        enable_gqa=True)),
-                lambda: sdpa_kernel(SDPA_BACKENDS[backend]))
-    return ((lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)),
-            lambda: sdpa_kernel(SDPA_BACKENDS[backend]))
-
-
-def _attempt(measure: Callable[[], object], context) -> Union[object, str]:
-    """``measure()`` inside ``context()``; on failure the reason as a string (the backend is
-    n/a for this problem). Any exception counts: one backend failing on one shape must not
-    lose the rest of the sweep. SDPA explains a refusal in warnings, so those are kept."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            with context():
-                return measure()
-        except Exception as e:
-            lines = str(e).strip().splitlines() or [type(e).__name__]
-            why = [str(w.message).strip().splitlines()[0] for w in caught
-                   if str(w.message).strip()]
-            return "; ".join([f"{type(e).__name__}: {lines[0]}", *dict.fromkeys(why)])
-
-
-def time_backend(backend: str, q, k, v, causal: bool, *, config: Optional[KernelConfig],
-                 iters: int, warmup: int, flush: torch.Tensor) -> Union[Timing, str]:
-    """``time_gpu`` of one backend on (q, k, v), or why it cannot run them."""
-    fn, context = backend_call(backend, q, k, v, causal, config)
-    return _attempt(lambda: time_gpu(fn, iters=iters, warmup=warmup, flush=flush), context)
-
-
 def selected_config(device_index: int, dtype: str, d_head: int, causal: bool, seqlen_q: int,
                     seqlen_k: int, n_heads: int = 1, n_heads_k: int = 1) -> Optional[str]:
     """The config ``flash_attn_func`` runs for such a call, or None if there is none."""
     try:
-        return api.selected_config(device_index, dtype, d_head, causal, seqlen_q, seqlen_k,
+        return dispatch.selected_config(device_index, dtype, d_head, causal, seqlen_q, seqlen_k,
                                    n_heads, n_heads_k)[0]
     except LookupError:
         return None
@@ -301,7 +181,7 @@ def measure_case(case: Case, backends, *, device, config: Optional[KernelConfig]
                 continue
             if round_index == 0:
                 progress.step(f"{case.dtype} d={case.d_head} {what} S={case.seqlen} {backend}")
-            got = _attempt(lambda: time_calls(fn, iters=n, warmup=warmup if round_index == 0
+            got = attempt(lambda: time_calls(fn, iters=n, warmup=warmup if round_index == 0
                                               else 1, flush=flush), context)
             if isinstance(got, str):
                 errors[backend] = got
@@ -344,7 +224,7 @@ def measure_host(backends, *, device, progress: "Progress") -> dict:
             if isinstance(samples[backend], str):
                 continue
             progress.step(f"host time {backend} (round {round_index + 1})")
-            got = _attempt(lambda: host_round(fn, HOST_WARMUP if round_index == 0 else 10),
+            got = attempt(lambda: host_round(fn, HOST_WARMUP if round_index == 0 else 10),
                            context)
             if isinstance(got, str):
                 samples[backend] = got  # n/a, with the reason
@@ -355,38 +235,6 @@ def measure_host(backends, *, device, progress: "Progress") -> dict:
 
 
 # ---- output ----------------------------------------------------------------------------------
-
-
-class Progress:
-    """A one-line ``\\r`` counter on stderr. Only on a terminal: in a log, hundreds of
-    carriage-return updates would bury the table."""
-
-    def __init__(self, total: int, label: str):
-        self.total, self.label, self.done, self._width = total, label, 0, 0
-        self.enabled = sys.stderr.isatty()
-
-    def step(self, what: str) -> None:
-        """Announce the next unit of work (shown while it runs)."""
-        self.done += 1
-        if self.enabled:
-            line = f"\r[{self.label} {self.done}/{self.total}] {what}"
-            sys.stderr.write(line.ljust(self._width))  # pad over a longer previous line
-            sys.stderr.flush()
-            self._width = len(line)
-
-    def close(self) -> None:
-        if self.enabled and self.done:
-            sys.stderr.write("\r" + " " * self._width + "\r")
-            sys.stderr.flush()
-
-
-def format_table(header, rows, left=()) -> str:
-    """Aligned columns: numbers right-aligned, the column indices in ``left`` left-aligned."""
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    return "\n".join(
-        "  ".join(str(x).ljust(w) if i in left else str(x).rjust(w)
-                  for i, (x, w) in enumerate(zip(row, widths))).rstrip()
-        for row in [header, *rows])
 
 
 def _num(x: Optional[float], fmt: str) -> str:

@@ -24,8 +24,9 @@ import sys
 from pathlib import Path
 from typing import NamedTuple, Optional
 
-from ._env import tuned_table_path
-from .config import D_HEADS, DTYPES
+from .._env import tuned_table_path
+from ..config import D_HEADS, DTYPES
+from ._common import comma_list
 
 
 class Bucket(NamedTuple):
@@ -111,29 +112,6 @@ def write_table(path: Path, text: str) -> None:
 # ---- command line ----------------------------------------------------------------------------
 
 
-def comma_list(convert, allowed=None):
-    """An argparse type: a comma-separated list of ``convert``ed values, each in ``allowed``
-    (any value ``convert`` accepts when None); repeats are dropped. bench uses it too."""
-
-    def parse(text: str) -> list:
-        try:
-            values = [convert(x.strip()) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
-                                             "valid values") from None
-        if not values:
-            raise argparse.ArgumentTypeError(f"{text!r}: no values")
-        bad = [x for x in values if allowed is not None and x not in allowed]
-        if bad:
-            choices = (f"{allowed.start}..{allowed.stop - 1}" if isinstance(allowed, range)
-                       else list(allowed))
-            raise argparse.ArgumentTypeError(f"{text!r}: {bad} not allowed; choose from "
-                                             f"{choices}")
-        return list(dict.fromkeys(values))
-
-    return parse
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "tune", help="time every built config on this GPU and write the fastest as selection "
@@ -160,7 +138,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args) -> int:
     import torch
 
-    from . import __version__, api, bench, manifest, selection
+    from .. import __version__, dispatch, heuristics, manifest, selection
+    from . import bench, timing
+    from ._common import Progress, format_table
 
     if not torch.cuda.is_available():
         print(f"cudaflash tune: no CUDA GPU (torch {torch.__version__}: "
@@ -168,12 +148,12 @@ def run(args) -> int:
         return 1
     index = torch.cuda.current_device()
     device = torch.device("cuda", index)
-    dk = api._device_kernels(index)  # the kernels flash_attn_func can run there
+    dk = dispatch.device_kernels(index)  # the kernels flash_attn_func can run there
     arch, gpu, usable = dk.device.arch, dk.device.name, dk.usable
     shipped_rules = manifest.load_manifest().selection
     head_dims = args.head_dims or sorted({e.config.d_head for e in usable.values()})
     iters, warmup = ((QUICK_ITERS, QUICK_WARMUP) if args.quick
-                     else (bench.DEFAULT_ITERS, bench.DEFAULT_WARMUP))
+                     else (timing.DEFAULT_ITERS, timing.DEFAULT_WARMUP))
 
     tasks = []  # (cases of the bucket, bucket, candidate configs)
     for dtype in args.dtypes:
@@ -196,10 +176,10 @@ def run(args) -> int:
         print("cudaflash tune: nothing to time", file=sys.stderr)
         return 1
     print(f"{gpu} (sm_{arch}): {len(tasks)} buckets, {len(usable)} configs usable; timing: "
-          f"{bench.method_text(iters, warmup)}")
+          f"{timing.method_text(iters, warmup)}")
 
-    progress = bench.Progress(sum(len(cs) * len(c) for cs, _, c in tasks), "tune")
-    flush = bench.flush_buffer(device)
+    progress = Progress(sum(len(cs) * len(c) for cs, _, c in tasks), "tune")
+    flush = timing.flush_buffer(device)
     rows, winners, changes = [], [], []
     with torch.inference_mode():
         for cases, bucket, candidates in tasks:
@@ -211,13 +191,13 @@ def run(args) -> int:
             # size); a config that fails at any size is out.
             score = {cfg.name: 0.0 for cfg in candidates}
             for case in cases:
-                q, k, v = bench.make_qkv(case.batch, case.seqlen, case.nheads, case.d_head,
+                q, k, v = timing.make_qkv(case.batch, case.seqlen, case.nheads, case.d_head,
                                          case.dtype, device, seqlen_q=case.seqlen_q,
                                          nheads_k=case.kv_heads)
                 results = {}  # config name -> Timing, or why it failed
                 for cfg in candidates:  # all on the same tensors
                     progress.step(f"{where} S={case.seqlen} {cfg.name}")
-                    results[cfg.name] = bench.time_backend(
+                    results[cfg.name] = timing.time_backend(
                         "cudaflash", q, k, v, case.causal, config=cfg, iters=iters,
                         warmup=warmup, flush=flush)
                 timed = {n: t for n, t in results.items() if not isinstance(t, str)}
@@ -234,8 +214,8 @@ def run(args) -> int:
                                  f"{case.flops / t.median_ms / 1e9:.1f}",
                                  f"{fastest / t.median_ms:.2f}", ""))
             last = cases[-1]
-            query_rows, _, causal = api._kernel_problem(last.seqlen_q, last.nheads,
-                                                        last.kv_heads, last.causal)
+            query_rows, _, causal, _ = heuristics.kernel_problem(
+                last.seqlen_q, last.nheads, last.kv_heads, last.seqlen, last.causal)
             shipped, _ = selection.select(shipped_rules, usable, arch=arch, dtype=last.dtype,
                                           d_head=last.d_head, causal=causal,
                                           seqlen_q=query_rows, seqlen_k=last.seqlen)
@@ -261,7 +241,7 @@ def run(args) -> int:
     progress.close()
 
     print("\ncandidates per bucket (time: median ms; vs best: best time / this time):")
-    print(bench.format_table(("bucket", "config", "S", "ms", "TFLOP/s", "vs best", "note"),
+    print(format_table(("bucket", "config", "S", "ms", "TFLOP/s", "vs best", "note"),
                              rows, left=(0, 1, 6)))
     print("\nchanges vs the shipped selection (speedup: the shipped config's mean time "
           "relative to the best over the bucket's sizes, divided by the winner's):")

@@ -1,0 +1,178 @@
+"""Gradients and torch.compile: the autograd functions of flash_attn_func and
+flash_attn_varlen_func, and the ``cudaflash::*`` custom ops.
+
+Both call the checked call layer (_call) and the backward's launches (backward), never the
+public functions: the public functions come here, not the other way round.
+"""
+
+import torch
+
+from . import _call, _checks, backward, dispatch, heuristics
+
+
+class FlashAttnFunction(torch.autograd.Function):
+    """flash_attn_func with gradients: the forward also keeps the lse, the backward runs
+    backward.run. Inside forward grad mode is off, so the checked forward takes its usual
+    path (and records a plan)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal, deterministic, window=(-1, -1),
+                softcap=0.0):
+        _checks.check_deterministic(deterministic)
+        out, lse = _call.checked_forward(None, q, k, v, None, softmax_scale, causal, True,
+                                         window=window, softcap=softcap)
+        # Fail now, not in the backward after a whole forward pass of work.
+        dispatch.check_backward_supported(q.get_device(), q.dtype, q.shape[3],
+                                          backward.scheme(deterministic, softcap))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = _checks.softmax_scale(softmax_scale, q.shape[3])
+        ctx.causal = bool(causal)
+        ctx.deterministic = deterministic
+        # The window as the forward's kernel took it (clamped by seqlen_k, causal as right 0).
+        ctx.kernel_window = heuristics.kernel_window(window, k.shape[1], ctx.causal)
+        ctx.softcap = softcap
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = run_backward(dout, q, k, v, out, lse, ctx.scale, ctx.causal,
+                                  ctx.deterministic, ctx.kernel_window, ctx.softcap)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def run_backward(dout, q, k, v, out, lse, scale: float, causal: bool, deterministic: bool,
+                 kernel_window: tuple[int, int], softcap: float = 0.0):
+    """backward.run on q's device; ``kernel_window`` as the forward's kernel took it
+    (heuristics.kernel_window: the kernels mask by it, causal included); ``softcap`` the
+    forward's."""
+    # torch's global switch counts here too; a cap takes the deterministic scheme
+    scheme = backward.scheme(deterministic, softcap)
+    index = q.get_device()
+    if index != torch.cuda.current_device():
+        with torch.cuda.device(index):
+            return backward.run(dout, q, k, v, out, lse, scale, causal, scheme, kernel_window,
+                                softcap)
+    return backward.run(dout, q, k, v, out, lse, scale, causal, scheme, kernel_window, softcap)
+
+
+class FlashAttnVarlenFunction(torch.autograd.Function):
+    """flash_attn_varlen_func with gradients: the forward keeps the lse, the backward runs
+    backward.run_varlen (the deterministic kernels, whatever ``deterministic`` says)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale, causal, deterministic, window=(-1, -1), softcap=0.0):
+        _checks.check_deterministic(deterministic)
+        out, lse = _call.planned_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                max_seqlen_q, max_seqlen_k, softmax_scale,
+                                                causal, True, window, softcap)
+        # Fail now, not in the backward after a whole forward pass of work.
+        dispatch.check_backward_supported(q.get_device(), q.dtype, q.shape[2], "deterministic")
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.max_seqlens = (int(max_seqlen_q), int(max_seqlen_k))
+        ctx.scale = _checks.softmax_scale(softmax_scale, q.shape[2])
+        ctx.causal = bool(causal)
+        # As the forward's kernel took it: clamped by max_seqlen_k (flash-attn's rule).
+        ctx.kernel_window = heuristics.kernel_window(window, ctx.max_seqlens[1], ctx.causal)
+        ctx.softcap = softcap
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        with torch.cuda.device(q.get_device()):
+            dq, dk, dv = backward.run_varlen(dout, q, k, v, out, lse, cu_seqlens_q,
+                                             cu_seqlens_k, *ctx.max_seqlens, ctx.scale,
+                                             ctx.causal, ctx.kernel_window, ctx.softcap)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+# ---- torch.compile ---------------------------------------------------------------------------
+
+
+# The ops take the sliding window as flash-attn's two sides (-1: unbounded), checked by the
+# public function before the op is called (and again here: the ops can be called directly).
+@torch.library.custom_op("cudaflash::fwd", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, float? softmax_scale, "
+                                "bool causal, bool deterministic=False, int window_left=-1, "
+                                "int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)")
+def fwd_op(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1,
+           window_right=-1, softcap=0.0):
+    # The compiled graph runs this body eagerly (is_compiling() is False here), so the call
+    # takes flash_attn_func's plans like any eager call instead of re-checking every time.
+    # Gradients are the op's registered autograd (below), not FlashAttnFunction.
+    window = _checks.check_window((window_left, window_right))
+    softcap = _checks.check_softcap(softcap)
+    with torch.no_grad():
+        return _call.planned_forward(q, k, v, softmax_scale, causal, True, window, softcap)
+
+
+@fwd_op.register_fake
+def _(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1,
+      softcap=0.0):
+    batch, seqlen_q, n_heads, _ = q.shape
+    return torch.empty_like(q), q.new_empty((batch, n_heads, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("cudaflash::bwd", mutates_args=(),
+                         schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
+                                "Tensor lse, float? softmax_scale, bool causal, "
+                                "bool deterministic, int window_left=-1, int window_right=-1, "
+                                "float softcap=0.0) -> (Tensor, Tensor, Tensor)")
+def bwd_op(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1,
+           window_right=-1, softcap=0.0):
+    return run_backward(dout, q, k, v, out, lse,
+                        _checks.softmax_scale(softmax_scale, q.shape[3]), causal, deterministic,
+                        heuristics.kernel_window((window_left, window_right), k.shape[1],
+                                                 causal),
+                        softcap)
+
+
+@bwd_op.register_fake
+def _(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1,
+      window_right=-1, softcap=0.0):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fwd_op_setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+    ctx.window = (window_left, window_right)
+    ctx.softcap = softcap
+
+
+def _fwd_op_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = bwd_op(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
+                        ctx.deterministic, *ctx.window, ctx.softcap)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup_context)
+
+
+@torch.library.custom_op("cudaflash::varlen_fwd", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+                                "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
+                                "float? softmax_scale, bool causal, int window_left=-1, "
+                                "int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)")
+def varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  softmax_scale, causal, window_left=-1, window_right=-1, softcap=0.0):
+    window = _checks.check_window((window_left, window_right))
+    softcap = _checks.check_softcap(softcap)
+    return _call.planned_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, softmax_scale, causal, True, window,
+                                        softcap)
+
+
+@varlen_fwd_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+      window_left=-1, window_right=-1, softcap=0.0):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)

@@ -1,0 +1,227 @@
+"""Per device: which kernels run there and which one serves a call.
+
+The forward: the manifest's entries usable on the GPU (arch, shared memory), the selection
+rules (the user's, this arch's tuned table, the shipped ones: first match wins), and the
+kernel chosen per (context, dtype, head dim, causal, seqlen bucket) or per explicit config,
+with its functions loaded. The backward: the first module the manifest has for the GPU,
+dtype, head dim and scheme. Everything is cached; ``clear_cache`` forgets it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from . import _driver, _env, heuristics, manifest as _manifest, selection
+from ._checks import DTYPES
+from ._env import log
+from .config import BWD_D_HEADS, KernelConfig
+from .manifest import BackwardEntry, KernelEntry
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """What a forward launch needs, resolved once per (context, problem class or config)."""
+
+    fns: "_driver.Functions"  # forward, split forward, combine
+    label: str  # names the kernel in a launch error
+    block_rows: int  # B_r: query rows per CTA
+    block_cols: int  # B_c: keys per KV block
+    threads: int
+    smem: int
+    synchronize: bool  # CUDAFLASH_DEBUG
+
+
+@dataclass(frozen=True)
+class DeviceKernels:
+    device: "_driver.Device"
+    usable: dict  # config name -> KernelEntry, manifest order
+    debug: bool
+
+    def head_dims(self, dtype: str) -> list[int]:
+        return sorted({e.config.d_head for e in self.usable.values() if e.config.dtype == dtype})
+
+    def describe(self) -> str:
+        d = self.device
+        return f"cuda:{d.index} ({d.name}, sm_{d.arch}, {d.smem_optin} bytes of shared memory)"
+
+
+@dataclass(frozen=True)
+class Rules:
+    rules: tuple
+    # Every max_seqlen bound of the rules, sorted: two lengths with the same bisect position
+    # satisfy the same conditions, so that position is the cache key's seqlen bucket.
+    q_bounds: tuple[int, ...]
+    k_bounds: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BackwardKernel:
+    entry: BackwardEntry
+    fns: "_driver.BackwardFunctions"
+    synchronize: bool  # CUDAFLASH_DEBUG
+
+
+_devices: dict[int, DeviceKernels] = {}
+_auto_kernels: dict[tuple, Kernel] = {}
+_config_kernels: dict[tuple, Kernel] = {}
+_backward_kernels: dict[tuple, BackwardKernel] = {}
+# find_backward_entry's answers: every forward that records gradients asks
+# (check_backward_supported).
+_backward_entries: dict[tuple, BackwardEntry | None] = {}
+
+
+def clear_cache() -> None:
+    rules.cache_clear()
+    _devices.clear()
+    _auto_kernels.clear()
+    _config_kernels.clear()
+    clear_backward_cache()
+
+
+def clear_backward_cache() -> None:
+    _backward_kernels.clear()
+    _backward_entries.clear()
+
+
+# ---- forward ---------------------------------------------------------------------------------
+
+
+@functools.cache
+def rules(arch: int) -> Rules:
+    """Selection rules for GPUs of compute capability ``arch``, first match wins: the user's
+    (CUDAFLASH_CONFIG), then this arch's tuned table (``python -m cudaflash tune``), then the
+    shipped ones from the manifest."""
+    found = _manifest.load_manifest().selection
+    tuned = _env.tuned_table_path(arch)
+    if tuned.is_file():
+        found = selection.load_user_rules(tuned) + found
+    path = _env.config_path()
+    if path is not None:
+        found = selection.load_user_rules(path) + found
+    return Rules(found,
+                 tuple(sorted({r.max_seqlen_q for r in found if r.max_seqlen_q is not None})),
+                 tuple(sorted({r.max_seqlen_k for r in found if r.max_seqlen_k is not None})))
+
+
+def selected_config(device_index: int, dtype: str, d_head: int, causal: bool, seqlen_q: int,
+                    seqlen_k: int, n_heads: int = 1, n_heads_k: int = 1) -> tuple[str, str]:
+    """The config ``flash_attn_func`` runs on cuda:``device_index`` for such a call (with
+    ``n_heads`` query heads reading ``n_heads_k`` K/V heads), and the rule that chose it.
+    Raises LookupError when no built config fits."""
+    dk = device_kernels(device_index)
+    rows, _, causal, _ = heuristics.kernel_problem(seqlen_q, n_heads, n_heads_k, seqlen_k,
+                                                   causal)
+    return selection.select(rules(dk.device.arch).rules, dk.usable, arch=dk.device.arch,
+                            dtype=dtype, d_head=d_head, causal=causal, seqlen_q=rows,
+                            seqlen_k=seqlen_k)
+
+
+def device_kernels(index: int) -> DeviceKernels:
+    dk = _devices.get(index)
+    if dk is None:
+        device = _driver.device(index)
+        if device.arch < selection.MIN_ARCH:
+            raise RuntimeError(f"cuda:{index} ({device.name}) is sm_{device.arch}; cudaflash "
+                               f"needs sm_{selection.MIN_ARCH} (Ampere) or newer")
+        usable = _manifest.load_manifest().usable(device.arch, device.smem_optin)
+        dk = _devices[index] = DeviceKernels(device, usable, _env.debug())
+    return dk
+
+
+def auto_kernel(ctx: int, index: int, dtype: torch.dtype, d_head: int, causal: bool,
+                seqlen_q: int, seqlen_k: int) -> Kernel:
+    """The kernel the selection rules choose for the problem (kernel_problem's rows and
+    causal), loaded in context ``ctx``."""
+    dk = device_kernels(index)
+    r = rules(dk.device.arch)
+    key = (ctx, dtype, d_head, causal, bisect.bisect_left(r.q_bounds, seqlen_q),
+           bisect.bisect_left(r.k_bounds, seqlen_k))
+    kernel = _auto_kernels.get(key)
+    if kernel is None:
+        name = DTYPES[dtype]
+        if d_head not in dk.head_dims(name):
+            raise ValueError(f"no {name} kernel with head dim {d_head} runs on {dk.describe()}; "
+                             f"{name} head dims built for it: {dk.head_dims(name)}")
+        config_name, reason = selection.select(
+            r.rules, dk.usable, arch=dk.device.arch, dtype=name, d_head=d_head, causal=causal,
+            seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        if dk.debug:
+            log.debug("cuda:%d %s d_head=%d causal=%s seqlen_q=%d seqlen_k=%d -> %s (%s)", index,
+                      name, d_head, causal, seqlen_q, seqlen_k, config_name, reason)
+        kernel = _auto_kernels[key] = _make_kernel(dk, dk.usable[config_name], ctx)
+    return kernel
+
+
+def config_kernel(ctx: int, index: int, config: KernelConfig) -> Kernel:
+    """The kernel of an explicit ``config`` (cudaflash.forward), loaded in context ``ctx``."""
+    kernel = _config_kernels.get((ctx, config))
+    if kernel is not None:
+        return kernel
+    dk = device_kernels(index)
+    entry = dk.usable.get(config.name)
+    if entry is None:
+        raise ValueError(f"config {config.name} is not built for {dk.describe()}; configs "
+                         f"built for it: {list(dk.usable) or 'none'}")
+    if dk.debug:
+        log.debug("cuda:%d explicit config %s", index, config.name)
+    kernel = _config_kernels[(ctx, config)] = _make_kernel(dk, entry, ctx)
+    return kernel
+
+
+def _make_kernel(dk: DeviceKernels, entry: KernelEntry, ctx: int) -> Kernel:
+    fns = _driver.get_functions(entry, dk.device.index, ctx)
+    return Kernel(fns=fns, label=f"cuLaunchKernel({entry.name})", block_rows=entry.config.B_r,
+                  block_cols=entry.config.B_c, threads=entry.threads, smem=entry.smem_bytes,
+                  synchronize=dk.debug)
+
+
+# ---- backward --------------------------------------------------------------------------------
+
+
+def find_backward_entry(index: int, dtype: torch.dtype, d_head: int,
+                        scheme: str) -> BackwardEntry | None:
+    """The backward module for (dtype, d_head, scheme) that runs on cuda:``index``, or None."""
+    key = (index, dtype, d_head, scheme)
+    if key not in _backward_entries:
+        device = _driver.device(index)
+        usable = _manifest.load_manifest().usable_backward(device.arch, device.smem_optin)
+        _backward_entries[key] = next(  # manifest order: configs.yaml's
+            (e for e in usable.values()
+             if e.config.dtype == DTYPES[dtype] and e.config.d_head == d_head
+             and scheme in e.schemes), None)
+    return _backward_entries[key]
+
+
+def check_backward_supported(index: int, dtype: torch.dtype, d_head: int, scheme: str) -> None:
+    """Raise NotImplementedError unless a backward module serves this call: checked when the
+    forward runs, so an unsupported training call fails before any work is done."""
+    if find_backward_entry(index, dtype, d_head, scheme) is None:
+        device = _driver.device(index)
+        raise NotImplementedError(
+            f"no backward kernel for {DTYPES[dtype]} with head dim {d_head} runs on cuda:"
+            f"{index} ({device.name}, sm_{device.arch}) in the {scheme} scheme; the backward "
+            f"supports head dims "
+            f"{list(BWD_D_HEADS)}. Call flash_attn_func under torch.no_grad() for inference")
+
+
+def backward_kernel(ctx: int, index: int, dtype: torch.dtype, d_head: int,
+                    scheme: str) -> BackwardKernel:
+    """The backward module for the call, loaded in context ``ctx``."""
+    key = (ctx, index, dtype, d_head, scheme)
+    kernel = _backward_kernels.get(key)
+    if kernel is None:
+        entry = find_backward_entry(index, dtype, d_head, scheme)
+        if entry is None:  # the forward checked; only a changed manifest or switch gets here
+            check_backward_supported(index, dtype, d_head, scheme)
+            raise AssertionError("check_backward_supported did not raise")
+        debug = _env.debug()
+        if debug:
+            log.debug("cuda:%d backward %s d_head=%d %s -> %s", index, DTYPES[dtype], d_head,
+                      scheme, entry.name)
+        kernel = _backward_kernels[key] = BackwardKernel(
+            entry, _driver.get_functions(entry, index, ctx), debug)
+    return kernel

@@ -1,0 +1,182 @@
+"""The forward's launches: Params filled from checked arguments, grids, split-KV.
+
+``run`` (a padded batch, flash_attn_with_kvcache's too) and ``run_varlen`` (a packed batch)
+take values the callers have checked (_checks) on q's device, made current. Each selects the
+kernel (dispatch), fills every Params field that a call signature fixes, launches on torch's
+current stream, and, given a plan key, records the launch as a plan (_plans) that repeat
+calls replay.
+"""
+
+import math
+from typing import Optional
+
+import torch
+
+from . import _driver, _plans, dispatch, heuristics
+from ._params import score_scales
+from ._torch import current_stream, float32
+
+_COMBINE_ROWS = 4  # query rows per CTA of cudaflash_combine (kCombineRows, flash_fwd.cu)
+_COMBINE_THREADS = 32 * _COMBINE_ROWS  # one warp per row
+
+
+def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: bool,
+        plan_key=None, num_splits=None, seqused_k=None, plans=None, window=(-1, -1),
+        softcap=0.0):
+    """One forward over a padded batch. ``seqused_k``: None, or a (batch,) int32 tensor of
+    each entry's key count (flash_attn_with_kvcache; the kernel clamps it into [0,
+    seqlen_k]). With a ``plan_key`` the launch is recorded in ``plans`` (default
+    flash_attn_func's); the plan takes the key counts' pointer per call. ``window``: the
+    sliding window (left, right), -1 unbounded; ``softcap``: the checked cap, 0.0 for none."""
+    batch, seqlen_q, n_heads, d_head = q.shape
+    seqlen_k, n_heads_k = k.shape[1], k.shape[2]
+    rows, heads, causal, kernel_window = heuristics.kernel_problem(
+        seqlen_q, n_heads, n_heads_k, seqlen_k, causal, window)
+    ctx = _driver.current_context(index)
+    if config is None:
+        kernel = dispatch.auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k)
+    else:
+        kernel = dispatch.config_kernel(ctx, index, config)
+
+    if out is None:
+        out = torch.empty_like(q)  # q's layout, as flash-attn does
+    lse = q.new_empty((batch, n_heads, seqlen_q), dtype=torch.float32) if want_lse else None
+    if batch == 0 or seqlen_q == 0 or seqlen_k == 0:
+        if seqlen_k == 0:  # every row sees no key
+            out.zero_()
+            if lse is not None:
+                lse.fill_(-math.inf)
+        return out, lse
+
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
+    q_seq, q_head, o_seq, o_head = qs[1], qs[2], os_[1], os_[2]
+    if rows != seqlen_q:  # GQA decoding: row r of head h is query head h * rows + r
+        q_seq, q_head, o_seq, o_head = qs[2], rows * qs[2], os_[2], rows * os_[2]
+    # Params after the pointers, up to the split counts: strides (the lse's: (batch, n_heads,
+    # seqlen_q), which is (batch, heads, rows) for the kernel), sizes, scales.
+    fixed_params = (qs[0], q_seq, q_head, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+                    os_[0], o_seq, o_head, n_heads * seqlen_q, rows, batch, heads, n_heads_k,
+                    rows, seqlen_k, int(causal), 0, 0, *kernel_window,
+                    *score_scales(scale, softcap))
+    launch = launch_function(kernel, index, q.device, fixed_params, num_splits, rows=rows,
+                             heads=heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
+                             window=kernel_window, softcap=bool(softcap))
+    # lse 0: writes no lse; cu_seqlens_q 0: not packed; cu_seqlens_k: the key counts, if any
+    launch(current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+           0 if lse is None else lse.data_ptr(), 0,
+           0 if seqused_k is None else seqused_k.data_ptr())
+    if plan_key is not None:
+        _plans.record(_plans.plans if plans is None else plans, plan_key, index, launch,
+                      (batch, n_heads, seqlen_q), out, lse)
+    return out, lse
+
+
+def run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+               max_seqlen_k: int, scale: float, causal: bool, want_lse: bool, plan_key=None,
+               window=(-1, -1), softcap=0.0):
+    """One forward over a packed batch; with a ``plan_key`` the launch is recorded in the
+    varlen plans. Arguments as in ``run``."""
+    total_q, n_heads, d_head = q.shape
+    total_k, n_heads_k = k.shape[0], k.shape[1]
+    batch = cu_seqlens_q.numel() - 1
+    out = torch.empty_like(q)
+    lse = q.new_empty((n_heads, total_q), dtype=torch.float32) if want_lse else None
+    # No sequence is longer than its packed tensor (the kernel clamps offsets into it).
+    rows, seqlen_k = min(max_seqlen_q, total_q), min(max_seqlen_k, total_k)
+    if rows == 0:
+        return out, lse
+    if total_k == 0:  # every row sees no key
+        out.zero_()
+        if lse is not None:
+            lse.fill_(-math.inf)
+        return out, lse
+    # The kernel reads each sequence's key count from cu_seqlens_k; seqlen_k only sizes the
+    # split-KV runs (the last one takes every block left), so a 0 here is not trusted.
+    seqlen_k = max(seqlen_k, 1)
+    # As flash-attn, clamped by the longest sequence.
+    kernel_window = heuristics.kernel_window(window, max_seqlen_k, causal)
+    ctx = _driver.current_context(index)
+    kernel = dispatch.auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k)
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
+    # Batch strides 0: a sequence's place comes from its offsets. lse: (n_heads, total_q).
+    fixed_params = (0, qs[0], qs[1], 0, ks[0], ks[1], 0, vs[0], vs[1], 0, os_[0], os_[1],
+                    0, total_q, batch, n_heads, n_heads_k, rows, seqlen_k, int(causal),
+                    total_q, total_k, *kernel_window, *score_scales(scale, softcap))
+    launch = launch_function(kernel, index, q.device, fixed_params, None, rows=rows,
+                             heads=n_heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
+                             window=kernel_window, softcap=bool(softcap))
+    launch(current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+           0 if lse is None else lse.data_ptr(), cu_seqlens_q.data_ptr(),
+           cu_seqlens_k.data_ptr())
+    if plan_key is not None:
+        _plans.record(_plans.varlen_plans, plan_key, index, launch, (n_heads, total_q), out,
+                      lse)
+    return out, lse
+
+
+def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
+                    fixed_params: tuple, num_splits: Optional[int], *, rows: int, heads: int,
+                    batch: int, seqlen_k: int, d_head: int, window=(-1, -1),
+                    softcap: bool = False):
+    """The launch of a call: ``fixed_params`` (every Params field between the pointers and
+    the split counts) plus the split counts, as one Launcher, or a split-KV pair (the
+    *_softcap entries with ``softcap``). ``num_splits``: forward's, or None for the rule
+    (heuristics.split_count). With a left window bound (``window``: the kernel's) a CTA
+    visits at most its rows plus the window's keys, and its split-KV runs start at its first
+    visible block: they are sized over that span."""
+    q_blocks = (rows + kernel.block_rows - 1) // kernel.block_rows
+    if window[0] >= 0:
+        seqlen_k = min(seqlen_k, window[0] + min(rows, kernel.block_rows) + max(window[1], 0))
+    kv_blocks = (seqlen_k + kernel.block_cols - 1) // kernel.block_cols
+    if num_splits is None:
+        slots = dispatch.device_kernels(index).device.sm_count * kernel.fns.split_ctas_per_sm
+        most = heuristics.max_splits(kv_blocks * kernel.block_cols, kv_blocks,
+                                     min(rows, kernel.block_rows), batch)
+        num_splits = heuristics.split_count(q_blocks * heads * batch, slots, most)
+    num_splits, per_split = heuristics.split_sizes(num_splits, kv_blocks, batch)
+    fixed_params = fixed_params + (num_splits, per_split)
+    if num_splits == 1:
+        return _driver.Launcher(
+            kernel.fns.forward_softcap if softcap else kernel.fns.forward, kernel.label,
+            grid=(q_blocks, heads, batch),
+            threads=kernel.threads, smem=kernel.smem, synchronize=kernel.synchronize,
+            fixed_params=fixed_params).launch
+    return _split_launch(kernel, device, fixed_params, q_blocks=q_blocks, heads=heads,
+                         batch=batch, rows=rows, d_head=d_head, num_splits=num_splits,
+                         softcap=softcap)
+
+
+def _split_launch(kernel: dispatch.Kernel, device: torch.device, fixed_params: tuple, *,
+                  q_blocks: int, heads: int, batch: int, rows: int, d_head: int,
+                  num_splits: int, softcap: bool = False):
+    """The launch function of a split-KV call: allocate the float32 workspace (one tensor
+    from torch's allocator, on the current stream: released once both kernels have run), run
+    the split forward, then the combine kernel."""
+    forward = _driver.Launcher(
+        kernel.fns.split_softcap if softcap else kernel.fns.split,
+        kernel.label.replace("(", "(split ", 1),
+        grid=(q_blocks, heads, batch * num_splits), threads=kernel.threads, smem=kernel.smem,
+        synchronize=kernel.synchronize, fixed_params=fixed_params)
+    combine = _driver.Launcher(
+        kernel.fns.combine, kernel.label.replace("(", "(combine ", 1),
+        grid=((rows + _COMBINE_ROWS - 1) // _COMBINE_ROWS, heads, batch),
+        threads=_COMBINE_THREADS, smem=0, synchronize=kernel.synchronize,
+        fixed_params=fixed_params)
+    # o_accum (num_splits, batch, heads, rows, d_head) then lse_accum (num_splits, batch,
+    # heads, rows), float32, in one allocation.
+    lse_values = num_splits * batch * heads * rows
+    lse_offset = lse_values * d_head * 4  # bytes
+
+    def launch(stream: int, q: int, k: int, v: int, o: int, lse: int, cu_seqlens_q: int,
+               cu_seqlens_k: int) -> None:
+        # Held until both kernels are enqueued: freed earlier, the block could go to another
+        # allocation whose work is enqueued before ours.
+        workspace = torch.empty(lse_values * (d_head + 1), dtype=float32, device=device)
+        o_accum = workspace.data_ptr()
+        lse_accum = o_accum + lse_offset
+        forward.launch_with_workspace(stream, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
+                                      o_accum, lse_accum)
+        combine.launch_with_workspace(stream, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
+                                      o_accum, lse_accum)
+
+    return launch
