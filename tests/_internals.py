@@ -127,3 +127,12 @@ def force_backward_module(monkeypatch, entry) -> None:
 
 
 clear_backward_cache = dispatch.clear_backward_cache
+
+
+def usable_backward_entries(index: int) -> list:
+    """Every shipped backward module that runs on cuda:``index``, in manifest order."""
+    from cudaflash import _driver, manifest
+
+    device = _driver.device(index)
+    return list(manifest.load_manifest().usable_backward(device.arch,
+                                                         device.smem_optin).values())
