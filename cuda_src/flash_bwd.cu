@@ -479,6 +479,10 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
     float* sDelta = sLse + 2 * kQ;                               // 2 x kQ
     // kFuseDq: dS^T of the step, (kKeys, 64) with the kQ <= 64 query columns.
     elem_t* sdS = reinterpret_cast<elem_t*>(sDelta + 2 * kQ);
+    // kBulkDq: 2 x the step's dQ share, (kQ, kD) float32, bulk-reduced into the accumulator
+    // one step later (C::kBulkDq: the wgmma atomic scheme at d128; elsewhere per-lane atomics).
+    constexpr bool kBulkDq = kFuseDq && C::kBulkDq;
+    float* sdQ = reinterpret_cast<float*>(sdS + kKeys * 64);
 
     const int head_k = blockIdx.y;
     const int batch = blockIdx.z;
@@ -552,11 +556,32 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
     const uint32_t v_rows = v_tile + (warp / 4) * 64 * 128;
     const int dq_col0 = (warp / 4) * C::kDqWgCols;
     const uint32_t dq_k_cols = k_tile + (dq_col0 / 64) * kKeys * 128 + (dq_col0 % 64) * 2;
+    // kBulkDq: step s's dQ tile (buffer s % 2), written by every warp before the barrier at
+    // the top of step s + 1, is added to the accumulator after it by one bulk reduction that
+    // thread 0 issues (the tile's rows are contiguous in the accumulator; the tail's rows past
+    // the sequence are left out); thread 0 waits at the next top until the reduction has read
+    // the tile, so step s + 2 may overwrite it. The reduction runs under the next step's
+    // GEMMs and no warp issues atomics.
+    auto reduce_dq_tile = [&](int s) {
+        if (threadIdx.x == 0) {
+            const int q0 = (first_tile + s % tiles_per_head) * kQ;
+            const int rows = min(kQ, p.seqlen_q - q0);
+            bulk_reduce_add_f32(dq_accum_row(p, batch, head_k * group + s / tiles_per_head, q0),
+                                smem_addr(sdQ + (s % 2) * kQ * C::kDqRowFloats), rows * kD * 4);
+            bulk_commit();
+        }
+    };
     for (int step = 0; step < n_steps; ++step) {
         const int buf = step % 2;
         // This step's tiles have landed; every warp is done with the other buffer.
         copy_wait_all<C>();
+        if constexpr (kBulkDq) {
+            if (threadIdx.x == 0) bulk_wait_read<0>();  // step - 2's tile is free again
+        }
         __syncthreads();
+        if constexpr (kBulkDq) {
+            if (step > 0) reduce_dq_tile(step - 1);
+        }
         if (step + 1 < n_steps) load_step(step + 1, buf ^ 1);  // overlaps this step's GEMMs
         copy_commit<C>();
 
@@ -647,8 +672,18 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
                 wgmma_commit();
                 wgmma_wait<0>();
                 wgmma_fence_operands(wg::flat(dQ));
-                add_to_dq_accum<C::kDqWgCols>(p, dQ, batch, head, q0 + (warp % 4) * 16,
-                                              dq_col0);
+                // Into this step's dQ tile (the accumulator layout: rows lane / 4 and
+                // lane / 4 + 8 of the warp's 16, two columns per n8 block); the next step's
+                // first barrier hands it to the bulk reductions.
+                float* tile = sdQ + (buf * kQ + (warp % 4) * 16 + lane / 4) * C::kDqRowFloats +
+                              dq_col0 + 2 * (lane % 4);
+#pragma unroll
+                for (int nd = 0; nd < C::kDqWgCols / 8; ++nd) {
+                    *reinterpret_cast<float2*>(tile + nd * 8) = make_float2(dQ[nd][0], dQ[nd][1]);
+                    *reinterpret_cast<float2*>(tile + 8 * C::kDqRowFloats + nd * 8) =
+                        make_float2(dQ[nd][2], dQ[nd][3]);
+                }
+                fence_proxy_async_shared();
             } else {
                 wgmma_wait<0>();
             }
@@ -676,6 +711,9 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
     // dK = scale * dS^T Q; both through shared memory (over K and V) for coalesced stores.
     copy_wait_all<C>();
     __syncthreads();
+    if constexpr (kBulkDq) {
+        if (n_steps > 0) reduce_dq_tile(n_steps - 1);  // the last step's tile
+    }
     acc_to_tile<kKeys>(sK, dK, p.softmax_scale, row0);
     acc_to_tile<kKeys>(sV, dV, 1.f, row0);
     __syncthreads();
@@ -683,6 +721,9 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
                    p.dk_strides.seq, key_rows);
     KeyCopy::store(row_of(static_cast<elem_t*>(p.dv), p.dv_strides, batch, key0, head_k), sV,
                    p.dv_strides.seq, key_rows);
+    if constexpr (kBulkDq) {
+        if (threadIdx.x == 0) bulk_wait<0>();  // the reduction reads shared memory until done
+    }
 }
 
 // ---- dQ -------------------------------------------------------------------------------------

@@ -167,6 +167,37 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
+// Bulk reductions (sm_90): the TMA unit adds `bytes` (a multiple of 16) of float32 from
+// shared memory to global memory (both 16-byte aligned), element by element and atomically,
+// while the issuing thread goes on. Each thread tracks its own bulk groups: commit closes a
+// group of its bulk operations; wait_read<N> returns once at most N of its groups still read
+// their shared source (the source may then be overwritten); wait<N> once at most N are
+// unfinished (their global writes done). The shared source, written through the generic
+// proxy, must be fenced (fence_proxy_async_shared) by its writers and then barrier'd.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* global, uint32_t shared, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 ::"l"(global), "r"(shared), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_commit() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+template <int kPending>
+__device__ __forceinline__ void bulk_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
 // setmaxnreg (sm_90a): this warpgroup's registers per thread move to kRegs (a multiple of 8 in
 // 24..256), giving them back to the CTA's pool (dec) or taking them from it (inc).
 template <int kRegs>

@@ -445,8 +445,11 @@ class BackwardConfig:
 
     @property
     def dkdv_dq_smem_bytes(self) -> int:
-        """dkdv_smem_bytes and the step's dS^T, (cta_rows, 64) 16-bit values."""
-        return self.dkdv_smem_bytes + self.cta_rows * 64 * ELEMENT_BYTES
+        """dkdv_smem_bytes and the step's dS^T, (cta_rows, 64) 16-bit values; with wgmma at
+        d128 also two dQ tiles for the bulk reductions, (B_r, d_head) float32
+        (bwd_config.cuh kBulkDq)."""
+        dq_tiles = 2 * self.B_r * self.d_head * 4 if self.wgmma and self.d_head == 128 else 0
+        return self.dkdv_smem_bytes + self.cta_rows * 64 * ELEMENT_BYTES + dq_tiles
 
     @property
     def dq_smem_bytes(self) -> int:
