@@ -35,14 +35,10 @@ from dataclasses import dataclass
 import torch
 
 from . import _driver, dispatch, heuristics
-from ._params import BWD_PARAMS_BYTES, score_scales
+from ._params import BWD_PARAMS_FORMAT, score_scales
 from ._torch import current_stream
 
-# cuda_src/bwd_params.cuh: 11 pointers, 8 x 3 tensor strides + 2 lse strides, 6 sizes, 2
-# scales, the packed batch's 2 offset pointers and 2 totals, the window's 2 sides, softcap_pre
-# and the reserved float.
-_PACK = struct.Struct("=11Q26q6i2f2Q4i2f")
-assert _PACK.size == BWD_PARAMS_BYTES
+_PACK = struct.Struct(BWD_PARAMS_FORMAT)  # all of BwdParams (_params.BwdParams), in one pack
 
 
 def scheme(deterministic: bool, softcap: float = 0.0) -> str:
