@@ -66,20 +66,16 @@ NVCC_FLAGS = ("-O3", "-std=c++17")
 PTXAS_FLAGS = ("-O3", "-v")
 
 # Each kernel family is one translation unit under the source dir (config.SOURCE) exporting a
-# fixed set of extern "C" entries (config.ENTRIES): the forward (flash_fwd.cu: the forward,
-# its split-KV variant and the kernel that combines the splits) and the backward
-# (flash_bwd.cu: preprocess, dK/dV, dQ, dK/dV with atomic dQ, the dQ conversion).
+# fixed set of extern "C" entries (config.ROLES: the one table of them, which the manifest
+# carries per module): the forward (flash_fwd.cu) and the backward (flash_bwd.cu).
 PARAMS_HEADER = "params.cuh"  # holds `constexpr int kParamsBytes = N;`
 BWD_PARAMS_HEADER = "bwd_params.cuh"  # holds `constexpr int kBwdParamsBytes = N;`
-MANIFEST_NAME = "manifest.json"
-KINDS = ("cubin", "ptx")
-MANIFEST_SCHEMA = 8  # cudaflash/manifest.py SCHEMA says what each bump means
 YAML_KEYS = ("archs", "ptx_arch", "defaults", "configs", "selection", "backward")
 
 
 def _load_cudaflash_modules():
-    """Import cudaflash/config.py, selection.py and driver_compat.py without
-    cudaflash/__init__.py.
+    """Import cudaflash/config.py, selection.py, driver_compat.py and manifest.py (which
+    writes the manifest) without cudaflash/__init__.py.
 
     The package __init__ imports torch, which pip's build environment does not have. A
     stand-in package whose __path__ is the cudaflash directory lets selection.py keep its
@@ -93,18 +89,23 @@ def _load_cudaflash_modules():
         sys.modules[pkg_name] = pkg
     return (importlib.import_module(f"{pkg_name}.config"),
             importlib.import_module(f"{pkg_name}.selection"),
-            importlib.import_module(f"{pkg_name}.driver_compat"))
+            importlib.import_module(f"{pkg_name}.driver_compat"),
+            importlib.import_module(f"{pkg_name}.manifest"))
 
 
-config, selection, driver_compat = _load_cudaflash_modules()
+config, selection, driver_compat, manifest = _load_cudaflash_modules()
 ConfigError = config.ConfigError
-ENTRY, SPLIT_ENTRY, COMBINE_ENTRY, SOFTCAP_ENTRY, SOFTCAP_SPLIT_ENTRY = config.KernelConfig.ENTRIES
-(PREPROCESS_ENTRY, DKDV_ENTRY, DQ_ENTRY, DKDV_DQ_ENTRY, DQ_CONVERT_ENTRY,
- DKDV_DQ_WINDOW_ENTRY) = config.BackwardConfig.ENTRIES[:6]
+MANIFEST_NAME, KINDS = manifest.MANIFEST_NAME, manifest.KINDS
+write_atomic = manifest.write_atomic
+
+
+def _symbol(cls, role: str) -> str:
+    return next(r.symbol for r in cls.ROLES if r.name == role)
 
 
 # The entry a PTX job's check compiles, per module family: the one that assembles fastest.
-SMALLEST_ENTRY = {"KernelConfig": COMBINE_ENTRY, "BackwardConfig": DQ_CONVERT_ENTRY}
+SMALLEST_ENTRY = {"KernelConfig": _symbol(config.KernelConfig, "combine"),
+                  "BackwardConfig": _symbol(config.BackwardConfig, "dq_convert")}
 
 
 class BuildError(RuntimeError):
@@ -412,21 +413,6 @@ def sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def write_atomic(path: Path, data) -> None:
-    """Write ``data`` (str or bytes) through a temp file in the same directory + os.replace:
-    readers never see half."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 # ---- ptxas report ------------------------------------------------------------------------
 
 
@@ -460,8 +446,9 @@ def parse_ptxas(log: str, cfg=None) -> dict:
         stats[name] = (int(used.group(1)), int(props.group(2)) + int(props.group(3)),
                        int(props.group(1)), int(smem.group(1)) if smem else 0)
     forward = expected == config.KernelConfig.ENTRIES
-    return {"registers": stats[ENTRY][0] if forward else max(s[0] for s in stats.values()),
-            "split_registers": stats[SPLIT_ENTRY][0] if forward else None,
+    entry, split = (_symbol(config.KernelConfig, role) for role in ("forward", "split"))
+    return {"registers": stats[entry][0] if forward else max(s[0] for s in stats.values()),
+            "split_registers": stats[split][0] if forward else None,
             "spill_bytes": sum(s[1] for s in stats.values()),
             "stack_bytes": max(s[2] for s in stats.values()),
             "static_smem": max(s[3] for s in stats.values()),
@@ -670,83 +657,23 @@ def file_floor(job: Job, out_dir: Path, stats: dict, ptxas_version: str) -> dict
 def manifest_dict(spec: Spec, jobs: Sequence[Job], stats: dict, *, out_dir: Path,
                   version: str, ptxas_version: str, src_hash: str, params_size: int,
                   bwd_params_size: int) -> dict:
+    """The manifest of ``jobs`` (built; ``stats`` their ptxas reports), composed by
+    cudaflash/manifest.py, the one module that writes and reads it."""
     kernels, backward = [], []
     for job in jobs:
         s = stats[job]
-        floor = file_floor(job, out_dir, s, ptxas_version)
-        if isinstance(job.cfg, config.BackwardConfig):
-            backward.append({
-                "name": job.cfg.name,
-                "config": job.cfg.to_dict(),
-                "arch": job.arch,
-                "kind": job.kind,
-                "file": job.file,
-                "preprocess_entry": PREPROCESS_ENTRY,
-                "dkdv_entry": DKDV_ENTRY,
-                "dq_entry": DQ_ENTRY,
-                "dkdv_dq_entry": DKDV_DQ_ENTRY,
-                "dq_convert_entry": DQ_CONVERT_ENTRY,
-                "dkdv_dq_window_entry": DKDV_DQ_WINDOW_ENTRY,
-                # preprocess, dkdv, dq on packed batches
-                "varlen_entries": list(config.BackwardConfig.VARLEN_ENTRIES),
-                # dkdv, dq, dkdv_varlen, dq_varlen with softcapping
-                "softcap_entries": list(config.BackwardConfig.SOFTCAP_ENTRIES),
-                "threads": job.cfg.threads,
-                "preprocess_threads": job.cfg.PREPROCESS_THREADS,
-                "preprocess_rows": job.cfg.PREPROCESS_ROWS,
-                "cta_rows": job.cfg.cta_rows,
-                "dkdv_smem_bytes": job.cfg.dkdv_smem_bytes,
-                "dq_smem_bytes": job.cfg.dq_smem_bytes,
-                "dkdv_dq_smem_bytes": job.cfg.dkdv_dq_smem_bytes,
-                "schemes": list(spec.backward_schemes[job.cfg]),
-                "registers": s["registers"],
-                "spill_bytes": s["spill_bytes"],
-                "sha256": sha256_file(out_dir / job.file),
-                "nvcc_version": version,
-                **floor,
-                "source_hash": src_hash,
-            })
-            continue
-        kernels.append({
-            "name": job.cfg.name,
-            "config": job.cfg.to_dict(),
-            "arch": job.arch,
-            "kind": job.kind,
-            "file": job.file,
-            "entry": ENTRY,
-            "split_entry": SPLIT_ENTRY,
-            "combine_entry": COMBINE_ENTRY,
-            "softcap_entry": SOFTCAP_ENTRY,
-            "softcap_split_entry": SOFTCAP_SPLIT_ENTRY,
-            "threads": job.cfg.threads,
-            "smem_bytes": job.cfg.smem_bytes,
-            "registers": s["registers"],
-            "spill_bytes": s["spill_bytes"],
-            "sha256": sha256_file(out_dir / job.file),
-            "nvcc_version": version,
-            **floor,
-            "source_hash": src_hash,
-        })
-    every = kernels + backward
-    return {
-        "schema": MANIFEST_SCHEMA,
-        "nvcc_version": version,
-        "ptxas_version": ptxas_version,
-        # The oldest driver that loads every cubin (every PTX) of this build, for messages
-        # and the README; the runtime checks each file's own floor before loading it.
-        "min_driver": {kind: max((k["min_driver"] for k in every if k["kind"] == kind),
-                                 default=None) for kind in KINDS},
-        "source_hash": src_hash,
-        "params_bytes": params_size,
-        "bwd_params_bytes": bwd_params_size,
-        "entries": list(config.KernelConfig.ENTRIES),
-        "backward_entries": list(config.BackwardConfig.ENTRIES),
-        "archs": sorted({job.arch for job in jobs if job.kind == "cubin"}),
-        "ptx_arch": spec.ptx_arch,
-        "selection": [rule.to_dict() for rule in spec.rules],
-        "kernels": kernels,
-        "backward_kernels": backward,
-    }
+        backward_job = isinstance(job.cfg, config.BackwardConfig)
+        (backward if backward_job else kernels).append(manifest.module_record(
+            job.cfg, arch=job.arch, kind=job.kind, file=job.file,
+            sha256=sha256_file(out_dir / job.file), registers=s["registers"],
+            spill_bytes=s["spill_bytes"], nvcc_version=version, source_hash=src_hash,
+            schemes=spec.backward_schemes[job.cfg] if backward_job else None,
+            **file_floor(job, out_dir, s, ptxas_version)))
+    return manifest.manifest_dict(
+        kernels=kernels, backward_kernels=backward, nvcc_version=version,
+        ptxas_version=ptxas_version, source_hash=src_hash, params_bytes=params_size,
+        bwd_params_bytes=bwd_params_size, ptx_arch=spec.ptx_arch,
+        selection=[rule.to_dict() for rule in spec.rules])
 
 
 def _cell(value) -> str:
@@ -834,10 +761,10 @@ def build(*, configs_path: Path = ROOT / "configs.yaml",
                       versions=f"nvcc {version}, ptxas {ptxas_version}", digest=digest)
     stats = builder.run(plan, jobs or default_jobs())
 
-    manifest = manifest_dict(spec, plan, stats, out_dir=out_dir, version=version,
-                             ptxas_version=ptxas_version, src_hash=src_hash,
-                             params_size=params_size, bwd_params_size=bwd_params_size)
-    write_atomic(out_dir / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
+    built = manifest_dict(spec, plan, stats, out_dir=out_dir, version=version,
+                          ptxas_version=ptxas_version, src_hash=src_hash,
+                          params_size=params_size, bwd_params_size=bwd_params_size)
+    manifest.write(out_dir, built)
 
     print(summary(plan, stats))
     for job in plan:
@@ -856,10 +783,10 @@ def build(*, configs_path: Path = ROOT / "configs.yaml",
             print(f"WARNING: {job.label} uses {s['static_smem']} bytes of static shared "
                   f"memory on top of the {job.cfg.smem_bytes} dynamic bytes in the manifest")
     floors = ", ".join(f"{kind} {driver_compat.describe_driver(v)}"
-                       for kind, v in manifest["min_driver"].items() if v is not None)
+                       for kind, v in built["min_driver"].items() if v is not None)
     print(f"wrote {out_dir / MANIFEST_NAME}: {len(plan)} kernels in "
           f"{time.monotonic() - start:.1f}s; driver floors: {floors}", flush=True)
-    return manifest
+    return built
 
 
 # ---- checking built kernels (CI, on the wheel) -------------------------------------------
@@ -885,9 +812,12 @@ def check_kernels(path: Path, *, max_cubin_driver: Optional[int] = None,
     ELF header and every PTX ``.version`` must give the driver floor the manifest states for
     that file, the manifest's toolchain must match the file's format, every kernel file must
     be listed, and no floor may exceed the maximum given for its kind."""
-    manifest, files = _kernel_files(path)
+    listing, files = _kernel_files(path)
     problems = []
-    entries = manifest["kernels"] + manifest["backward_kernels"]
+    if listing["schema"] != manifest.SCHEMA:
+        problems.append(f"manifest schema {listing['schema']!r}; this build writes and the "
+                        f"runtime reads schema {manifest.SCHEMA}")
+    entries = listing["kernels"] + listing["backward_kernels"]
     listed = {k["file"] for k in entries}
     problems += [f"{f}: a kernel file the manifest does not list" for f in sorted(set(files)
                                                                                   - listed)]
@@ -926,8 +856,8 @@ def check_kernels(path: Path, *, max_cubin_driver: Optional[int] = None,
                             f"allowed {driver_compat.describe_driver(most)} for a {k['kind']}")
     for kind in KINDS:
         floors = [k["min_driver"] for k in entries if k["kind"] == kind]
-        if manifest["min_driver"].get(kind) != max(floors, default=None):
-            problems.append(f"manifest min_driver[{kind!r}] = {manifest['min_driver'].get(kind)}"
+        if listing["min_driver"].get(kind) != max(floors, default=None):
+            problems.append(f"manifest min_driver[{kind!r}] = {listing['min_driver'].get(kind)}"
                             f" is not the highest floor of its {kind} files")
     return problems
 
@@ -935,16 +865,16 @@ def check_kernels(path: Path, *, max_cubin_driver: Optional[int] = None,
 def _check_main(path: Path, max_cubin: Optional[str], max_ptx: Optional[str]) -> int:
     limits = [None if v is None else driver_compat.parse_cuda_version(v)
               for v in (max_cubin, max_ptx)]
-    manifest, files = _kernel_files(path)
+    listing, files = _kernel_files(path)
     problems = check_kernels(path, max_cubin_driver=limits[0], max_ptx_driver=limits[1])
     counts: dict = {}
-    for k in manifest["kernels"] + manifest["backward_kernels"]:
+    for k in listing["kernels"] + listing["backward_kernels"]:
         fmt = (f"CUDA {driver_compat.cubin_toolkit(files[k['file']])} cubin"
                if k["kind"] == "cubin" and k["file"] in files else f"PTX ISA {k['ptx_isa']}")
         key = (k["kind"], fmt, k["min_driver"])
         counts[key] = counts.get(key, 0) + 1
-    print(f"{path}: {len(files)} kernel files; nvcc {manifest['nvcc_version']}, ptxas "
-          f"{manifest['ptxas_version']}")
+    print(f"{path}: {len(files)} kernel files; nvcc {listing['nvcc_version']}, ptxas "
+          f"{listing['ptxas_version']}")
     for (kind, fmt, floor), n in sorted(counts.items()):
         print(f"  {n:4d} x {fmt}: needs {driver_compat.describe_driver(floor)}")
     for problem in problems:

@@ -9,6 +9,7 @@ context: a captured CUDA graph may still launch their functions.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import hashlib
@@ -16,13 +17,14 @@ import re
 import struct
 import threading
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Protocol
 
 from ._env import log
 from .driver_compat import cuda_version_text, describe_driver, driver_branch
 from ._params import (PARAMS_BYTES, PARAMS_FIXED_FORMAT, PARAMS_POINTERS_BYTES,
                       PARAMS_POINTERS_FORMAT, PARAMS_WORKSPACE_FORMAT, PARAMS_WORKSPACE_OFFSET,
                       Params)
-from .manifest import BackwardEntry, KernelEntry
 
 
 class CudaError(RuntimeError):
@@ -147,52 +149,49 @@ def current_context(index: int) -> int:
 
 # ---- modules ---------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Functions:
-    """The CUfunctions of one kernel module (manifest entry) in one context."""
+class KernelModule(Protocol):
+    """What loading a kernel module takes (manifest.KernelEntry and BackwardEntry have it;
+    this module knows no manifest): the file, its checksum and driver floor, names for
+    messages, and the entries to resolve, role -> (extern "C" symbol, dynamic smem bytes)."""
 
-    forward: object  # cudaflash_fwd
-    split: object  # cudaflash_fwd_split: the forward over one run of KV blocks per CTA
-    combine: object  # cudaflash_combine: merges the split results
-    forward_softcap: object  # cudaflash_fwd_softcap: the forward with softcapping
-    split_softcap: object  # cudaflash_fwd_split_softcap
-    split_ctas_per_sm: int  # how many CTAs of ``split`` fit on one SM (the driver's count)
-
-
-@dataclass(frozen=True)
-class BackwardFunctions:
-    """The CUfunctions of one backward module (manifest backward entry) in one context."""
-
-    preprocess: object  # cudaflash_bwd_preprocess: delta = rowsum(dO * O)
-    dkdv: object  # cudaflash_bwd_dkdv
-    dq: object  # cudaflash_bwd_dq
-    dkdv_dq: object  # cudaflash_bwd_dkdv_dq: dK, dV and atomic dQ accumulation
-    dq_convert: object  # cudaflash_bwd_dq_convert
-    dkdv_dq_window: object  # cudaflash_bwd_dkdv_dq_window: dkdv_dq with a sliding window
-    # packed (varlen) batches: cudaflash_bwd_{preprocess,dkdv,dq}_varlen
-    preprocess_varlen: object
-    dkdv_varlen: object
-    dq_varlen: object
-    # with softcapping: cudaflash_bwd_{dkdv,dq,dkdv_varlen,dq_varlen}_softcap
-    dkdv_softcap: object
-    dq_softcap: object
-    dkdv_varlen_softcap: object
-    dq_varlen_softcap: object
+    name: str  # for messages and the debug log
+    path: Path  # the cubin or PTX file
+    kind: str  # "cubin" or "ptx"
+    arch: int
+    sha256: str
+    min_driver: int  # cuDriverGetVersion units
+    ptxas_version: str
+    ptx_isa: str
+    entries: Mapping[str, tuple[str, int]]
 
 
-_functions: dict[tuple[int, int, str], Functions | BackwardFunctions] = {}
+@functools.lru_cache(maxsize=None)
+def _functions_type(roles: tuple[str, ...]) -> type:
+    """The type of a loaded module's functions: a named tuple with one CUfunction per role
+    (``fns.forward``), resolved once at load: no lookup by role per launch."""
+    return collections.namedtuple("Functions", roles)
+
+
+_functions: dict[tuple[int, int, str], tuple] = {}
 _functions_lock = threading.Lock()
 
 
-def get_functions(entry: KernelEntry | BackwardEntry, device_index: int,
-                  ctx: int) -> Functions | BackwardFunctions:
-    """The functions of ``entry`` in context ``ctx`` (which must be current), loaded once."""
-    key = (device_index, ctx, entry.name)
+def get_functions(module: KernelModule, device_index: int, ctx: int) -> tuple:
+    """The functions of ``module`` in context ``ctx`` (which must be current), loaded once:
+    a named tuple with the CUfunction of each of its roles, by role."""
+    key = (device_index, ctx, module.name)
     with _functions_lock:
         fns = _functions.get(key)
         if fns is None:
-            fns = _functions[key] = _load(entry, device_index)
+            fns = _functions[key] = _load(module, device_index)
     return fns
+
+
+def max_active_ctas(fn, threads: int, smem: int, label: str) -> int:
+    """How many CTAs of ``fn`` (``threads`` per block, ``smem`` dynamic bytes) fit on one SM,
+    as the driver counts them."""
+    return check(_cu().cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, threads, smem),
+                 f"cuOccupancyMaxActiveBlocksPerMultiprocessor({label})")
 
 
 def clear_cache() -> None:
@@ -203,11 +202,11 @@ def clear_cache() -> None:
     _stream_objects.clear()
 
 
-def _describe_file(entry: KernelEntry | BackwardEntry) -> str:
-    if entry.kind == "cubin":
-        return (f"a cubin for sm_{entry.arch} assembled by ptxas {entry.ptxas_version}, "
-                f"{entry.path.name}")
-    return f"PTX ISA {entry.ptx_isa} for compute_{entry.arch}, {entry.path.name}"
+def _describe_file(module: KernelModule) -> str:
+    if module.kind == "cubin":
+        return (f"a cubin for sm_{module.arch} assembled by ptxas {module.ptxas_version}, "
+                f"{module.path.name}")
+    return f"PTX ISA {module.ptx_isa} for compute_{module.arch}, {module.path.name}"
 
 
 def _describe_driver_found(version: int) -> str:
@@ -215,122 +214,91 @@ def _describe_driver_found(version: int) -> str:
     return f"CUDA {cuda_version_text(version)}" + (f", driver {module}" if module else "")
 
 
-def require_driver(entry: KernelEntry | BackwardEntry, device_index: int) -> None:
-    """Raise UnsupportedDriverError unless the driver is at least as new as ``entry``'s file
+def require_driver(module: KernelModule, device_index: int) -> None:
+    """Raise UnsupportedDriverError unless the driver is at least as new as ``module``'s file
     needs (the manifest's min_driver): checked before the first load, so that an old driver
     gets an answer instead of CUDA_ERROR_NO_BINARY_FOR_GPU."""
     have = driver_version_number()
-    if have >= entry.min_driver:
+    if have >= module.min_driver:
         return
     dev = device(device_index)
     raise UnsupportedDriverError(
         f"the NVIDIA driver is too old for cudaflash on {dev.name} (sm_{dev.arch}, cuda:"
         f"{device_index}): it supports {_describe_driver_found(have)}, and cudaflash's kernel "
-        f"{entry.name} ({_describe_file(entry)}) needs {describe_driver(entry.min_driver)}. "
-        f"Update the NVIDIA driver to {driver_branch(entry.min_driver)} or newer (the README "
+        f"{module.name} ({_describe_file(module)}) needs {describe_driver(module.min_driver)}. "
+        f"Update the NVIDIA driver to {driver_branch(module.min_driver)} or newer (the README "
         "lists the driver each GPU generation needs).")
 
 
-def _load_refused(entry: KernelEntry | BackwardEntry, device_index: int, err) -> str | None:
+def _load_refused(module: KernelModule, device_index: int, err) -> str | None:
     """The message for a cuModuleLoadData failure that means "this driver cannot run this
     file", or None for any other error."""
     cu = _cu()
     codes = cu.CUresult
     if err == codes.CUDA_ERROR_NO_BINARY_FOR_GPU:
         why = ("it does not know this kernel's format or GPU target. The file needs "
-               f"{describe_driver(entry.min_driver)}; if the driver is that new, the kernel "
+               f"{describe_driver(module.min_driver)}; if the driver is that new, the kernel "
                "files do not match this GPU or are damaged: reinstall cudaflash or rebuild "
                "them with `python build_cubins.py`")
     elif err in (codes.CUDA_ERROR_UNSUPPORTED_PTX_VERSION, codes.CUDA_ERROR_INVALID_PTX):
-        why = (f"its PTX compiler does not accept PTX ISA {entry.ptx_isa}, which needs "
-               f"{describe_driver(entry.min_driver)}: update the NVIDIA driver to "
-               f"{driver_branch(entry.min_driver)} or newer")
+        why = (f"its PTX compiler does not accept PTX ISA {module.ptx_isa}, which needs "
+               f"{describe_driver(module.min_driver)}: update the NVIDIA driver to "
+               f"{driver_branch(module.min_driver)} or newer")
     else:
         return None
     dev = device(device_index)
     return (f"the NVIDIA driver ({_describe_driver_found(driver_version_number())}) refused "
-            f"cudaflash's kernel {entry.name} ({_describe_file(entry)}) on {dev.name} "
+            f"cudaflash's kernel {module.name} ({_describe_file(module)}) on {dev.name} "
             f"(sm_{dev.arch}, cuda:{device_index}) with {_error_text(err)}: {why}.")
 
 
-def load_image(entry: KernelEntry | BackwardEntry, device_index: int, image: bytes):
-    """cuModuleLoadData of ``image`` (``entry``'s file), a refusal by the driver turned into
+def load_image(module: KernelModule, device_index: int, image: bytes):
+    """cuModuleLoadData of ``image`` (``module``'s file), a refusal by the driver turned into
     UnsupportedDriverError."""
     result = _cu().cuModuleLoadData(image)
     if result[0]:
-        refused = _load_refused(entry, device_index, result[0])
+        refused = _load_refused(module, device_index, result[0])
         if refused:
             raise UnsupportedDriverError(refused)
-    return check(result, f"cuModuleLoadData({entry.path})")
+    return check(result, f"cuModuleLoadData({module.path})")
 
 
-def _load(entry: KernelEntry | BackwardEntry, device_index: int):
+def _load(module: KernelModule, device_index: int):
     cu = _cu()
-    require_driver(entry, device_index)
+    require_driver(module, device_index)
     try:
-        image = entry.path.read_bytes()
+        image = module.path.read_bytes()
     except FileNotFoundError:
         raise RuntimeError(
-            f"kernel file {entry.path} of {entry.name} is missing although the manifest lists "
+            f"kernel file {module.path} of {module.name} is missing although the manifest lists "
             "it: reinstall cudaflash or rebuild the kernels with `python build_cubins.py`"
         ) from None
     digest = hashlib.sha256(image).hexdigest()
-    if digest != entry.sha256:
+    if digest != module.sha256:
         raise RuntimeError(
-            f"kernel file {entry.path} is corrupt or from another build: its sha256 is "
-            f"{digest}, the manifest says {entry.sha256}; reinstall cudaflash or rebuild the "
+            f"kernel file {module.path} is corrupt or from another build: its sha256 is "
+            f"{digest}, the manifest says {module.sha256}; reinstall cudaflash or rebuild the "
             "kernels with `python build_cubins.py`")
-    if entry.kind == "ptx":
+    if module.kind == "ptx":
         image += b"\0"  # the driver reads PTX as a C string
-    module = load_image(entry, device_index, image)
+    cu_module = load_image(module, device_index, image)
 
     def function(symbol: str, smem: int):
-        fn = check(cu.cuModuleGetFunction(module, symbol.encode()),
-                   f"cuModuleGetFunction({symbol!r} in {entry.path})")
+        fn = check(cu.cuModuleGetFunction(cu_module, symbol.encode()),
+                   f"cuModuleGetFunction({symbol!r} in {module.path})")
         if smem:
             # Above 48 KiB, dynamic shared memory needs an explicit opt-in per function and
             # context.
             check(cu.cuFuncSetAttribute(
                 fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 smem), f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={smem}, {symbol} of "
-                       f"{entry.name})")
+                       f"{module.name})")
         return fn
 
-    if isinstance(entry, BackwardEntry):
-        fns = BackwardFunctions(preprocess=function(entry.preprocess_entry, 0),
-                                dkdv=function(entry.dkdv_entry, entry.dkdv_smem_bytes),
-                                dq=function(entry.dq_entry, entry.dq_smem_bytes),
-                                dkdv_dq=function(entry.dkdv_dq_entry,
-                                                 entry.dkdv_dq_smem_bytes),
-                                dq_convert=function(entry.dq_convert_entry, 0),
-                                dkdv_dq_window=function(entry.dkdv_dq_window_entry,
-                                                        entry.dkdv_dq_smem_bytes),
-                                preprocess_varlen=function(entry.varlen_entries[0], 0),
-                                dkdv_varlen=function(entry.varlen_entries[1],
-                                                     entry.dkdv_smem_bytes),
-                                dq_varlen=function(entry.varlen_entries[2],
-                                                   entry.dq_smem_bytes),
-                                dkdv_softcap=function(entry.softcap_entries[0],
-                                                      entry.dkdv_smem_bytes),
-                                dq_softcap=function(entry.softcap_entries[1],
-                                                    entry.dq_smem_bytes),
-                                dkdv_varlen_softcap=function(entry.softcap_entries[2],
-                                                             entry.dkdv_smem_bytes),
-                                dq_varlen_softcap=function(entry.softcap_entries[3],
-                                                           entry.dq_smem_bytes))
-        log.debug("loaded %s (%s sm_%d) from %s", entry.name, entry.kind, entry.arch,
-                  entry.path)
-        return fns
-    split = function(entry.split_entry, entry.smem_bytes)
-    ctas = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(split, entry.threads,
-                                                                entry.smem_bytes),
-                 f"cuOccupancyMaxActiveBlocksPerMultiprocessor({entry.name})")
-    fns = Functions(forward=function(entry.entry, entry.smem_bytes), split=split,
-                    combine=function(entry.combine_entry, 0),
-                    forward_softcap=function(entry.softcap_entry, entry.smem_bytes),
-                    split_softcap=function(entry.softcap_split_entry, entry.smem_bytes),
-                    split_ctas_per_sm=max(1, ctas))
-    log.debug("loaded %s (%s sm_%d) from %s", entry.name, entry.kind, entry.arch, entry.path)
+    fns = _functions_type(tuple(module.entries))(
+        *(function(symbol, smem) for symbol, smem in module.entries.values()))
+    log.debug("loaded %s (%s sm_%d) from %s", module.name, module.kind, module.arch,
+              module.path)
     return fns
 
 

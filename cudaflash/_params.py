@@ -1,17 +1,19 @@
 """ctypes mirror of ``cuda_src/params.cuh``: the kernel's single by-value argument.
 
-Field order, types and padding must match the CUDA struct exactly; ``PARAMS_BYTES`` is
-``static_assert``ed on the CUDA side, recorded in the manifest by the build, and compared
-with ``ctypes.sizeof(Params)`` by the tests.
+Field order, types and padding must match the CUDA struct exactly. The ctypes classes are the
+one Python definition of each layout: the sizes (``PARAMS_BYTES``, ``BWD_PARAMS_BYTES``), the
+offsets and the ``struct`` formats the launchers pack with all derive from them. The sizes are
+``static_assert``ed on the CUDA side (kParamsBytes, kBwdParamsBytes), recorded in the manifest by
+the build and checked against it at load; the tests compare the fields with the CUDA source.
 """
+
+from __future__ import annotations
 
 import ctypes
 import math
+import re
 
 _LOG2E = math.log2(math.e)
-
-PARAMS_BYTES = 248
-
 
 class Params(ctypes.Structure):
     _fields_ = [
@@ -62,22 +64,66 @@ class Params(ctypes.Structure):
     ]
 
 
-# struct.pack formats of the same layout (native alignment matches: every field is naturally
-# aligned and the total is a multiple of 8), used by the launcher to fill a reusable buffer
-# without building a ctypes object per call. Split in three: the pointers change on every
-# call; the middle (strides, sizes, scales, split counts) is fixed for a call signature and
-# packed once per plan; the split-KV workspace pointers at the end change per call of a
-# split launch and are 0 otherwise.
-PARAMS_POINTERS_FORMAT = "=7Q"  # q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k
-PARAMS_FIXED_FORMAT = "=14q10i4f2i"  # strides, sizes, window, scales, softcap, split counts
-PARAMS_WORKSPACE_FORMAT = "=2Q"  # o_accum, lse_accum
-PARAMS_POINTERS_BYTES = 56
-PARAMS_WORKSPACE_OFFSET = 232
-PARAMS_STRUCT_FORMAT = (PARAMS_POINTERS_FORMAT + PARAMS_FIXED_FORMAT[1:]
-                        + PARAMS_WORKSPACE_FORMAT[1:])
+PARAMS_BYTES = ctypes.sizeof(Params)
 
 
-BWD_PARAMS_BYTES = 368
+def struct_format(cls: type, first: str | None = None, last: str | None = None) -> str:
+    """The ``struct`` format (standard sizes, no implicit padding: ``=``) of the fields
+    ``first`` to ``last`` (inclusive; default: the whole struct) of the ctypes structure
+    ``cls``, with nested structures flattened and C padding written out as ``x`` bytes, so
+    that ``struct.pack`` lays the values out exactly as the C struct (ctypes' offsets)."""
+    names = [name for name, _ in cls._fields_]
+    lo = names.index(first) if first else 0
+    hi = names.index(last) + 1 if last else len(names)
+    start = getattr(cls, names[lo]).offset
+    end = (getattr(cls, names[hi]).offset if hi < len(names) else ctypes.sizeof(cls))
+    codes: list[str] = []
+    at = start
+    for name, ctype in cls._fields_[lo:hi]:
+        offset = getattr(cls, name).offset
+        codes += ["x"] * (offset - at)
+        if issubclass(ctype, ctypes.Structure):
+            codes += _counted(struct_format(ctype)[1:])
+        else:
+            codes.append(_STRUCT_CODES[ctype])
+        at = offset + ctypes.sizeof(ctype)
+    codes += ["x"] * (end - at)
+    return "=" + _runs(codes)
+
+
+# The struct code of each C type the kernel structs use (standard sizes under "=").
+_STRUCT_CODES = {ctypes.c_void_p: "Q", ctypes.c_int64: "q", ctypes.c_int32: "i",
+                 ctypes.c_float: "f"}
+
+
+def _counted(fmt: str) -> list[str]:
+    """"3Q2i" -> ["Q", "Q", "Q", "i", "i"]."""
+    return [code for count, code in re.findall(r"(\d*)(\D)", fmt)
+            for _ in range(int(count or 1))]
+
+
+def _runs(codes: list[str]) -> str:
+    """["Q", "Q", "i"] -> "2Qi"."""
+    out = []
+    for code in codes:
+        if out and out[-1][1] == code:
+            out[-1][0] += 1
+        else:
+            out.append([1, code])
+    return "".join(f"{n if n > 1 else ''}{code}" for n, code in out)
+
+
+# The struct formats the launcher packs Params with, derived from the class above: it fills a
+# reusable buffer without building a ctypes object per call. Split in three: the pointers
+# change on every call; the middle (strides, sizes, scales, split counts) is fixed for a call
+# signature and packed once per plan; the split-KV workspace pointers at the end change per
+# call of a split launch and are 0 otherwise.
+PARAMS_POINTERS_FORMAT = struct_format(Params, "q", "cu_seqlens_k")
+PARAMS_FIXED_FORMAT = struct_format(Params, "q_batch_stride", "kv_blocks_per_split")
+PARAMS_WORKSPACE_FORMAT = struct_format(Params, "o_accum", "lse_accum")
+PARAMS_POINTERS_BYTES = Params.q_batch_stride.offset
+PARAMS_WORKSPACE_OFFSET = Params.o_accum.offset
+PARAMS_STRUCT_FORMAT = struct_format(Params)
 
 
 class Strides(ctypes.Structure):
@@ -114,6 +160,13 @@ class BwdParams(ctypes.Structure):
         ("softcap_pre", ctypes.c_float),  # as Params.softcap_pre; scale_log2 then carries the cap
         ("reserved", ctypes.c_float),
     ]
+
+
+BWD_PARAMS_BYTES = ctypes.sizeof(BwdParams)
+# backward.run packs all of BwdParams at once: 11 pointers, 8 x 3 tensor strides + 2 lse
+# strides, 6 sizes, 2 scales, the packed batch's 2 offset pointers and 2 totals, the window's
+# 2 sides, softcap_pre and the reserved float.
+BWD_PARAMS_FORMAT = struct_format(BwdParams)
 
 
 def score_scales(scale: float, softcap: float) -> tuple[float, float, float, float]:

@@ -35,14 +35,10 @@ from dataclasses import dataclass
 import torch
 
 from . import _driver, dispatch, heuristics
-from ._params import BWD_PARAMS_BYTES, score_scales
+from ._params import BWD_PARAMS_FORMAT, score_scales
 from ._torch import current_stream
 
-# cuda_src/bwd_params.cuh: 11 pointers, 8 x 3 tensor strides + 2 lse strides, 6 sizes, 2
-# scales, the packed batch's 2 offset pointers and 2 totals, the window's 2 sides, softcap_pre
-# and the reserved float.
-_PACK = struct.Struct("=11Q26q6i2f2Q4i2f")
-assert _PACK.size == BWD_PARAMS_BYTES
+_PACK = struct.Struct(BWD_PARAMS_FORMAT)  # all of BwdParams (_params.BwdParams), in one pack
 
 
 def scheme(deterministic: bool, softcap: float = 0.0) -> str:
@@ -87,35 +83,38 @@ class _Launches:
     n_heads_k: int
     batch: int
 
-    def _launch(self, fn, what: str, grid: tuple, threads: int, smem: int) -> None:
-        _driver.launch_packed(fn, f"cuLaunchKernel({self.kernel.entry.name} {what})", grid,
-                              threads, smem, self.stream, self.args, self.kernel.synchronize)
+    def _launch(self, role: str, grid: tuple, threads: int) -> None:
+        """Launch the module's ``role`` entry (config.BackwardConfig.ROLES) with the dynamic
+        shared memory the manifest gives it."""
+        k = self.kernel
+        _driver.launch_packed(getattr(k.fns, role), f"cuLaunchKernel({k.entry.name} {role})",
+                              grid, threads, k.entry.entries[role].smem_bytes, self.stream,
+                              self.args, k.synchronize)
 
-    def per_row(self, fn, what: str) -> None:
-        """preprocess, dq_convert: a few query rows per CTA, no dynamic shared memory."""
+    def per_row(self, role: str) -> None:
+        """preprocess, dq_convert: a few query rows per CTA."""
         e = self.kernel.entry
         grid = ((self.seqlen_q + e.preprocess_rows - 1) // e.preprocess_rows, self.n_heads,
                 self.batch)
-        self._launch(fn, what, grid, e.preprocess_threads, 0)
+        self._launch(role, grid, e.preprocess_threads)
 
-    def per_key_tile(self, fn, what: str, smem: int) -> None:
+    def per_key_tile(self, role: str) -> None:
         """dkdv, dkdv_dq: one CTA per tile of keys and K/V head."""
         e = self.kernel.entry
         tiles = (self.seqlen_k + e.cta_rows - 1) // e.cta_rows
-        self._launch(fn, what, (tiles, self.n_heads_k, self.batch), e.threads, smem)
+        self._launch(role, (tiles, self.n_heads_k, self.batch), e.threads)
 
-    def per_query_tile(self, fn, what: str, smem: int) -> None:
+    def per_query_tile(self, role: str) -> None:
         """dq: one CTA per tile of query rows and query head."""
         e = self.kernel.entry
         tiles = (self.seqlen_q + e.cta_rows - 1) // e.cta_rows
-        self._launch(fn, what, (tiles, self.n_heads, self.batch), e.threads, smem)
+        self._launch(role, (tiles, self.n_heads, self.batch), e.threads)
 
-    def dkdv_then_dq(self, dkdv, dq, suffix: str) -> None:
-        """The deterministic scheme's GEMM kernels: ``dkdv`` per key tile, then ``dq`` per
-        query tile (their padded, varlen or softcap entries: ``suffix`` names which)."""
-        e = self.kernel.entry
-        self.per_key_tile(dkdv, "dkdv" + suffix, e.dkdv_smem_bytes)
-        self.per_query_tile(dq, "dq" + suffix, e.dq_smem_bytes)
+    def dkdv_then_dq(self, suffix: str) -> None:
+        """The deterministic scheme's GEMM kernels: dkdv per key tile, then dq per query tile
+        (their padded, varlen or softcap roles: ``suffix`` names which)."""
+        self.per_key_tile("dkdv" + suffix)
+        self.per_query_tile("dq" + suffix)
 
 
 def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -147,7 +146,6 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kernel = dispatch.backward_kernel(_driver.current_context(index), index, q.dtype, d_head,
                                       scheme)
     deterministic = scheme == "deterministic"
-    entry = kernel.entry
     delta = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device)
     lse = lse.contiguous()  # the forward's own: already (batch, nheads, seqlen_q), contiguous
     # The atomic scheme's dQ accumulator; the preprocess kernel zeroes it.
@@ -164,22 +162,16 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         0, 0, 0, 0,  # not a packed batch
         *window, *scales[2:]))
 
-    fns = kernel.fns
     go = _Launches(kernel, current_stream(index), args, seqlen_q,
                    seqlen_k, n_heads, n_heads_k, batch)
-    go.per_row(fns.preprocess, "preprocess")
+    go.per_row("preprocess")
     if not deterministic:
         # The fused kernel without window code where the mask is only causal (or none): the
         # window's masking cost it 2-5% (flash_bwd.cu, bwd_dkdv).
-        if window == (-1, 0 if causal else -1):
-            go.per_key_tile(fns.dkdv_dq, "dkdv_dq", entry.dkdv_dq_smem_bytes)
-        else:
-            go.per_key_tile(fns.dkdv_dq_window, "dkdv_dq_window", entry.dkdv_dq_smem_bytes)
-        go.per_row(fns.dq_convert, "dq_convert")
-    elif softcap:
-        go.dkdv_then_dq(fns.dkdv_softcap, fns.dq_softcap, "_softcap")
+        go.per_key_tile("dkdv_dq" if window == (-1, 0 if causal else -1) else "dkdv_dq_window")
+        go.per_row("dq_convert")
     else:
-        go.dkdv_then_dq(fns.dkdv, fns.dq, "")
+        go.dkdv_then_dq("_softcap" if softcap else "")
     return dq, dk, dv
 
 
@@ -218,12 +210,8 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         *scales[:2], cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), total_q, total_k,
         *window, *scales[2:]))
 
-    fns = kernel.fns
     go = _Launches(kernel, current_stream(index), args, seqlen_q,
                    seqlen_k, n_heads, n_heads_k, batch)
-    go.per_row(fns.preprocess_varlen, "preprocess_varlen")
-    if softcap:
-        go.dkdv_then_dq(fns.dkdv_varlen_softcap, fns.dq_varlen_softcap, "_varlen_softcap")
-    else:
-        go.dkdv_then_dq(fns.dkdv_varlen, fns.dq_varlen, "_varlen")
+    go.per_row("preprocess_varlen")
+    go.dkdv_then_dq("_varlen_softcap" if softcap else "_varlen")
     return dq, dk, dv

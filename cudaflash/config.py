@@ -99,6 +99,21 @@ def runs_on(kind: str, built_arch: int, device_arch: int, arch_specific: bool) -
     return built_arch // 10 == device_arch // 10 and built_arch <= device_arch
 
 
+@dataclass(frozen=True)
+class EntryRole:
+    """One extern "C" entry of a kernel family (the ROLES of KernelConfig and BackwardConfig:
+    the only list of them): ``name`` is the attribute of the functions _driver loads, by which
+    launch.py and backward.py launch it; ``smem`` the config property with its dynamic shared
+    memory. The manifest carries role -> (symbol, smem bytes) per module (module_record)."""
+
+    name: str
+    symbol: str
+    smem: str | None = None
+
+    def smem_bytes(self, cfg) -> int:
+        return getattr(cfg, self.smem) if self.smem else 0
+
+
 class ConfigError(ValueError):
     """A kernel config that cannot be built; the message names the config and the field."""
 
@@ -140,11 +155,17 @@ class KernelConfig:
     o_store_cache: str = "default"
     warp_specialized: bool = False
 
-    # The translation unit under cuda_src/ and the extern "C" entries every module of this
-    # family exports (build_cubins.py checks the ptxas report and the PTX against them).
+    # The translation unit under cuda_src/ and, by role, the extern "C" entries every module
+    # of this family exports (EntryRole: the one table of them).
     SOURCE = "flash_fwd.cu"
-    ENTRIES = ("cudaflash_fwd", "cudaflash_fwd_split", "cudaflash_combine",
-               "cudaflash_fwd_softcap", "cudaflash_fwd_split_softcap")
+    ROLES = (EntryRole("forward", "cudaflash_fwd", "smem_bytes"),
+             # the forward over one run of KV blocks per CTA (float32 partials) ...
+             EntryRole("split", "cudaflash_fwd_split", "smem_bytes"),
+             EntryRole("combine", "cudaflash_combine"),  # ... and the kernel merging them
+             # with softcapping (Params.softcap_pre)
+             EntryRole("forward_softcap", "cudaflash_fwd_softcap", "smem_bytes"),
+             EntryRole("split_softcap", "cudaflash_fwd_split_softcap", "smem_bytes"))
+    ENTRIES = tuple(role.symbol for role in ROLES)
 
     # ---- derived quantities ---------------------------------------------------------------
 
@@ -410,17 +431,24 @@ class BackwardConfig:
     wgmma: bool = False
 
     SOURCE = "flash_bwd.cu"
-    # The deterministic scheme's kernels on a packed (varlen) batch.
-    VARLEN_ENTRIES = ("cudaflash_bwd_preprocess_varlen", "cudaflash_bwd_dkdv_varlen",
-                      "cudaflash_bwd_dq_varlen")
-    # With softcapping, the deterministic scheme's dkdv and dq, padded and packed (the
-    # preprocess kernel does not see the scores).
-    SOFTCAP_ENTRIES = ("cudaflash_bwd_dkdv_softcap", "cudaflash_bwd_dq_softcap",
-                       "cudaflash_bwd_dkdv_varlen_softcap", "cudaflash_bwd_dq_varlen_softcap")
-    ENTRIES = ("cudaflash_bwd_preprocess", "cudaflash_bwd_dkdv", "cudaflash_bwd_dq",
-               "cudaflash_bwd_dkdv_dq", "cudaflash_bwd_dq_convert",
-               # the atomic scheme's dK/dV/dQ kernel with a sliding window
-               "cudaflash_bwd_dkdv_dq_window", *VARLEN_ENTRIES, *SOFTCAP_ENTRIES)
+    ROLES = (EntryRole("preprocess", "cudaflash_bwd_preprocess"),  # delta = rowsum(dO * O)
+             EntryRole("dkdv", "cudaflash_bwd_dkdv", "dkdv_smem_bytes"),
+             EntryRole("dq", "cudaflash_bwd_dq", "dq_smem_bytes"),
+             # the atomic scheme: dK, dV and dQ added to a float32 accumulator, then dQ
+             EntryRole("dkdv_dq", "cudaflash_bwd_dkdv_dq", "dkdv_dq_smem_bytes"),
+             EntryRole("dq_convert", "cudaflash_bwd_dq_convert"),
+             EntryRole("dkdv_dq_window", "cudaflash_bwd_dkdv_dq_window", "dkdv_dq_smem_bytes"),
+             # the deterministic scheme on a packed (varlen) batch
+             EntryRole("preprocess_varlen", "cudaflash_bwd_preprocess_varlen"),
+             EntryRole("dkdv_varlen", "cudaflash_bwd_dkdv_varlen", "dkdv_smem_bytes"),
+             EntryRole("dq_varlen", "cudaflash_bwd_dq_varlen", "dq_smem_bytes"),
+             # with softcapping: the deterministic scheme's dkdv and dq (preprocess sees no score)
+             EntryRole("dkdv_softcap", "cudaflash_bwd_dkdv_softcap", "dkdv_smem_bytes"),
+             EntryRole("dq_softcap", "cudaflash_bwd_dq_softcap", "dq_smem_bytes"),
+             EntryRole("dkdv_varlen_softcap", "cudaflash_bwd_dkdv_varlen_softcap",
+                       "dkdv_smem_bytes"),
+             EntryRole("dq_varlen_softcap", "cudaflash_bwd_dq_varlen_softcap", "dq_smem_bytes"))
+    ENTRIES = tuple(role.symbol for role in ROLES)
     PREPROCESS_THREADS = 128  # kPreprocessThreads: one warp per query row, 4 rows per CTA
     PREPROCESS_ROWS = 4
 

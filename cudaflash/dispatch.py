@@ -26,13 +26,14 @@ from .manifest import BackwardEntry, KernelEntry
 class Kernel:
     """What a forward launch needs, resolved once per (context, problem class or config)."""
 
-    fns: "_driver.Functions"  # forward, split forward, combine
+    fns: tuple  # the module's CUfunctions by role (config.KernelConfig.ROLES): fns.forward
     label: str  # names the kernel in a launch error
     block_rows: int  # B_r: query rows per CTA
     block_cols: int  # B_c: keys per KV block
     threads: int
     smem: int
     synchronize: bool  # CUDAFLASH_DEBUG
+    split_ctas_per_sm: int  # how many CTAs of fns.split fit on one SM (the driver's count)
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class Rules:
 @dataclass(frozen=True)
 class BackwardKernel:
     entry: BackwardEntry
-    fns: "_driver.BackwardFunctions"
+    fns: tuple  # CUfunctions by role (config.BackwardConfig.ROLES): fns.preprocess, ...
     synchronize: bool  # CUDAFLASH_DEBUG
 
 
@@ -174,9 +175,11 @@ def config_kernel(ctx: int, index: int, config: KernelConfig) -> Kernel:
 
 def _make_kernel(dk: DeviceKernels, entry: KernelEntry, ctx: int) -> Kernel:
     fns = _driver.get_functions(entry, dk.device.index, ctx)
+    split_smem = entry.entries["split"].smem_bytes
+    ctas = _driver.max_active_ctas(fns.split, entry.threads, split_smem, entry.name)
     return Kernel(fns=fns, label=f"cuLaunchKernel({entry.name})", block_rows=entry.config.B_r,
                   block_cols=entry.config.B_c, threads=entry.threads, smem=entry.smem_bytes,
-                  synchronize=dk.debug)
+                  synchronize=dk.debug, split_ctas_per_sm=max(1, ctas))
 
 
 # ---- backward --------------------------------------------------------------------------------

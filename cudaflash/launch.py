@@ -129,7 +129,7 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
         seqlen_k = min(seqlen_k, window[0] + min(rows, kernel.block_rows) + max(window[1], 0))
     kv_blocks = (seqlen_k + kernel.block_cols - 1) // kernel.block_cols
     if num_splits is None:
-        slots = dispatch.device_kernels(index).device.sm_count * kernel.fns.split_ctas_per_sm
+        slots = dispatch.device_kernels(index).device.sm_count * kernel.split_ctas_per_sm
         most = heuristics.max_splits(kv_blocks * kernel.block_cols, kv_blocks,
                                      min(rows, kernel.block_rows), batch)
         num_splits = heuristics.split_count(q_blocks * heads * batch, slots, most)

@@ -1,17 +1,22 @@
-"""The kernel manifest: what build_cubins.py built, read by the runtime.
+"""The kernel manifest: what build_cubins.py built, written and read by this module only.
 
 ``manifest.json`` (schema in docs/contracts.md) is the only contract between the build and the
-runtime: the runtime never parses file names and never recomputes shared-memory sizes. This
-module reads and checks it and answers "which kernels can run on a GPU of compute capability
-X with Y bytes of opt-in shared memory per block". It needs no GPU.
+runtime: the runtime never parses file names and never recomputes shared-memory sizes. The
+build composes it with ``module_record`` and ``manifest_dict`` and writes it with ``write``;
+the runtime reads and checks it (``load_manifest``) and answers "which kernels can run on a GPU
+of compute capability X with Y bytes of opt-in shared memory per block". It needs no GPU and
+imports no torch (build_cubins.py loads it by path where torch is not installed).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+import os
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping, NamedTuple
 
 from . import _env
 from ._params import BWD_PARAMS_BYTES, PARAMS_BYTES
@@ -28,8 +33,19 @@ from .selection import Rule, parse_rules
 # 8: cubins assembled by a CUDA 12 ptxas (R525+) from PTX lowered to the ISA it needs; every
 # entry records ptxas_version, ptx_isa and min_driver (the oldest CUDA driver version that
 # loads the file), checked against cuDriverGetVersion before the first load.
-SCHEMA = 8
+# 9: each module lists its kernel entries as one table, "entries": {role: {"symbol",
+# "smem_bytes"}} (config.EntryRole), instead of the *_entry, varlen_entries, softcap_entries
+# and *_smem_bytes fields and the top-level entries/backward_entries lists. Same kernels.
+SCHEMA = 9
 KINDS = ("cubin", "ptx")
+MANIFEST_NAME = "manifest.json"
+
+
+class EntryPoint(NamedTuple):
+    """One kernel entry of a module, as the manifest lists it under its role."""
+
+    symbol: str  # the extern "C" name
+    smem_bytes: int  # the dynamic shared memory it is launched with (0: none)
 
 
 @dataclass(frozen=True)
@@ -41,13 +57,9 @@ class KernelEntry:
     arch: int  # compute capability as major*10+minor; for PTX the virtual arch
     kind: str  # "cubin" (SASS for one major) or "ptx" (JIT-compiled by the driver)
     path: Path  # absolute
-    entry: str  # the forward's extern "C" symbol
-    split_entry: str  # the split-KV forward's
-    combine_entry: str  # the kernel that merges split-KV partial results
-    softcap_entry: str  # the forward with softcapping (Params.softcap_pre)
-    softcap_split_entry: str  # the split-KV forward with softcapping
+    # role (KernelConfig.ROLES: forward, split, combine, ...) -> its symbol and smem
+    entries: Mapping[str, EntryPoint] = field(hash=False)
     threads: int  # per block
-    smem_bytes: int  # dynamic shared memory per block
     registers: int | None  # per thread; None for PTX (decided by the JIT)
     spill_bytes: int | None
     sha256: str
@@ -56,6 +68,11 @@ class KernelEntry:
     min_driver: int
     ptxas_version: str  # the ptxas that assembled the cubin (or checked the PTX)
     ptx_isa: str  # the PTX ISA the code was declared as, e.g. "8.3"
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory per block of the module's largest entry (the forward's)."""
+        return max(e.smem_bytes for e in self.entries.values())
 
 
 @dataclass(frozen=True)
@@ -67,23 +84,12 @@ class BackwardEntry:
     arch: int
     kind: str  # "cubin" or "ptx"
     path: Path  # absolute
-    preprocess_entry: str  # delta = rowsum(dO * O)
-    dkdv_entry: str
-    dq_entry: str
-    dkdv_dq_entry: str  # dK, dV and the atomic dQ accumulation (non-deterministic scheme)
-    dq_convert_entry: str  # dQ = scale * accumulator
-    dkdv_dq_window_entry: str  # dkdv_dq with a sliding window
-    # preprocess, dkdv and dq of a packed (varlen) batch, each CTA on its own sequence
-    varlen_entries: tuple[str, str, str]
-    # with softcapping (the deterministic scheme): dkdv, dq, dkdv_varlen, dq_varlen
-    softcap_entries: tuple[str, str, str, str]
+    # role (BackwardConfig.ROLES: preprocess, dkdv, dq, dkdv_dq, ...) -> its symbol and smem
+    entries: Mapping[str, EntryPoint] = field(hash=False)
     threads: int  # per block of the dK/dV and dQ kernels
     preprocess_threads: int
     preprocess_rows: int  # query rows per preprocess block
     cta_rows: int  # keys per dK/dV block, query rows per dQ block
-    dkdv_smem_bytes: int
-    dq_smem_bytes: int
-    dkdv_dq_smem_bytes: int
     schemes: tuple[str, ...]  # the backward schemes this module is selected for
     registers: int | None
     spill_bytes: int | None
@@ -94,7 +100,7 @@ class BackwardEntry:
 
     @property
     def smem_bytes(self) -> int:
-        return max(self.dkdv_smem_bytes, self.dq_smem_bytes, self.dkdv_dq_smem_bytes)
+        return max(e.smem_bytes for e in self.entries.values())
 
 
 @dataclass(frozen=True)
@@ -163,7 +169,7 @@ def clear_cache() -> None:
 
 @functools.lru_cache(maxsize=None)
 def _read(kernel_dir: Path) -> Manifest:
-    path = kernel_dir / "manifest.json"
+    path = kernel_dir / MANIFEST_NAME
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -199,13 +205,28 @@ def _entry_config(cls, k: dict, where: str):
     return config
 
 
-def _floor(k: dict) -> dict:
-    """An entry's toolchain and driver floor fields."""
+def _entry_points(cls, k: dict, where: str) -> dict[str, EntryPoint]:
+    """A module's role -> EntryPoint table: exactly the roles this runtime launches."""
+    table = k["entries"]
+    roles = [role.name for role in cls.ROLES]
+    if sorted(table) != sorted(roles):
+        raise ValueError(f"{where}: entry roles {sorted(table)}, this cudaflash launches "
+                         f"{roles}")
+    return {role: EntryPoint(str(table[role]["symbol"]), int(table[role]["smem_bytes"]))
+            for role in roles}
+
+
+def _module(cls, k: dict, path: Path, where: str) -> dict:
+    """The fields every manifest entry (forward or backward) has, read and checked."""
     if not isinstance(k["min_driver"], int) or k["min_driver"] < 11000:
         raise ValueError(f"{k['file']}: min_driver={k['min_driver']!r} is not a CUDA driver "
                          "version such as 12000")
-    return {"min_driver": k["min_driver"], "ptxas_version": str(k["ptxas_version"]),
-            "ptx_isa": str(k["ptx_isa"])}
+    return {"name": k["name"], "config": _entry_config(cls, k, where), "arch": int(k["arch"]),
+            "kind": k["kind"], "path": path.parent / k["file"],
+            "entries": _entry_points(cls, k, where), "threads": int(k["threads"]),
+            "registers": k["registers"], "spill_bytes": k["spill_bytes"],
+            "sha256": k["sha256"], "min_driver": k["min_driver"],
+            "ptxas_version": str(k["ptxas_version"]), "ptx_isa": str(k["ptx_isa"])}
 
 
 def _parse(data: dict, path: Path) -> Manifest:
@@ -213,35 +234,93 @@ def _parse(data: dict, path: Path) -> Manifest:
         raise ValueError(f"schema {data['schema']!r}, this cudaflash reads schema {SCHEMA}")
     _check_struct_size(data, "params_bytes", PARAMS_BYTES)
     _check_struct_size(data, "bwd_params_bytes", BWD_PARAMS_BYTES)
-    kernels = []
-    for i, k in enumerate(data["kernels"]):
-        config = _entry_config(KernelConfig, k, f"kernels[{i}]")
-        kernels.append(KernelEntry(
-            name=k["name"], config=config, arch=int(k["arch"]), kind=k["kind"],
-            path=path.parent / k["file"], entry=k["entry"], split_entry=k["split_entry"],
-            combine_entry=k["combine_entry"], softcap_entry=k["softcap_entry"],
-            softcap_split_entry=k["softcap_split_entry"], threads=int(k["threads"]),
-            smem_bytes=int(k["smem_bytes"]), registers=k["registers"],
-            spill_bytes=k["spill_bytes"], sha256=k["sha256"], **_floor(k)))
-    backward = []
-    for i, k in enumerate(data["backward_kernels"]):
-        config = _entry_config(BackwardConfig, k, f"backward_kernels[{i}]")
-        backward.append(BackwardEntry(
-            name=k["name"], config=config, arch=int(k["arch"]), kind=k["kind"],
-            path=path.parent / k["file"], preprocess_entry=k["preprocess_entry"],
-            dkdv_entry=k["dkdv_entry"], dq_entry=k["dq_entry"],
-            dkdv_dq_entry=k["dkdv_dq_entry"], dq_convert_entry=k["dq_convert_entry"],
-            dkdv_dq_window_entry=k["dkdv_dq_window_entry"],
-            varlen_entries=tuple(k["varlen_entries"]),
-            softcap_entries=tuple(k["softcap_entries"]), threads=int(k["threads"]),
-            preprocess_threads=int(k["preprocess_threads"]),
-            preprocess_rows=int(k["preprocess_rows"]), cta_rows=int(k["cta_rows"]),
-            dkdv_smem_bytes=int(k["dkdv_smem_bytes"]), dq_smem_bytes=int(k["dq_smem_bytes"]),
-            dkdv_dq_smem_bytes=int(k["dkdv_dq_smem_bytes"]), schemes=tuple(k["schemes"]),
-            registers=k["registers"], spill_bytes=k["spill_bytes"], sha256=k["sha256"],
-            **_floor(k)))
+    kernels = tuple(KernelEntry(**_module(KernelConfig, k, path, f"kernels[{i}]"))
+                    for i, k in enumerate(data["kernels"]))
+    backward = tuple(
+        BackwardEntry(**_module(BackwardConfig, k, path, f"backward_kernels[{i}]"),
+                      preprocess_threads=int(k["preprocess_threads"]),
+                      preprocess_rows=int(k["preprocess_rows"]), cta_rows=int(k["cta_rows"]),
+                      schemes=tuple(k["schemes"]))
+        for i, k in enumerate(data["backward_kernels"]))
     selection = parse_rules(data["selection"], where=path.name)
     return Manifest(path=path, nvcc_version=data["nvcc_version"],
                     ptxas_version=data["ptxas_version"], min_driver=dict(data["min_driver"]),
                     source_hash=data["source_hash"], ptx_arch=data.get("ptx_arch"),
-                    selection=selection, kernels=tuple(kernels), backward=tuple(backward))
+                    selection=selection, kernels=kernels, backward=backward)
+
+
+# ---- writing (build_cubins.py; the tests' fake kernel directories) ---------------------------
+
+
+def module_record(cfg: KernelConfig | BackwardConfig, *, arch: int, kind: str, file: str,
+                  sha256: str, registers: int | None, spill_bytes: int | None,
+                  nvcc_version: str, ptxas_version: str, ptx_isa: str, min_driver: int,
+                  source_hash: str, schemes=None) -> dict:
+    """The manifest entry of ``cfg`` built for ``arch`` as ``kind`` into ``file`` (relative
+    to the kernel directory); ``schemes``: a backward module's (configs.yaml ``scheme``)."""
+    record = {
+        "name": cfg.name,
+        "config": cfg.to_dict(),
+        "arch": arch,
+        "kind": kind,
+        "file": file,
+        "entries": {role.name: {"symbol": role.symbol, "smem_bytes": role.smem_bytes(cfg)}
+                    for role in cfg.ROLES},
+        "threads": cfg.threads,
+    }
+    if isinstance(cfg, BackwardConfig):
+        record.update(preprocess_threads=cfg.PREPROCESS_THREADS,
+                      preprocess_rows=cfg.PREPROCESS_ROWS, cta_rows=cfg.cta_rows,
+                      schemes=list(schemes))
+    record.update(registers=registers, spill_bytes=spill_bytes, sha256=sha256,
+                  nvcc_version=nvcc_version, ptxas_version=ptxas_version, ptx_isa=ptx_isa,
+                  min_driver=min_driver, source_hash=source_hash)
+    return record
+
+
+def manifest_dict(*, kernels: list, backward_kernels: list, nvcc_version: str,
+                  ptxas_version: str, source_hash: str, params_bytes: int,
+                  bwd_params_bytes: int, ptx_arch: int, selection: list) -> dict:
+    """The whole manifest: ``kernels`` and ``backward_kernels`` are module_record()s,
+    ``selection`` the rules as dicts (selection.Rule.to_dict), the struct sizes as the CUDA
+    headers declare them (kParamsBytes, kBwdParamsBytes)."""
+    every = kernels + backward_kernels
+    return {
+        "schema": SCHEMA,
+        "nvcc_version": nvcc_version,
+        "ptxas_version": ptxas_version,
+        # The oldest driver that loads every cubin (every PTX) of this build, for messages
+        # and the README; the runtime checks each file's own floor before loading it.
+        "min_driver": {kind: max((k["min_driver"] for k in every if k["kind"] == kind),
+                                 default=None) for kind in KINDS},
+        "source_hash": source_hash,
+        "params_bytes": params_bytes,
+        "bwd_params_bytes": bwd_params_bytes,
+        "archs": sorted({k["arch"] for k in every if k["kind"] == "cubin"}),
+        "ptx_arch": ptx_arch,
+        "selection": selection,
+        "kernels": kernels,
+        "backward_kernels": backward_kernels,
+    }
+
+
+def write(kernel_dir: Path, manifest: dict) -> Path:
+    """Write ``manifest`` as ``kernel_dir``/manifest.json, atomically; returns the path."""
+    path = Path(kernel_dir) / MANIFEST_NAME
+    write_atomic(path, json.dumps(manifest, indent=2) + "\n")
+    return path
+
+
+def write_atomic(path: Path, data) -> None:
+    """Write ``data`` (str or bytes) through a temp file in the same directory + os.replace:
+    readers never see half."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 
 import pytest
 
+from cudaflash import manifest
 from cudaflash._params import BWD_PARAMS_BYTES, PARAMS_BYTES
 from cudaflash.config import BackwardConfig, KernelConfig
-from cudaflash.manifest import SCHEMA
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,53 +102,33 @@ FAKE_SELECTION = [
 
 def write_fake_kernel_dir(root, kernels=FAKE_KERNELS, selection=FAKE_SELECTION,
                           params_bytes=PARAMS_BYTES):
-    def fake_file(cfg, kind, arch, text):
-        """Write a stand-in kernel file; its manifest fields: file, arch, kind, sha256..."""
+    """A kernel directory whose manifest cudaflash/manifest.py writes, as the build's is."""
+    def fake_module(cfg, kind, arch, text, **fields):
+        """Write a stand-in kernel file; its manifest entry (module_record)."""
         rel = f"sm_{arch}/{cfg.name}.cubin" if kind == "cubin" else \
             f"ptx/compute_{arch}/{cfg.name}.ptx"
         data = text.encode()
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(data)
-        return {"name": cfg.name, "config": cfg.to_dict(), "arch": arch, "kind": kind,
-                "file": rel, "sha256": hashlib.sha256(data).hexdigest(),
-                "nvcc_version": "13.0.88", "ptxas_version": "12.9.86", "ptx_isa": "8.3",
-                "min_driver": 12000 if kind == "cubin" else 12030, "source_hash": "f" * 64}
+        return manifest.module_record(
+            cfg, arch=arch, kind=kind, file=rel, sha256=hashlib.sha256(data).hexdigest(),
+            nvcc_version="13.0.88", ptxas_version="12.9.86", ptx_isa="8.3",
+            min_driver=12000 if kind == "cubin" else 12030, source_hash="f" * 64, **fields)
 
-    entries = []
-    for i, (cfg, kind, arch) in enumerate(kernels):
-        entries.append({
-            **fake_file(cfg, kind, arch, f"fake {kind} {i} {cfg.name}"),
-            "entry": "cudaflash_fwd", "split_entry": "cudaflash_fwd_split",
-            "combine_entry": "cudaflash_combine", "softcap_entry": "cudaflash_fwd_softcap",
-            "softcap_split_entry": "cudaflash_fwd_split_softcap", "threads": cfg.threads,
-            "smem_bytes": cfg.smem_bytes,
-            "registers": 128 if kind == "cubin" else None,
-            "spill_bytes": 0 if kind == "cubin" else None})
-    backward = []
-    for i, (cfg, kind, arch) in enumerate(FAKE_BACKWARD):
-        backward.append({
-            **fake_file(cfg, kind, arch, f"fake backward {kind} {i} {cfg.name}"),
-            "preprocess_entry": "cudaflash_bwd_preprocess", "dkdv_entry": "cudaflash_bwd_dkdv",
-            "dq_entry": "cudaflash_bwd_dq", "dkdv_dq_entry": "cudaflash_bwd_dkdv_dq",
-            "dq_convert_entry": "cudaflash_bwd_dq_convert",
-            "dkdv_dq_window_entry": "cudaflash_bwd_dkdv_dq_window",
-            "varlen_entries": list(BackwardConfig.VARLEN_ENTRIES),
-            "softcap_entries": list(BackwardConfig.SOFTCAP_ENTRIES), "threads": cfg.threads,
-            "preprocess_threads": 128, "preprocess_rows": 4, "cta_rows": cfg.cta_rows,
-            "dkdv_smem_bytes": cfg.dkdv_smem_bytes, "dq_smem_bytes": cfg.dq_smem_bytes,
-            "dkdv_dq_smem_bytes": cfg.dkdv_dq_smem_bytes,
-            "schemes": ["atomic", "deterministic"],
-            "registers": 200 if kind == "cubin" else None,
-            "spill_bytes": 0 if kind == "cubin" else None})
-    manifest = {"schema": SCHEMA, "nvcc_version": "13.0.88", "ptxas_version": "12.9.86",
-                "min_driver": {"cubin": 12000, "ptx": 12030}, "source_hash": "f" * 64,
-                "params_bytes": params_bytes, "bwd_params_bytes": BWD_PARAMS_BYTES,
-                "entries": list(KernelConfig.ENTRIES),
-                "backward_entries": list(BackwardConfig.ENTRIES),
-                "archs": [80, 86, 90],
-                "ptx_arch": 90, "selection": selection, "kernels": entries,
-                "backward_kernels": backward}
-    (root / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    entries = [fake_module(cfg, kind, arch, f"fake {kind} {i} {cfg.name}",
+                           registers=128 if kind == "cubin" else None,
+                           spill_bytes=0 if kind == "cubin" else None)
+               for i, (cfg, kind, arch) in enumerate(kernels)]
+    backward = [fake_module(cfg, kind, arch, f"fake backward {kind} {i} {cfg.name}",
+                            registers=200 if kind == "cubin" else None,
+                            spill_bytes=0 if kind == "cubin" else None,
+                            schemes=["atomic", "deterministic"])
+                for i, (cfg, kind, arch) in enumerate(FAKE_BACKWARD)]
+    data = manifest.manifest_dict(
+        kernels=entries, backward_kernels=backward, nvcc_version="13.0.88",
+        ptxas_version="12.9.86", source_hash="f" * 64, params_bytes=params_bytes,
+        bwd_params_bytes=BWD_PARAMS_BYTES, ptx_arch=90, selection=selection)
+    manifest.write(root, data)
     return root
 
 

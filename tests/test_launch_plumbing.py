@@ -6,10 +6,12 @@ A fake ``cuda.bindings.driver`` records the calls, and CPU tensors stand in for 
 The same paths on a real GPU are covered by test_gpu_correctness.py.
 """
 
+import ast
 import ctypes
 import logging
 import math
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +19,7 @@ import torch
 from cuda.bindings import driver as real_driver
 
 import _internals as internals
-from conftest import D64, D64_WIDE, D128, D256_BIG
+from conftest import BWD_D64, D64, D64_WIDE, D128, D256_BIG
 from cudaflash import _driver, api, manifest
 from cudaflash._params import PARAMS_BYTES, Params
 
@@ -276,6 +278,26 @@ def test_module_loaded_once_with_its_smem_attribute(fake, fake_kernel_dir):
         assert value == entry.smem_bytes
     assert [x.fn for x in fake.launches] == [("module1", b"cudaflash_fwd")] * 3
     assert [x.grid for x in fake.launches] == [(8, 4, 2), (8, 4, 2), (16, 4, 2)]
+
+
+def test_backward_module_loads_every_role_with_its_smem(fake, fake_kernel_dir):
+    """_driver resolves each role of the manifest's table once, opting into the role's smem."""
+    entry = manifest.load_manifest().usable_backward(80, 166912)[BWD_D64.name]
+    fns = _driver.get_functions(entry, 0, CTX)
+    assert fns._fields == tuple(role.name for role in BWD_D64.ROLES)
+    assert fns.dkdv_varlen_softcap == ("module1", b"cudaflash_bwd_dkdv_varlen_softcap")
+    assert _driver.get_functions(entry, 0, CTX) is fns
+    smem = {fn[1].decode(): value for fn, _, value in fake.attributes}
+    assert smem == {role.symbol: role.smem_bytes(BWD_D64) for role in BWD_D64.ROLES
+                    if role.smem}
+    assert len(smem) == len(fake.attributes) == 10  # preprocess, dq_convert, ..._varlen: none
+
+
+def test_driver_knows_no_manifest():
+    """_driver loads what it is given (name, file, checksum, role table): no manifest import."""
+    tree = ast.parse(Path(_driver.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "manifest" not in imported
 
 
 def test_seqlen_buckets_follow_the_rules(fake):

@@ -17,12 +17,25 @@ def test_fields_and_order(fake_kernel_dir):
     assert (first.name, first.config, first.kind, first.arch) == (
         D64["fp16"].name, D64["fp16"], "cubin", 80)
     assert first.path == fake_kernel_dir / f"sm_80/{first.name}.cubin"
-    assert (first.threads, first.smem_bytes, first.entry) == (128, 32768, "cudaflash_fwd")
+    assert (first.threads, first.smem_bytes) == (128, 32768)
+    assert first.entries["forward"] == ("cudaflash_fwd", 32768)
+    assert first.entries["combine"] == ("cudaflash_combine", 0)
+    assert list(first.entries) == [role.name for role in D64["fp16"].ROLES]
+    bwd = m.backward[0]
+    assert bwd.entries["dkdv_dq_window"] == ("cudaflash_bwd_dkdv_dq_window",
+                                             BWD_D64.dkdv_dq_smem_bytes)
+    assert bwd.entries["dq_varlen"] == ("cudaflash_bwd_dq_varlen", BWD_D64.dq_smem_bytes)
+    assert bwd.smem_bytes == BWD_D64.smem_bytes
     ptx = m.kernels[3]
     assert (ptx.kind, ptx.registers, ptx.spill_bytes) == ("ptx", None, None)
     assert [r.config for r in m.selection][0] == D64_WIDE.name
     assert list_kernels() == list(m.kernels)
     assert manifest.load_manifest() is m  # cached
+
+
+def _entry_points(config):
+    return {role.name: manifest.EntryPoint(role.symbol, role.smem_bytes(config))
+            for role in config.ROLES}
 
 
 @pytest.mark.parametrize("kind, kernel_arch, device_arch, runs", [
@@ -33,10 +46,8 @@ def test_fields_and_order(fake_kernel_dir):
 def test_runs_on(kind, kernel_arch, device_arch, runs):
     entry = manifest.KernelEntry(
         name=D64["fp16"].name, config=D64["fp16"], arch=kernel_arch, kind=kind, path=None,
-        entry="cudaflash_fwd", split_entry="cudaflash_fwd_split",
-        combine_entry="cudaflash_combine", softcap_entry="cudaflash_fwd_softcap",
-        softcap_split_entry="cudaflash_fwd_split_softcap", threads=128, smem_bytes=32768, registers=None,
-        spill_bytes=None, sha256="", min_driver=12000, ptxas_version="12.9.86", ptx_isa="8.3")
+        entries=_entry_points(D64["fp16"]), threads=128, registers=None, spill_bytes=None,
+        sha256="", min_driver=12000, ptxas_version="12.9.86", ptx_isa="8.3")
     assert manifest.runs_on(entry, device_arch) is runs
 
 
@@ -47,11 +58,8 @@ def test_wgmma_cubins_run_on_sm90_only(device_arch, runs):
     config = dataclasses.replace(D64["fp16"], B_r=64, n_warps=4, wgmma=True).validate()
     entry = manifest.KernelEntry(
         name=config.name, config=config, arch=90, kind="cubin", path=None,
-        entry="cudaflash_fwd", split_entry="cudaflash_fwd_split",
-        combine_entry="cudaflash_combine", softcap_entry="cudaflash_fwd_softcap",
-        softcap_split_entry="cudaflash_fwd_split_softcap", threads=128, smem_bytes=config.smem_bytes,
-        registers=None, spill_bytes=None, sha256="", min_driver=12000, ptxas_version="12.9.86",
-        ptx_isa="8.3")
+        entries=_entry_points(config), threads=128, registers=None, spill_bytes=None,
+        sha256="", min_driver=12000, ptxas_version="12.9.86", ptx_isa="8.3")
     assert manifest.runs_on(entry, device_arch) is runs
     assert not manifest.runs_on(entry, 91)  # a hypothetical later Hopper minor
 
@@ -89,7 +97,9 @@ def test_missing_manifest_says_how_to_build(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda m: m.update(schema=1), "schema 1"),
-    (lambda m: m["kernels"][0].pop("split_entry"), "KeyError"),
+    (lambda m: m["kernels"][0]["entries"].pop("split"), r"entry roles \[.*\], this "
+                                                          r"cudaflash launches \['forward'"),
+    (lambda m: m["backward_kernels"][1]["entries"]["dq"].pop("smem_bytes"), "KeyError"),
     (lambda m: m.update(params_bytes=160), "params_bytes=160"),
     (lambda m: m["kernels"][0].update(name="fwd_fp16_d64_x"), "not the canonical name"),
     (lambda m: m["kernels"][0].update(kind="fatbin"), "kind 'fatbin'"),

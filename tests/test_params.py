@@ -14,7 +14,7 @@ from cudaflash import backward, manifest
 from cudaflash._params import (BWD_PARAMS_BYTES, PARAMS_BYTES, PARAMS_FIXED_FORMAT,
                                PARAMS_POINTERS_BYTES, PARAMS_POINTERS_FORMAT, PARAMS_STRUCT_FORMAT,
                                PARAMS_WORKSPACE_FORMAT, PARAMS_WORKSPACE_OFFSET, BwdParams, Params,
-                               Strides)
+                               Strides, struct_format)
 
 PARAMS_CUH = Path(__file__).resolve().parents[1] / "cuda_src" / "params.cuh"
 _CUDA_TYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p,
@@ -26,6 +26,7 @@ _CUDA_TYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p,
 
 def test_sizes_agree():
     assert ctypes.sizeof(Params) == PARAMS_BYTES == 248
+    assert ctypes.sizeof(BwdParams) == BWD_PARAMS_BYTES == 368
     assert struct.calcsize(PARAMS_STRUCT_FORMAT) == PARAMS_BYTES
 
 
@@ -51,6 +52,19 @@ def test_pointers_fixed_fields_and_workspace_split_the_struct():
     assert PARAMS_WORKSPACE_OFFSET + struct.calcsize(PARAMS_WORKSPACE_FORMAT) == PARAMS_BYTES
     assert PARAMS_STRUCT_FORMAT == (PARAMS_POINTERS_FORMAT + PARAMS_FIXED_FORMAT[1:]
                                     + PARAMS_WORKSPACE_FORMAT[1:])
+
+
+def test_struct_format_writes_c_padding_out():
+    """struct_format follows ctypes' C layout: padding before an aligned field, nested
+    structures flattened, tail padding to the struct's alignment."""
+    class Padded(ctypes.Structure):
+        _fields_ = [("a", ctypes.c_int32), ("b", ctypes.c_int64), ("s", Strides),
+                    ("c", ctypes.c_float)]
+
+    assert struct_format(Padded) == "=i4x4qf4x"
+    assert struct.calcsize(struct_format(Padded)) == ctypes.sizeof(Padded)
+    assert struct_format(Padded, "b", "s") == "=4q"
+    assert struct_format(BwdParams) == backward._PACK.format
 
 
 def cuda_struct_fields(text: str, struct_name: str) -> list:
