@@ -30,7 +30,8 @@ PHASES = ("forward", "backward", "train")
 # five GEMMs to the forward's two (2.5x); a training step is one forward and one backward.
 PHASE_FLOPS = {"forward": 1.0, "backward": 2.5, "train": 3.5}
 PHASE_TEXT = {
-    "forward": "forward under torch.no_grad() (as inference runs it)",
+    "forward": "forward without autograd (torch.no_grad(); kvcache: torch.inference_mode()), "
+               "as inference runs it",
     "backward": "torch.autograd.grad of one recorded output with a fixed random dout "
                 "(the forward outside the events)",
     "train": "forward with autograd recording + torch.autograd.grad with a fixed random "
