@@ -210,7 +210,7 @@ def for_each_backward_module(monkeypatch, body):
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 def test_every_backward_module_that_runs_here(causal, monkeypatch):
     """Each shipped backward module this GPU can run, not only the one the selection picks
-    (the others serve other GPUs, or --backward-config in tools/bwd_bench.py), in each scheme
+    (the others serve other GPUs), in each scheme
     it serves, on a shape with tails, GQA and more than one query tile per step."""
     force_atomic_kernels(monkeypatch)
 

@@ -17,6 +17,7 @@ serves the GPU correctness tests: CUDAFLASH_KERNEL_DIR=.dev/ablation pytest -k t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -99,6 +100,7 @@ def bench(args) -> int:
     import torch
 
     from cudaflash.cli import bench as cfbench
+    from cudaflash.cli import timing
 
     device = torch.device("cuda", torch.cuda.current_device())
     flush = cfbench.flush_buffer(device)
@@ -125,14 +127,17 @@ def bench(args) -> int:
                     scale = ref.abs().max().item()
                     err = {label: (cudaflash_forward(cfg, q, k, v, causal).float() - ref).abs()
                            .max().item() / scale for label, _, cfg in entries}
-                    samples = {label: [] for label, _, _ in entries}
-                    for r in range(args.rounds):  # taking turns: a slow spell hits one round
-                        for label, _, cfg in entries:
-                            fn = (lambda c=cfg: cudaflash_forward(c, q, k, v, causal))
-                            samples[label] += cfbench.time_calls(
-                                fn, iters=CALLS_PER_ROUND, warmup=WARMUP if r == 0 else 1,
-                                flush=flush)
-                    ms = {label: statistics.median(t) for label, t in samples.items()}
+                    # Taking turns, round by round (a slow spell hits one round): the bench's
+                    # own loop, timing.time_in_turns.
+                    got = timing.time_in_turns(
+                        {label: ((lambda c=cfg: cudaflash_forward(c, q, k, v, causal)),
+                                 contextlib.nullcontext) for label, _, cfg in entries},
+                        iters=CALLS_PER_ROUND * args.rounds, warmup=WARMUP, flush=flush,
+                        rounds=args.rounds)
+                    failed = {label: t for label, t in got.items() if isinstance(t, str)}
+                    if failed:
+                        raise RuntimeError(f"{name} {causal=} S={seqlen}: {failed}")
+                    ms = {label: t.median_ms for label, t in got.items()}
                     where = f"causal={causal} S={seqlen}"
                     for label, step, cfg in entries:
                         tflops = case.flops / ms[label] / 1e9

@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build every cubin (-j16), run the whole pytest suite (GPU tests
-# included) and the benchmark; full logs under $OUT (default /tmp/cudaflash-out).
+# included) and the benchmarks; full logs under $OUT (default /tmp/cudaflash-out).
 #
-#   tools/device_check.sh [test] [bench] [decode] [tune] [ablation]   (default: test and bench)
+#   tools/device_check.sh [test] [bench] [decode] [train] [backward] [varlen] [window] [softcap]
+#                         [kvcache] [suites] [tune] [ablation]       (default: test, bench, train)
+#
+# bench: `python -m cudaflash bench` (the forward suite, bf16 and fp16); decode, train,
+# backward, varlen, window, softcap, kvcache: `python -m cudaflash bench --suite <step>`
+# (train and backward at bf16 and fp16), each with --json, --plot and a log under $OUT;
+# suites: all of those but train.
 #
 # ablation: builds tools/ablation.py's knob variants into .dev/ablation (sm_90), runs the
 # per-config correctness tests on them and times each variant against its base.
 #
-# Extra pytest arguments go in PYTEST_ARGS, extra bench arguments in BENCH_ARGS, extra
+# Extra pytest arguments go in PYTEST_ARGS, extra arguments of the forward bench in BENCH_ARGS,
+# of the other suites in SUITE_ARGS (e.g. SUITE_ARGS="--seqlens 1024,4096"), extra
 # tools/ablation.py bench arguments in ABLATION_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cudaflash-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-steps=${*:-test bench}
+steps=${*:-test bench train}
+steps=${steps/suites/decode backward varlen window softcap kvcache}
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
     | tee "$OUT/gpu.txt"
@@ -32,9 +40,17 @@ for step in $steps; do
             --plot "$OUT/bench.png" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1 || rc=1
         cat "$OUT/bench.log" ;;
     decode)
-        python3 -m cudaflash bench --decode --dtype bf16 --json "$OUT/decode.json" \
-            --plot "$OUT/decode.png" --no-host ${BENCH_ARGS:-} > "$OUT/decode.log" 2>&1 || rc=1
+        python3 -m cudaflash bench --suite decode --dtype bf16 --json "$OUT/decode.json" \
+            --plot "$OUT/decode.png" --no-host ${SUITE_ARGS:-} > "$OUT/decode.log" 2>&1 || rc=1
         cat "$OUT/decode.log" ;;
+    train|backward)
+        python3 -m cudaflash bench --suite "$step" --dtype bf16,fp16 --json "$OUT/$step.json" \
+            --plot "$OUT/$step.png" ${SUITE_ARGS:-} > "$OUT/$step.log" 2>&1 || rc=1
+        cat "$OUT/$step.log" ;;
+    varlen|window|softcap|kvcache)
+        python3 -m cudaflash bench --suite "$step" --json "$OUT/$step.json" \
+            --plot "$OUT/$step.png" ${SUITE_ARGS:-} > "$OUT/$step.log" 2>&1 || rc=1
+        cat "$OUT/$step.log" ;;
     tune)
         python3 -m cudaflash tune --out "$OUT/tuned-sm90.yaml" > "$OUT/tune.log" 2>&1 || rc=1
         cat "$OUT/tune.log" ;;

@@ -5,8 +5,12 @@ cudaflash gets BSHD tensors; SDPA gets ``transpose(1, 2)`` views of the same ten
 copy). The default sweep is the FlashAttention benchmark convention: batch = 16384 / S,
 nheads = 2048 / d, TFLOP/s = 4 * B * H * Sq * Sk * d / time, halved when causal. ``--decode``
 times decoding instead: one query row against a K/V cache of S keys, in microseconds and
-GB/s of K/V read, with and without GQA. How a call is timed: ``timing.method_text``.
-``measure_case`` and ``measure_host`` return numbers and print nothing.
+GB/s of K/V read, with and without GQA (``--suite decode`` says the same). ``--suite train``,
+``backward``, ``varlen``, ``window``, ``softcap`` and ``kvcache`` time the suites of
+``suites.py`` (forward, backward, training step; their calls in ``suite_calls.py``). How a
+call is timed, for every suite: ``timing.method_text`` and ``timing.time_in_turns``.
+``measure_case``, ``measure_host`` and ``suites.measure_rows`` return numbers and print
+nothing.
 """
 
 from __future__ import annotations
@@ -26,15 +30,16 @@ import torch
 
 from .. import __version__, _driver, dispatch
 from ..config import D_HEADS, DTYPES, KernelConfig
+from . import suites
 from ._common import Progress, comma_list, format_table
-from .timing import (BACKENDS, CASE_ROUNDS, DEFAULT_ITERS, DEFAULT_WARMUP, L2_FLUSH_BYTES,
-                     MIN_ITERS, Timing, attempt, backend_call, flush_buffer, make_qkv,
-                     method_text, time_calls)
+from .suites import (CAUSAL_CHOICES, FA_HIDDEN, FA_TOKENS, SUITES, attention_flops,
+                     measure_rows)
+from .timing import (BACKENDS, DEFAULT_ITERS, DEFAULT_WARMUP, L2_FLUSH_BYTES, MIN_ITERS,  # noqa: F401
+                     Timing, attempt, backend_call, flush_buffer, make_qkv, method_text,
+                     time_in_turns)  # Timing: bench.Timing in the tests
 
-# FlashAttention's benchmark convention: a constant number of tokens per batch and a constant
-# model width, so every size does comparable total work.
-FA_TOKENS = 16384
-FA_HIDDEN = 2048
+# FlashAttention's benchmark convention (FA_TOKENS per batch, FA_HIDDEN model width: every
+# size does comparable total work) and its FLOP count live in suites.py, shared by all suites.
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 # Decoding: one new token per sequence against K/V caches of these lengths, for a lone
 # sequence and a small batch, with every query head its own K/V head (MHA) and with four
@@ -43,7 +48,6 @@ DEFAULT_DECODE_SEQLENS = (1024, 4096, 16384, 65536)
 DECODE_BATCHES = (1, 8)
 DECODE_GQA_GROUPS = (1, 4)
 DEFAULT_HEAD_DIMS = (64, 128)
-CAUSAL_CHOICES = {"both": (False, True), "yes": (True,), "no": (False,)}
 
 # Host overhead probe: a problem so small that the GPU finishes each call before the host has
 # issued the next, so the loop time is the time the host spends per call.
@@ -54,14 +58,6 @@ HOST_WARMUP = 100
 
 
 # ---- problem sizes and FLOPs -----------------------------------------------------------------
-
-
-def attention_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, d_head: int,
-                    causal: bool) -> float:
-    """FLOPs of one forward, as FlashAttention counts them: two matmuls (QK^T, PV) of
-    2 * Sq * Sk * d each per head; causal does half of them."""
-    flops = 4 * batch * nheads * seqlen_q * seqlen_k * d_head
-    return flops / 2 if causal else flops
 
 
 @dataclass(frozen=True)
@@ -165,30 +161,17 @@ def measure_case(case: Case, backends, *, device, config: Optional[KernelConfig]
     """Time every backend on one set of random tensors."""
     q, k, v = make_qkv(case.batch, case.seqlen, case.nheads, case.d_head, case.dtype, device,
                        seqlen_q=case.seqlen_q, nheads_k=case.kv_heads)
-    # The backends take turns in CASE_ROUNDS rounds: this H100 has slow spells of some tens of
-    # ms (perf log, "Final run at the varlen HEAD"); timed in one block, a backend could spend
-    # all of its calls in one. Taking turns, a spell reaches one round of one backend, which
-    # the median over all rounds outvotes.
+    # The backends take turns in CASE_ROUNDS rounds (timing.time_in_turns says why).
     calls = {backend: backend_call(backend, q, k, v, case.causal, config)
              for backend in backends}
-    samples, errors = {backend: [] for backend in backends}, {}
     what = (f"decode B={case.batch} H={case.nheads} Hk={case.kv_heads}" if case.decode
             else f"causal={case.causal}")
-    for round_index in range(CASE_ROUNDS):
-        n = iters // CASE_ROUNDS + (round_index < iters % CASE_ROUNDS)
-        for backend, (fn, context) in calls.items():
-            if backend in errors:
-                continue
-            if round_index == 0:
-                progress.step(f"{case.dtype} d={case.d_head} {what} S={case.seqlen} {backend}")
-            got = attempt(lambda: time_calls(fn, iters=n, warmup=warmup if round_index == 0
-                                              else 1, flush=flush), context)
-            if isinstance(got, str):
-                errors[backend] = got
-            else:
-                samples[backend] += got
-    timings = {backend: Timing(statistics.median(t), min(t), max(t), len(t))
-               for backend, t in samples.items() if backend not in errors}
+    got = time_in_turns(
+        calls, iters=iters, warmup=warmup, flush=flush,
+        announce=lambda backend: progress.step(
+            f"{case.dtype} d={case.d_head} {what} S={case.seqlen} {backend}"))
+    timings = {b: t for b, t in got.items() if not isinstance(t, str)}
+    errors = {b: t for b, t in got.items() if isinstance(t, str)}
     used = None
     if "cudaflash" in timings:  # a failed cudaflash call may mean there is no manifest at all
         used = config.name if config is not None else selected_config(
@@ -378,6 +361,7 @@ def write_json(path: Path, env: dict, method: dict, results: list[CaseResult],
         return {"tflops": r.tflops(backend), **dataclasses.asdict(r.timings[backend])}
 
     data = {
+        "suite": "decode" if results and results[0].case.decode else "forward",
         "env": env,
         "method": method,
         "results": [{**dataclasses.asdict(r.case), "seqlen_q": r.case.seqlen_q,
@@ -424,50 +408,140 @@ def _config(text: str) -> KernelConfig:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+SUITE_NAMES = ("forward", "decode", *SUITES)
+# Every name --backends accepts: the forward suite's backends and every suite's variants
+# (which of them a suite takes: resolve_suite).
+ALL_VARIANTS = tuple(dict.fromkeys([*BACKENDS, *(v for s in SUITES.values()
+                                                 for v in s.variants)]))
+
+
+def _suite_lines() -> str:
+    return "; ".join([f"forward (default): the forward, {'/'.join(BACKENDS)}",
+                      "decode: decoding steps (as --decode)",
+                      *(f"{s.name}: {s.help}" for s in SUITES.values())])
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "bench", help="cudaflash vs PyTorch SDPA (flash, cuDNN, efficient) on this GPU",
         description="Time cudaflash and PyTorch SDPA's flash, cuDNN and efficient backends on "
                     "the same random tensors (FlashAttention convention: batch = "
                     f"{FA_TOKENS} / S, nheads = {FA_HIDDEN} / d), print TFLOP/s and ratios, "
-                    "and the host time per call at a tiny size.")
+                    "and the host time per call at a tiny size. --suite picks what to time: "
+                    + _suite_lines() + ".")
+    p.add_argument("--suite", choices=SUITE_NAMES, default=None,
+                   help="what to time (default forward): " + ", ".join(SUITE_NAMES))
+    p.add_argument("--phases", type=comma_list(str, suites.PHASES), default=None,
+                   help="train, backward, varlen, window, softcap: comma-separated phases of "
+                        f"{','.join(suites.PHASES)} (default: the suite's; train: all three)")
     p.add_argument("--seqlens", type=comma_list(_positive), default=None,
                    help="comma-separated sequence lengths (default "
                         f"{','.join(map(str, DEFAULT_SEQLENS))}); batch = {FA_TOKENS} // S. "
                         "With --decode: K/V cache lengths (default "
-                        f"{','.join(map(str, DEFAULT_DECODE_SEQLENS))})")
+                        f"{','.join(map(str, DEFAULT_DECODE_SEQLENS))}); varlen: the longest "
+                        "sequence; window: batch 1")
     p.add_argument("--decode", action="store_true",
-                   help="time decoding steps instead: one query row per sequence, batch "
-                        f"{' and '.join(map(str, DECODE_BATCHES))}, nheads = {FA_HIDDEN} // d, "
-                        "as many K/V heads (MHA) and a quarter of them (GQA)")
+                   help="time decoding steps instead (= --suite decode): one query row per "
+                        f"sequence, batch {' and '.join(map(str, DECODE_BATCHES))}, nheads = "
+                        f"{FA_HIDDEN} // d, as many K/V heads (MHA) and a quarter of them (GQA)")
     p.add_argument("--head-dims", type=comma_list(int, range(1, D_HEADS[-1] + 1)),
                    default=None,
                    help=f"comma-separated head dims in 1..{D_HEADS[-1]} (default "
-                        f"{','.join(map(str, DEFAULT_HEAD_DIMS))}, or --config's); nheads = "
+                        f"{','.join(map(str, DEFAULT_HEAD_DIMS))}, train and backward "
+                        "64,128,256, or --config's); nheads = "
                         f"{FA_HIDDEN} // d. Kernels exist for {list(D_HEADS)}; flash_attn_func "
                         "runs other head dims padded to the next one, and so does the bench")
     p.add_argument("--dtype", type=comma_list(str, DTYPES), default=None,
                    help="bf16, fp16 or bf16,fp16 (default bf16, or --config's)")
     p.add_argument("--causal", choices=list(CAUSAL_CHOICES), default="both",
                    help="causal masking: both (default), yes or no")
-    p.add_argument("--backends", type=comma_list(str, BACKENDS), default=list(BACKENDS),
-                   help=f"comma-separated subset of {','.join(BACKENDS)} (default: all)")
+    p.add_argument("--backends", type=comma_list(str, ALL_VARIANTS), default=None,
+                   help=f"comma-separated subset of {','.join(BACKENDS)} (default: all); for "
+                        "the other suites their variants: "
+                        + "; ".join(f"{s.name} {','.join(s.variants)} (default "
+                                    f"{','.join(s.default_variants)})"
+                                    for s in SUITES.values()))
     p.add_argument("--iters", type=_iters, default=DEFAULT_ITERS,
                    help=f"timed calls per backend and size, >= {MIN_ITERS} (default "
                         "%(default)s)")
     p.add_argument("--warmup", type=_warmup, default=DEFAULT_WARMUP,
                    help="untimed calls before timing (default %(default)s)")
     p.add_argument("--config", type=_config, default=None, metavar="NAME",
-                   help="time this kernel config through cudaflash.forward instead of "
-                        "flash_attn_func's selection (`python -m cudaflash list` names them)")
+                   help="forward and decode: time this kernel config through "
+                        "cudaflash.forward instead of flash_attn_func's selection "
+                        "(`python -m cudaflash list` names them)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help="write every number, the environment and the method to PATH")
     p.add_argument("--plot", type=Path, default=None, metavar="PATH",
                    help="save a TFLOP/s plot to PATH (needs the extra cudaflash[plot])")
     p.add_argument("--no-host", action="store_true",
-                   help="skip the host-overhead measurement")
+                   help="forward and decode: skip the host-overhead measurement")
     p.set_defaults(run=run)
     return p
+
+
+def suite_name(args) -> str:
+    """The suite to run: --suite, or decode for --decode. Raises ValueError when both are
+    given and disagree."""
+    if args.decode:
+        if args.suite not in (None, "decode"):
+            raise ValueError(f"--decode is --suite decode; it does not go with --suite "
+                             f"{args.suite}")
+        return "decode"
+    return args.suite or "forward"
+
+
+def resolve_suite(args) -> suites.Options:
+    """The sweep of a suite other than forward and decode (``suites.resolve``)."""
+    return suites.resolve(args, suite_name(args))
+
+
+def check_forward_args(args) -> list:
+    """The backends of the forward and decode suites; raises ValueError for an option of
+    the other suites."""
+    if args.phases is not None:
+        raise ValueError(f"--phases applies to the {', '.join(n for n, s in SUITES.items() if len(s.phases) > 1)} suites; the "
+                         f"{suite_name(args)} suite times the forward")
+    backends = list(args.backends or BACKENDS)
+    bad = [b for b in backends if b not in BACKENDS]
+    if bad:
+        raise ValueError(f"--backends {','.join(bad)}: the {suite_name(args)} suite has "
+                         f"{','.join(BACKENDS)}")
+    return backends
+
+
+def run_suite(args, opts: suites.Options) -> int:
+    """The train, backward, varlen, window, softcap and kvcache suites."""
+    rows = opts.rows()
+    device = torch.device("cuda", torch.cuda.current_device())
+    env = environment(device.index)
+    method = {"text": method_text(args.iters, args.warmup, grad=True), "iters": args.iters,
+              "warmup": args.warmup, "l2_flush_bytes": L2_FLUSH_BYTES}
+    print_env(env)
+    print(f"timing: {method['text']}")
+    print(f"suite {opts.suite.name}: {opts.suite.help}; phases {', '.join(opts.phases)}: "
+          + "; ".join(f"{p} = {suites.PHASE_TEXT[p]}" for p in opts.phases))
+    progress = Progress(len(rows) * len(opts.phases) * len(opts.variants), opts.suite.name)
+    flush = flush_buffer(device)
+    results = measure_rows(opts, rows, device=device, iters=args.iters, warmup=args.warmup,
+                           flush=flush, progress=progress)
+    progress.close()
+    print()
+    print(suites.format_results(opts, results))
+    if args.json is not None:
+        suites.write_json(args.json, opts, env, method, results)
+        print(f"\nwrote {args.json}")
+    if args.plot is not None:
+        suites.plot(args.plot, opts, results, _import_pyplot())
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def print_env(env: dict) -> None:
+    print(f"{env['gpu']} ({env['sm_count']} SMs, compute capability "
+          f"{env['compute_capability']}), driver "
+          f"{env['driver']}, torch {env['torch']} (CUDA {env['torch_cuda']}, cuDNN "
+          f"{env['cudnn']}), cuda-bindings {env['cuda_bindings']}, cudaflash {env['cudaflash']}")
 
 
 def sweep_dims(args) -> tuple[list, list]:
@@ -484,11 +558,17 @@ def sweep_dims(args) -> tuple[list, list]:
 
 
 def run(args) -> int:
+    opts = None
     try:
-        dtypes, head_dims = sweep_dims(args)
-        if args.decode and args.causal != "both":
-            raise ValueError(f"--causal {args.causal} does not apply to --decode: one query "
-                             "row sees its whole cache under either mask")
+        name = suite_name(args)
+        if name in SUITES:
+            opts = resolve_suite(args)
+        else:
+            backends = check_forward_args(args)
+            dtypes, head_dims = sweep_dims(args)
+            if name == "decode" and args.causal != "both":
+                raise ValueError(f"--causal {args.causal} does not apply to --decode: one "
+                                 "query row sees its whole cache under either mask")
     except ValueError as e:
         print(f"cudaflash bench: {e}", file=sys.stderr)
         return 2
@@ -498,6 +578,9 @@ def run(args) -> int:
         print(f"cudaflash bench: no CUDA GPU (torch {torch.__version__}: "
               "torch.cuda.is_available() is False)", file=sys.stderr)
         return 1
+    if opts is not None:
+        return run_suite(args, opts)
+    decode = name == "decode"
 
     device = torch.device("cuda", torch.cuda.current_device())
     env = environment(device.index)
@@ -505,38 +588,35 @@ def run(args) -> int:
               "warmup": args.warmup, "l2_flush_bytes": L2_FLUSH_BYTES,
               "host_calls": HOST_CALLS, "host_rounds": HOST_ROUNDS,
               "host_warmup": HOST_WARMUP}
-    print(f"{env['gpu']} ({env['sm_count']} SMs, compute capability "
-          f"{env['compute_capability']}), driver "
-          f"{env['driver']}, torch {env['torch']} (CUDA {env['torch_cuda']}, cuDNN "
-          f"{env['cudnn']}), cuda-bindings {env['cuda_bindings']}, cudaflash {env['cudaflash']}")
+    print_env(env)
     print(f"timing: {method['text']}")
     if args.config is not None:
         print(f"cudaflash config: {args.config.name} (cudaflash.forward)")
 
-    if args.decode:
+    if decode:
         cases = build_decode_cases(dtypes, head_dims, args.seqlens or DEFAULT_DECODE_SEQLENS)
     else:
         cases = build_cases(dtypes, head_dims, CAUSAL_CHOICES[args.causal],
                             args.seqlens or DEFAULT_SEQLENS)
-    progress = Progress(len(cases) * len(args.backends)
-                        + (0 if args.no_host else HOST_ROUNDS * len(args.backends)), "bench")
+    progress = Progress(len(cases) * len(backends)
+                        + (0 if args.no_host else HOST_ROUNDS * len(backends)), "bench")
     flush = flush_buffer(device)
     with torch.inference_mode():
-        results = [measure_case(case, args.backends, device=device, config=args.config,
+        results = [measure_case(case, backends, device=device, config=args.config,
                                 iters=args.iters, warmup=args.warmup, flush=flush,
                                 progress=progress) for case in cases]
-        host = None if args.no_host else measure_host(args.backends, device=device,
+        host = None if args.no_host else measure_host(backends, device=device,
                                                       progress=progress)
     progress.close()
 
     print()
-    print_results(results, args.backends)
+    print_results(results, backends)
     if host is not None:
         print_host(host)
     if args.json is not None:
         write_json(args.json, env, method, results, host)
         print(f"\nwrote {args.json}")
     if args.plot is not None:
-        plot(args.plot, results, args.backends)
+        plot(args.plot, results, backends)
         print(f"wrote {args.plot}")
     return 0

@@ -60,13 +60,17 @@ def flush_buffer(device) -> torch.Tensor:
     return torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
 
 
-def method_text(iters: int, warmup: int) -> str:
+def method_text(iters: int, warmup: int, grad: bool = False) -> str:
+    """The timing method in words; ``grad``: the suites with gradients (phase_call)."""
+    inputs = ("the same tensors for every variant of a row, leaves requiring grad, and a "
+              "fixed torch.randn dout; phases as timing.phase_call says" if grad
+              else "torch.inference_mode()")
     return (f"CUDA events around each single call, after {warmup} warm-up calls; median of "
             f"{iters} calls, taken in {CASE_ROUNDS} rounds with the backends taking turns "
             f"(min and max kept in --json); L2 flushed before every timed call "
             f"by zeroing a {L2_FLUSH_BYTES // 2**20} MiB buffer, outside the events; inputs "
             "torch.randn (BSHD for cudaflash, transpose(1, 2) views of the same tensors for "
-            "SDPA); torch.inference_mode()")
+            f"SDPA); {inputs}")
 
 
 def time_gpu(fn: Callable[[], object], *, iters: int, warmup: int,
@@ -91,6 +95,74 @@ def time_calls(fn: Callable[[], object], *, iters: int, warmup: int,
         end.record()
     torch.cuda.synchronize()
     return [start.elapsed_time(end) for start, end in zip(starts, ends)]
+
+
+def time_in_turns(calls: dict, *, iters: int, warmup: int, flush: torch.Tensor,
+                  announce: Optional[Callable[[object], None]] = None,
+                  rounds: int = CASE_ROUNDS) -> dict:
+    """Time every ``key -> (fn, context)`` of ``calls`` (``fn()`` runs inside ``context()``)
+    with ``time_calls``: ``iters`` calls each, taken in ``rounds`` rounds in which the
+    keys take turns, ``warmup`` untimed calls before a key's first round and one before each
+    later round. Returns ``key -> Timing``, or the reason (a string) for a key whose call
+    failed (it is not tried again). ``announce(key)`` is called before each key's first round.
+
+    Why turns: this H100 has slow spells of some tens of ms (perf log, "Final run at the
+    varlen HEAD"); timed in one block, a backend could spend all of its calls in one. Taking
+    turns, a spell reaches one round of one backend, which the median over all rounds
+    outvotes."""
+    samples: dict = {key: [] for key in calls}
+    errors: dict = {}
+    for round_index in range(rounds):
+        n = iters // rounds + (round_index < iters % rounds)
+        for key, (fn, context) in calls.items():
+            if key in errors:
+                continue
+            if round_index == 0 and announce is not None:
+                announce(key)
+            got = attempt(lambda: time_calls(fn, iters=n, warmup=warmup if round_index == 0
+                                              else 1, flush=flush), context)
+            if isinstance(got, str):
+                errors[key] = got
+            else:
+                samples[key] += got
+    return {key: errors[key] if key in errors
+            else Timing(statistics.median(t), min(t), max(t), len(t))
+            for key, t in samples.items()}
+
+
+def phase_call(phase: str, forward: Callable[[], torch.Tensor], inputs: tuple,
+               dout: torch.Tensor) -> Callable[[], object]:
+    """What one timed call of ``phase`` runs, given ``forward()`` (the attention op on the
+    leaves ``inputs``, which require grad) and the fixed upstream gradient ``dout``:
+
+    forward   ``forward()`` under torch.no_grad(): the kernel as inference runs it (the
+              forward that saves for the backward is inside ``train``);
+    backward  ``torch.autograd.grad(out, inputs, dout, retain_graph=True)`` of one ``out``
+              recorded by the first (warm-up) call: the forward is outside the events;
+    train     a training step of the op: ``forward()`` with autograd recording, then
+              ``torch.autograd.grad`` of it with ``dout``.
+    """
+    if phase == "forward":
+        def run_forward():
+            with torch.no_grad():
+                return forward()
+        return run_forward
+    if phase == "train":
+        return lambda: torch.autograd.grad(forward(), inputs, dout)
+    if phase != "backward":
+        raise ValueError(f"unknown phase {phase!r}")
+    recorded: list = []
+
+    def run_backward():
+        if not recorded:  # the first call (a warm-up one, never timed) records the forward
+            recorded.append(forward())
+        return torch.autograd.grad(recorded[0], inputs, dout, retain_graph=True)
+    return run_backward
+
+
+def sdpa_context(backend: str):
+    """A context that restricts SDPA to ``backend`` ("flash", "cudnn", "efficient")."""
+    return lambda: sdpa_kernel(SDPA_BACKENDS[backend])
 
 
 def backend_call(backend: str, q, k, v, causal: bool,

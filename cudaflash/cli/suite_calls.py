@@ -1,0 +1,155 @@
+"""The GPU side of the suites (``suites``): random tensors for one row and the calls that
+``timing.time_in_turns`` times, keyed (phase, variant). Every variant of a row runs on the
+same tensors (SDPA on ``transpose(1, 2)`` views of them); nothing here prints or times."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from .. import api, kvcache
+from .suites import SOFTCAP, Options, Row
+from .timing import TORCH_DTYPES, make_qkv, phase_call, sdpa_context
+
+NO_CONTEXT = contextlib.nullcontext
+
+
+def _sdpa(backend: str, q, k, v, causal: bool):
+    """``(forward, context)`` of SDPA ``backend`` on BSHD q, k, v; out back in BSHD."""
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # views, no copy
+    return ((lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+             .transpose(1, 2)), sdpa_context(backend))
+
+
+def _leaves(*tensors):
+    return tuple(t.requires_grad_() for t in tensors)
+
+
+def train_forwards(row: Row, variants, q, k, v) -> dict:
+    """variant -> (forward, context) for the train and backward suites."""
+    causal = row.get("causal")
+    forwards = {}
+    for variant in variants:
+        if variant == "cudaflash":
+            forwards[variant] = (lambda: api.flash_attn_func(q, k, v, causal=causal)), NO_CONTEXT
+        elif variant == "cudaflash-det":
+            forwards[variant] = (lambda: api.flash_attn_func(q, k, v, causal=causal,
+                                                             deterministic=True)), NO_CONTEXT
+        else:
+            forwards[variant] = _sdpa(variant, q, k, v, causal)
+    return forwards
+
+
+def softcap_forwards(row: Row, variants, q, k, v, deterministic: bool) -> dict:
+    causal = row.get("causal")
+    caps = {"plain": 0.0, "softcap": SOFTCAP}
+    return {variant: ((lambda cap=caps[variant]: api.flash_attn_func(
+        q, k, v, causal=causal, softcap=cap, deterministic=deterministic)), NO_CONTEXT)
+        for variant in variants}
+
+
+def window_forwards(row: Row, variants, q, k, v) -> dict:
+    forwards = {}
+    for variant in variants:
+        if variant == "flash":
+            forwards[variant] = _sdpa("flash", q, k, v, True)
+        else:
+            window = (-1, -1) if variant == "full" else (int(variant[1:]), 0)
+            forwards[variant] = ((lambda w=window: api.flash_attn_func(
+                q, k, v, causal=True, window_size=w)), NO_CONTEXT)
+    return forwards
+
+
+def fa_calls(opts: Options, row: Row, device) -> dict:
+    """(phase, variant) -> (fn, context) for the suites on FlashAttention-sized rows."""
+    q, k, v = _leaves(*make_qkv(row.get("B"), row.get("S"), row.get("H"), row.get("d"),
+                                row.get("dtype"), device))
+    dout = torch.randn_like(q)
+    calls = {}
+    for phase in opts.phases:
+        if opts.suite.name == "softcap":
+            forwards = softcap_forwards(row, opts.variants, q, k, v,
+                                        deterministic=phase != "forward")
+        else:
+            forwards = train_forwards(row, opts.variants, q, k, v)
+        for variant, (forward, context) in forwards.items():
+            calls[phase, variant] = phase_call(phase, forward, (q, k, v), dout), context
+    return calls
+
+
+def window_calls(opts: Options, row: Row, device) -> dict:
+    q, k, v = _leaves(*make_qkv(1, row.get("S"), row.get("H"), row.get("d"), row.get("dtype"),
+                                device))
+    dout = torch.randn_like(q)
+    forwards = window_forwards(row, opts.variants, q, k, v)
+    return {(phase, variant): (phase_call(phase, forward, (q, k, v), dout), context)
+            for phase in opts.phases for variant, (forward, context) in forwards.items()}
+
+
+def varlen_calls(opts: Options, row: Row, device) -> dict:
+    """The packed batch and the same sequences padded to the longest (zeros past each end)."""
+    lengths, causal = list(row.lengths), row.get("causal")
+    nheads, d, dtype = row.get("H"), row.get("d"), TORCH_DTYPES[row.get("dtype")]
+    total, longest = sum(lengths), max(lengths)
+    packed = [torch.randn(total, nheads, d, device=device, dtype=dtype) for _ in range(3)]
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    cu = torch.tensor(starts, dtype=torch.int32, device=device)
+    padded = [torch.zeros(len(lengths), longest, nheads, d, device=device, dtype=dtype)
+              for _ in range(3)]
+    for p, x in zip(padded, packed):
+        for b, (s, n) in enumerate(zip(starts, lengths)):
+            p[b, :n] = x[s:s + n]
+    q, k, v = _leaves(*packed)
+    pq, pk, pv = _leaves(*padded)
+    forwards = {
+        "varlen": ((lambda: api.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest,
+                                                       causal=causal)), NO_CONTEXT, (q, k, v)),
+        "padded": ((lambda: api.flash_attn_func(pq, pk, pv, causal=causal)), NO_CONTEXT,
+                   (pq, pk, pv)),
+        "flash-padded": (*_sdpa("flash", pq, pk, pv, causal), (pq, pk, pv)),
+    }
+    douts = {"packed": torch.randn_like(q), "padded": torch.randn_like(pq)}
+    return {(phase, variant): (phase_call(phase, forward, inputs,
+                                          douts["packed" if variant == "varlen" else "padded"]),
+                               context)
+            for phase in opts.phases for variant, (forward, context, inputs) in forwards.items()
+            if variant in opts.variants}
+
+
+def kvcache_calls(opts: Options, row: Row, device) -> dict:
+    """Inference calls (no autograd) on one decoding step's tensors."""
+    batch, cache, dtype = row.get("B"), row.get("cache"), row.get("dtype")
+    heads, heads_k, d = row.get("H"), row.get("H_k"), row.get("d")
+    q, kc, vc = make_qkv(batch, cache, heads, d, dtype, device, seqlen_q=1, nheads_k=heads_k)
+    lengths = torch.tensor(row.lengths, device=device, dtype=torch.int32)
+    keys = torch.arange(cache, device=device)
+    mask = (keys[None, :] < lengths[:, None])[:, None, None, :]  # (b, 1, 1, s)
+    qt = q.transpose(1, 2)
+    kt = kc.transpose(1, 2).repeat_interleave(heads // heads_k, dim=1)
+    vt = vc.transpose(1, 2).repeat_interleave(heads // heads_k, dim=1)
+
+    def inference(fn):
+        def call():
+            with torch.inference_mode():
+                return fn()
+        return call
+
+    forwards = {
+        "kvcache": (lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths),
+                    NO_CONTEXT),
+        "full": (lambda: api.flash_attn_func(q, kc, vc), NO_CONTEXT),
+        "sdpa-eff": ((lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)),
+                     sdpa_context("efficient")),
+    }
+    return {("forward", variant): (inference(fn), context)
+            for variant, (fn, context) in forwards.items() if variant in opts.variants}
+
+
+BUILDERS = {"train": fa_calls, "backward": fa_calls, "softcap": fa_calls,
+            "window": window_calls, "varlen": varlen_calls, "kvcache": kvcache_calls}
+
+
+def build_calls(opts: Options, row: Row, device) -> dict:
+    return BUILDERS[opts.suite.name](opts, row, device)
