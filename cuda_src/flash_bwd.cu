@@ -672,18 +672,24 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
                 wgmma_commit();
                 wgmma_wait<0>();
                 wgmma_fence_operands(wg::flat(dQ));
-                // Into this step's dQ tile (the accumulator layout: rows lane / 4 and
-                // lane / 4 + 8 of the warp's 16, two columns per n8 block); the next step's
-                // first barrier hands it to the bulk reductions.
-                float* tile = sdQ + (buf * kQ + (warp % 4) * 16 + lane / 4) * C::kDqRowFloats +
-                              dq_col0 + 2 * (lane % 4);
+                if constexpr (kBulkDq) {
+                    // Into this step's dQ tile (the accumulator layout: rows lane / 4 and
+                    // lane / 4 + 8 of the warp's 16, two columns per n8 block); the next
+                    // step's first barrier hands it to the bulk reduction.
+                    float* tile = sdQ + (buf * kQ + (warp % 4) * 16 + lane / 4) * C::kDqRowFloats +
+                                  dq_col0 + 2 * (lane % 4);
 #pragma unroll
-                for (int nd = 0; nd < C::kDqWgCols / 8; ++nd) {
-                    *reinterpret_cast<float2*>(tile + nd * 8) = make_float2(dQ[nd][0], dQ[nd][1]);
-                    *reinterpret_cast<float2*>(tile + 8 * C::kDqRowFloats + nd * 8) =
-                        make_float2(dQ[nd][2], dQ[nd][3]);
+                    for (int nd = 0; nd < C::kDqWgCols / 8; ++nd) {
+                        *reinterpret_cast<float2*>(tile + nd * 8) =
+                            make_float2(dQ[nd][0], dQ[nd][1]);
+                        *reinterpret_cast<float2*>(tile + 8 * C::kDqRowFloats + nd * 8) =
+                            make_float2(dQ[nd][2], dQ[nd][3]);
+                    }
+                    fence_proxy_async_shared();
+                } else {
+                    add_to_dq_accum<C::kDqWgCols>(p, dQ, batch, head, q0 + (warp % 4) * 16,
+                                                  dq_col0);
                 }
-                fence_proxy_async_shared();
             } else {
                 wgmma_wait<0>();
             }

@@ -24,6 +24,12 @@ export PYTHONUNBUFFERED=1
 steps=${*:-test bench train}
 steps=${steps/suites/decode backward varlen window softcap kvcache}
 
+# The shipped cubins' assembler: CUDA 12.9's ptxas (the nvidia-cuda-nvcc-cu12 wheel; the
+# device cannot reach the registry, so carry the binary as .dev/ptxas12/ptxas). Without it
+# the build uses the ptxas beside nvcc (CUDA 13 cubins, R580+ only).
+if [[ -z ${CUDAFLASH_PTXAS:-} && -x .dev/ptxas12/ptxas ]]; then
+    export CUDAFLASH_PTXAS=$PWD/.dev/ptxas12/ptxas
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
     | tee "$OUT/gpu.txt"
 python3 build_cubins.py -j16 > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
