@@ -523,8 +523,9 @@ def run_suite(args, opts: suites.Options) -> int:
           + "; ".join(f"{p} = {suites.PHASE_TEXT[p]}" for p in opts.phases))
     progress = Progress(len(rows) * len(opts.phases) * len(opts.variants), opts.suite.name)
     flush = flush_buffer(device)
+    from .suite_calls import build_calls  # torch on the GPU: imported when a suite runs
     results = measure_rows(opts, rows, device=device, iters=args.iters, warmup=args.warmup,
-                           flush=flush, progress=progress)
+                           flush=flush, progress=progress, build=build_calls)
     progress.close()
     print()
     print(suites.format_results(opts, results))

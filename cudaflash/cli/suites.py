@@ -353,12 +353,11 @@ class RowResult:
 
 
 def measure_rows(opts: "Options", rows: list, *, device, iters: int, warmup: int,
-                 flush, progress, build=None, timer=time_in_turns) -> list:
-    """``RowResult`` per row: the suite's calls (``suite_calls.build_calls``, or
-    ``build``) timed with ``timer``, variants and phases taking turns. A row whose tensors
-    cannot be made (out of memory) gets that reason for every call."""
-    if build is None:
-        from .suite_calls import build_calls as build  # torch on the GPU: imported when used
+                 flush, progress, build: Callable, timer=time_in_turns) -> list:
+    """``RowResult`` per row: the suite's calls (``build(opts, row, device)``:
+    ``suite_calls.build_calls`` on the GPU, stand-ins in the tests) timed with ``timer``,
+    variants and phases taking turns. A row whose tensors cannot be made (out of memory)
+    gets that reason for every call."""
     results = []
     for row in rows:
         what = " ".join(f"{k}={v}" for k, v in row.fields)
