@@ -1,0 +1,63 @@
+"""The torch.compile surface without a GPU: the ``cudaflash::*`` custom ops are registered
+with their schemas, their fake implementations give the outputs' shapes and dtypes, and a
+traced flash_attn_func becomes one ``cudaflash::fwd`` node. CPU only, so that CI runs it on
+every torch the README names (the oldest included); tests/test_gpu_*.py run the same ops
+compiled on the GPU."""
+
+import pytest
+import torch
+
+import cudaflash
+from cudaflash import _autograd  # noqa: F401  (registers the ops)
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def test_ops_are_registered_with_their_schemas():
+    fwd = str(torch.ops.cudaflash.fwd.default._schema)
+    assert fwd.startswith("cudaflash::fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale, "
+                          "bool causal, bool deterministic=False, int window_left=-1, "
+                          "int window_right=-1, float softcap=0.")
+    assert "Tensor lse" in str(torch.ops.cudaflash.bwd.default._schema)
+    assert "int max_seqlen_q" in str(torch.ops.cudaflash.varlen_fwd.default._schema)
+
+
+def test_fake_implementations_give_shapes_and_dtypes():
+    q, k, v = meta(2, 100, 8, 64), meta(2, 300, 2, 64), meta(2, 300, 2, 64)
+    out, lse = torch.ops.cudaflash.fwd(q, k, v, None, True)
+    assert (out.shape, out.dtype, out.device.type) == (q.shape, q.dtype, "meta")
+    assert (lse.shape, lse.dtype) == ((2, 8, 100), torch.float32)
+    dq, dk, dv = torch.ops.cudaflash.bwd(torch.empty_like(q), q, k, v, out, lse, None, True,
+                                         False)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert dq.dtype == dk.dtype == dv.dtype == q.dtype
+    qp, kp = meta(250, 8, 128, dtype=torch.float16), meta(400, 2, 128, dtype=torch.float16)
+    cu = meta(3, dtype=torch.int32)
+    out, lse = torch.ops.cudaflash.varlen_fwd(qp, kp, kp, cu, cu, 200, 300, None, False)
+    assert (out.shape, out.dtype) == (qp.shape, torch.float16)
+    assert (lse.shape, lse.dtype) == ((8, 250), torch.float32)
+
+
+class Attention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return cudaflash.flash_attn_func(q, k, v, causal=True, window_size=(64, 0))
+
+
+def test_traced_flash_attn_func_is_one_op():
+    """torch.export traces with fake tensors (the op's body never runs), through dynamo as
+    torch.compile does: the graph must hold cudaflash::fwd with the call's arguments."""
+    q = torch.randn(1, 128, 4, 64, dtype=torch.bfloat16)
+    k = v = torch.randn(1, 128, 2, 64, dtype=torch.bfloat16)
+    try:
+        exported = torch.export.export(Attention(), (q, k, v))
+    except Exception as e:  # an export limitation of this torch, not of cudaflash
+        if "cudaflash" in str(e):
+            raise
+        pytest.skip(f"torch {torch.__version__} cannot export this module: {e}")
+    calls = [n for n in exported.graph.nodes if n.op == "call_function"
+             and "cudaflash" in str(n.target)]
+    assert [str(n.target) for n in calls] == ["cudaflash.fwd.default"]
+    args = calls[0].args
+    assert args[4] is True and tuple(args[6:8]) == (64, 0)  # causal, window
