@@ -313,15 +313,23 @@ def expected_files(spec: Spec) -> set:
 # ---- toolchain and hashing ---------------------------------------------------------------
 
 
-def find_nvcc(explicit: Optional[str] = None) -> str:
-    """--nvcc, else $CUDAFLASH_NVCC, else $CUDA_HOME/bin/nvcc, else nvcc on PATH."""
-    for origin, candidate in (("--nvcc", explicit),
-                              ("CUDAFLASH_NVCC", os.environ.get("CUDAFLASH_NVCC"))):
+def _named_tool(tool: str, explicit: Optional[str]) -> Optional[str]:
+    """The ``tool`` that --<tool> or $CUDAFLASH_<TOOL> names (in that order), or None."""
+    variable = f"CUDAFLASH_{tool.upper()}"
+    for origin, candidate in ((f"--{tool}", explicit), (variable, os.environ.get(variable))):
         if candidate:
             path = shutil.which(candidate)
             if path is None:
-                raise BuildError(f"{origin}={candidate!r} is not an executable nvcc")
+                raise BuildError(f"{origin}={candidate!r} is not an executable {tool}")
             return path
+    return None
+
+
+def find_nvcc(explicit: Optional[str] = None) -> str:
+    """--nvcc, else $CUDAFLASH_NVCC, else $CUDA_HOME/bin/nvcc, else nvcc on PATH."""
+    named = _named_tool("nvcc", explicit)
+    if named:
+        return named
     cuda_home = os.environ.get("CUDA_HOME")
     if cuda_home:
         path = Path(cuda_home) / "bin" / "nvcc"
@@ -353,13 +361,9 @@ def find_ptxas(nvcc: str, explicit: Optional[str] = None) -> str:
     """--ptxas, else $CUDAFLASH_PTXAS, else the CUDA 12 ptxas of the nvidia-cuda-nvcc-cu12
     package on sys.path, else the ptxas beside nvcc (with a CUDA 13 nvcc, its cubins need a
     CUDA 13 driver, R580+: the manifest records it)."""
-    for origin, candidate in (("--ptxas", explicit),
-                              ("CUDAFLASH_PTXAS", os.environ.get("CUDAFLASH_PTXAS"))):
-        if candidate:
-            path = shutil.which(candidate)
-            if path is None:
-                raise BuildError(f"{origin}={candidate!r} is not an executable ptxas")
-            return path
+    named = _named_tool("ptxas", explicit)
+    if named:
+        return named
     for site in sys.path:
         for name in ("ptxas", "ptxas.exe"):
             path = Path(site or ".") / PIP_PTXAS / name

@@ -235,6 +235,27 @@ def test_find_nvcc_errors(monkeypatch, tmp_path):
         build_cubins.find_nvcc()
 
 
+def test_find_ptxas_order(monkeypatch, tmp_path):
+    def executable(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("#!/bin/sh\n")
+        path.chmod(0o755)
+        return str(path)
+
+    nvcc = executable(tmp_path / "cuda" / "bin" / "nvcc")
+    beside = executable(tmp_path / "cuda" / "bin" / "ptxas")
+    monkeypatch.delenv("CUDAFLASH_PTXAS", raising=False)
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "site")])
+    assert build_cubins.find_ptxas(nvcc) == beside  # no CUDA 12 package: the one beside nvcc
+    pip = executable(tmp_path / "site" / "nvidia" / "cuda_nvcc" / "bin" / "ptxas")
+    assert build_cubins.find_ptxas(nvcc) == pip  # the nvidia-cuda-nvcc-cu12 package's
+    named = executable(tmp_path / "other" / "ptxas")
+    monkeypatch.setenv("CUDAFLASH_PTXAS", named)
+    assert build_cubins.find_ptxas(nvcc) == named
+    with pytest.raises(build_cubins.BuildError, match="--ptxas='/no/ptxas' is not an executable"):
+        build_cubins.find_ptxas(nvcc, "/no/ptxas")
+
+
 def test_config_and_selection_load_without_torch():
     # build_cubins.py runs in pip's build env, which has no torch (nor numpy, nor cudaflash).
     code = ("import sys, build_cubins; bad = {'torch', 'numpy', 'cudaflash'} & set(sys.modules); "
