@@ -74,8 +74,8 @@ YAML_KEYS = ("archs", "ptx_arch", "defaults", "configs", "selection", "backward"
 
 
 def _load_cudaflash_modules():
-    """Import cudaflash/config.py, selection.py, driver_compat.py and manifest.py (which
-    writes the manifest) without cudaflash/__init__.py.
+    """Import cudaflash/config.py, config_file.py, selection.py, driver_compat.py and
+    manifest.py (which writes the manifest) without cudaflash/__init__.py.
 
     The package __init__ imports torch, which pip's build environment does not have. A
     stand-in package whose __path__ is the cudaflash directory lets selection.py keep its
@@ -88,12 +88,13 @@ def _load_cudaflash_modules():
         pkg.__path__ = [str(ROOT / "cudaflash")]
         sys.modules[pkg_name] = pkg
     return (importlib.import_module(f"{pkg_name}.config"),
+            importlib.import_module(f"{pkg_name}.config_file"),
             importlib.import_module(f"{pkg_name}.selection"),
             importlib.import_module(f"{pkg_name}.driver_compat"),
             importlib.import_module(f"{pkg_name}.manifest"))
 
 
-config, selection, driver_compat, manifest = _load_cudaflash_modules()
+config, config_file, selection, driver_compat, manifest = _load_cudaflash_modules()
 ConfigError = config.ConfigError
 MANIFEST_NAME, KINDS = manifest.MANIFEST_NAME, manifest.KINDS
 write_atomic = manifest.write_atomic
@@ -185,7 +186,7 @@ def ptxas_argv(cfg, arch: int, kind: str, *, ptxas: str, ptx: Path, out: Path) -
 
 def load_spec(path: Path) -> Spec:
     where = path.name
-    data = config.read_yaml(path, "config file")
+    data = config_file.read_yaml(path, "config file")
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping with keys {list(YAML_KEYS)}")
     unknown = sorted(set(data) - set(YAML_KEYS), key=str)
@@ -217,7 +218,7 @@ def load_spec(path: Path) -> Spec:
         if not isinstance(entry, dict):
             raise ConfigError(f"{label} must be a mapping of config fields, got {entry!r}")
         fields = {k: v for k, v in entry.items() if k != "archs"}
-        expanded = config.expand_config_entries([fields], defaults, where=label)
+        expanded = config_file.expand_config_entries([fields], defaults, where=label)
         if "archs" in entry:
             only = entry["archs"]
             if not isinstance(only, list) or not only or any(a not in archs for a in only):
@@ -237,7 +238,7 @@ def load_spec(path: Path) -> Spec:
         if not isinstance(entry, dict):
             raise ConfigError(f"{label} must be a mapping of config fields, got {entry!r}")
         fields = {k: v for k, v in entry.items() if k != "scheme"}
-        expanded = config.expand_config_entries([fields], where=label,
+        expanded = config_file.expand_config_entries([fields], where=label,
                                                 cls=config.BackwardConfig)
         schemes = entry.get("scheme", list(config.BACKWARD_SCHEMES))
         schemes = schemes if isinstance(schemes, list) else [schemes]

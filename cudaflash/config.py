@@ -60,10 +60,9 @@ One Hopper knob beyond the seed, also optional (default false):
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 DTYPES = ("fp16", "bf16")
 D_HEADS = (64, 128, 256)
@@ -116,20 +115,6 @@ class EntryRole:
 
 class ConfigError(ValueError):
     """A kernel config that cannot be built; the message names the config and the field."""
-
-
-def read_yaml(path, what: str):
-    """The parsed yaml file at ``path``; an unreadable or malformed file is a ConfigError
-    naming the path and ``what`` it should hold."""
-    import yaml  # imported here: the rest of this module is stdlib-only
-
-    try:
-        with open(path) as f:
-            return yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the {what}: {e}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid yaml: {e}") from None
 
 
 @dataclass(frozen=True, order=True)
@@ -581,30 +566,3 @@ def _from_dict(cls, data: Mapping[str, Any], where: str):
     if errs:
         raise ConfigError(f"{where} ({cfg.name}): " + "; ".join(errs))
     return cfg
-
-
-def expand_config_entries(entries: Iterable[Mapping[str, Any]],
-                          defaults: Mapping[str, Any] | None = None,
-                          where: str = "configs", cls=KernelConfig) -> list:
-    """Expand yaml config entries into validated configs.
-
-    Each entry is merged over ``defaults``; any field given as a list expands into the
-    cartesian product of its values (``dtype: [fp16, bf16]`` gives two configs).
-    Duplicates are an error: two entries must not describe the same kernel.
-    """
-    configs: list[KernelConfig] = []
-    seen: dict[KernelConfig, str] = {}
-    for i, entry in enumerate(entries):
-        if not isinstance(entry, Mapping):
-            raise ConfigError(f"{where}[{i}] must be a mapping of config fields, got {entry!r}")
-        merged = {**(defaults or {}), **entry}
-        keys = list(merged)
-        choices = [v if isinstance(v, list) else [v] for v in merged.values()]
-        for combo in itertools.product(*choices):
-            label = f"{where}[{i}]"
-            cfg = cls.from_dict(dict(zip(keys, combo)), where=label)
-            if cfg in seen:
-                raise ConfigError(f"{label}: {cfg.name} is already listed by {seen[cfg]}")
-            seen[cfg] = label
-            configs.append(cfg)
-    return configs

@@ -162,12 +162,3 @@ def min_driver(kind: str, data: bytes) -> int:
     if kind == "ptx":
         return ptx_min_driver(ptx_isa(data.decode("ascii", errors="replace")))
     raise ValueError(f"kind={kind!r}; allowed: 'cubin', 'ptx'")
-
-
-def file_toolkit(kind: str, data: bytes) -> str:
-    """What the manifest records as a file's format: the cubin's toolkit family, or the PTX
-    ISA as 'ptx X.Y'."""
-    if kind == "cubin":
-        return cubin_toolkit(data)
-    isa = ptx_isa(data.decode("ascii", errors="replace"))
-    return f"ptx {isa[0]}.{isa[1]}"

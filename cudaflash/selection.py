@@ -22,7 +22,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Tuple
 
-from .config import DTYPES, ConfigError, KernelConfig, read_yaml
+from .config import DTYPES, ConfigError, KernelConfig
+from .config_file import read_yaml
 
 CONDITION_KEYS = ("arch", "dtype", "d_head", "causal", "max_seqlen_q", "max_seqlen_k")
 RULE_KEYS = CONDITION_KEYS + ("config",)

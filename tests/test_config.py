@@ -12,6 +12,7 @@ import pytest
 import build_cubins
 
 config = build_cubins.config
+config_file = build_cubins.config_file
 ConfigError = config.ConfigError
 KernelConfig = config.KernelConfig
 
@@ -166,28 +167,28 @@ def test_from_name_rejects_non_canonical_name():
 
 
 def test_expand_lists_to_cartesian_product():
-    cfgs = config.expand_config_entries([{**BASE, "dtype": ["fp16", "bf16"]}])
+    cfgs = config_file.expand_config_entries([{**BASE, "dtype": ["fp16", "bf16"]}])
     assert [c.dtype for c in cfgs] == ["fp16", "bf16"]
     assert cfgs[0] == dataclasses.replace(cfgs[1], dtype="fp16")
 
 
 def test_expand_merges_defaults():
     defaults = {k: v for k, v in BASE.items() if k not in ("dtype", "d_head")}
-    (cfg,) = config.expand_config_entries([{"dtype": "fp16", "d_head": 128}], defaults)
+    (cfg,) = config_file.expand_config_entries([{"dtype": "fp16", "d_head": 128}], defaults)
     assert cfg == KernelConfig(**{**BASE, "dtype": "fp16"})
 
 
 def test_duplicate_configs_are_rejected():
     entries = [{**BASE, "dtype": ["fp16", "bf16"]}, dict(BASE)]
     with pytest.raises(ConfigError) as exc:
-        config.expand_config_entries(entries, where="configs")
+        config_file.expand_config_entries(entries, where="configs")
     name = KernelConfig(**BASE).name
     assert str(exc.value) == f"configs[1]: {name} is already listed by configs[0]"
 
 
 def test_entry_must_be_a_mapping():
     with pytest.raises(ConfigError, match=r"configs\[0\] must be a mapping"):
-        config.expand_config_entries(["fwd_bf16"])
+        config_file.expand_config_entries(["fwd_bf16"])
 
 
 def test_smem_and_threads():
