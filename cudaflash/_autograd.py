@@ -10,6 +10,18 @@ import torch
 from . import _call, _checks, backward, dispatch, heuristics
 
 
+def _keep_call(ctx, softmax_scale, d_head: int, causal, window, seqlen_k: int, softcap,
+               lse) -> None:
+    """What both autograd functions' backward reads of the call: the scale, causal, the
+    window as the forward's kernel took it (clamped by ``seqlen_k``, causal as right 0) and
+    the cap; lse is an output without a gradient."""
+    ctx.scale = _checks.softmax_scale(softmax_scale, d_head)
+    ctx.causal = bool(causal)
+    ctx.kernel_window = heuristics.kernel_window(window, seqlen_k, ctx.causal)
+    ctx.softcap = softcap
+    ctx.mark_non_differentiable(lse)
+
+
 class FlashAttnFunction(torch.autograd.Function):
     """flash_attn_func with gradients: the forward also keeps the lse, the backward runs
     backward.run. Inside forward grad mode is off, so the checked forward takes its usual
@@ -25,13 +37,8 @@ class FlashAttnFunction(torch.autograd.Function):
         dispatch.check_backward_supported(q.get_device(), q.dtype, q.shape[3],
                                           backward.scheme(deterministic, softcap))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale = _checks.softmax_scale(softmax_scale, q.shape[3])
-        ctx.causal = bool(causal)
         ctx.deterministic = deterministic
-        # The window as the forward's kernel took it (clamped by seqlen_k, causal as right 0).
-        ctx.kernel_window = heuristics.kernel_window(window, k.shape[1], ctx.causal)
-        ctx.softcap = softcap
-        ctx.mark_non_differentiable(lse)
+        _keep_call(ctx, softmax_scale, q.shape[3], causal, window, k.shape[1], softcap, lse)
         return out, lse
 
     @staticmethod
@@ -73,12 +80,9 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         dispatch.check_backward_supported(q.get_device(), q.dtype, q.shape[2], "deterministic")
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.max_seqlens = (int(max_seqlen_q), int(max_seqlen_k))
-        ctx.scale = _checks.softmax_scale(softmax_scale, q.shape[2])
-        ctx.causal = bool(causal)
-        # As the forward's kernel took it: clamped by max_seqlen_k (flash-attn's rule).
-        ctx.kernel_window = heuristics.kernel_window(window, ctx.max_seqlens[1], ctx.causal)
-        ctx.softcap = softcap
-        ctx.mark_non_differentiable(lse)
+        # The window clamped by max_seqlen_k (flash-attn's rule for packed batches).
+        _keep_call(ctx, softmax_scale, q.shape[2], causal, window, ctx.max_seqlens[1], softcap,
+                   lse)
         return out, lse
 
     @staticmethod

@@ -16,6 +16,14 @@ INT32_MAX = 2**31 - 1  # Params sizes are int32
 _DIMS = ("batch", "seqlen", "head")
 
 
+def attention_options(dropout_p, alibi_slopes, window_size,
+                      softcap) -> tuple[tuple[int, int], float]:
+    """The options every attention entry checks alike: dropout and ALiBi refused, the window
+    as checked (left, right) ints, the softcap as a checked float."""
+    reject_unsupported(dropout_p, alibi_slopes)
+    return check_window(window_size), check_softcap(softcap)
+
+
 def reject_unsupported(dropout_p, alibi_slopes) -> None:
     if dropout_p != 0.0:
         raise NotImplementedError(f"dropout_p={dropout_p!r}: cudaflash has no dropout; pass "

@@ -133,9 +133,7 @@ def _attention_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, s
     """flash_attn_func past its plan: every argument checked; head dims without a kernel
     padded; torch.compile's custom op, a sliding window, gradients or a plain forward (which
     records a plan for the next call)."""
-    _checks.reject_unsupported(dropout_p, alibi_slopes)
-    window = _checks.check_window(window_size)
-    softcap = _checks.check_softcap(softcap)
+    window, softcap = _checks.attention_options(dropout_p, alibi_slopes, window_size, softcap)
     padded = _padding.padded_head_dim(q, k, v)
     if padded is not None:
         return _padding.with_padded_head_dim(
@@ -211,9 +209,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     window = (-1, -1)
     if not (dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
             and type(window_size) is tuple and window_size == (-1, -1)):
-        _checks.reject_unsupported(dropout_p, alibi_slopes)
-        window = _checks.check_window(window_size)
-        softcap = _checks.check_softcap(softcap)
+        window, softcap = _checks.attention_options(dropout_p, alibi_slopes, window_size, softcap)
     else:
         softcap = 0.0
     if block_table is not None:

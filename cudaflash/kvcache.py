@@ -86,9 +86,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if value is not None:
             raise NotImplementedError(f"{name} is a {type(value).__name__}: not implemented in "
                                       f"cudaflash; pass {name}=None")
-    _checks.reject_unsupported(0.0, alibi_slopes)
-    window = _checks.check_window(window_size)
-    softcap = _checks.check_softcap(softcap)
+    window, softcap = _checks.attention_options(0.0, alibi_slopes, window_size, softcap)
     padded = _padding.padded_head_dim(q, k_cache, v_cache)
     if padded is not None:
         return _padding.with_padded_head_dim(
