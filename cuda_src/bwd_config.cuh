@@ -5,7 +5,7 @@
 // Build one config by hand (what build_cubins.py does):
 //   nvcc -cubin -gencode arch=compute_90,code=sm_90 -O3 -std=c++17 -I cuda_src \
 //        -DCF_DTYPE_BF16=1 -DCF_D_HEAD=128 -DCF_B_R=64 -DCF_B_C=64 -DCF_N_WARPS=4 \
-//        -DCF_WGMMA=0 cuda_src/flash_bwd.cu -o bwd.cubin
+//        -DCF_WGMMA=0 -DCF_WARP_SPECIALIZED=0 cuda_src/flash_bwd.cu -o bwd.cubin
 // (CF_WGMMA=1 needs the arch-specific target: arch=compute_90a,code=sm_90a.)
 #pragma once
 #include <cuda_bf16.h>
@@ -13,7 +13,7 @@
 #include <type_traits>
 
 #if !defined(CF_DTYPE_BF16) || !defined(CF_D_HEAD) || !defined(CF_B_R) || !defined(CF_B_C) || \
-    !defined(CF_N_WARPS) || !defined(CF_WGMMA)
+    !defined(CF_N_WARPS) || !defined(CF_WGMMA) || !defined(CF_WARP_SPECIALIZED)
 #error "define every CF_* macro: see cudaflash.config.BackwardConfig.nvcc_defines()"
 #endif
 
@@ -72,6 +72,14 @@ struct BwdConfig {
     // keeps the atomics. cudaflash.config.BackwardConfig.dkdv_dq_smem_bytes mirrors this.
     static constexpr bool kBulkDq = kWgmma && kDHead == 128;
     static constexpr int kDqRowFloats = kDHead;
+
+    // The atomic scheme's dK/dV + dQ kernel warp-specialized (bwd_warp_specialized.cuh): a
+    // producer warpgroup (loads, dQ bulk reductions) beside the kWarps consumer warps, so its
+    // entries launch kFusedThreads threads.
+    static constexpr bool kWarpSpecialized = CF_WARP_SPECIALIZED;
+    static_assert(!kWarpSpecialized || (kWgmma && kWarps == 8 && kBr == 64),
+                  "warp_specialized needs wgmma, n_warps 8 and B_r 64");
+    static constexpr int kFusedThreads = kThreads + (kWarpSpecialized ? 128 : 0);
 };
 
 }  // namespace cudaflash

@@ -73,6 +73,47 @@ struct TileCopy {
     }
 };
 
+// A (kRows, d_head) tile copied by kThreads threads of a warp-specialized role (`tid` in
+// [0, kThreads)), in TileCopy's layout, with the row loop left rolled: a role with few
+// registers (the producer) cannot hold every pass's 64-bit address at once. load_rows_by:
+// global -> shared by cp.async, rows at or past valid_rows zero-filled; store_rows_by: shared
+// -> global, rows below valid_rows only.
+template <class C, int kRows, int kThreads>
+__device__ __forceinline__ void load_rows_by(typename C::elem_t* smem,
+                                             const typename C::elem_t* gmem, int64_t row_stride,
+                                             int valid_rows, unsigned tid) {
+    static_assert(kThreads % 8 == 0 && kRows % (kThreads / 8) == 0, "whole rows per pass");
+    const int chunk = tid % 8;
+#pragma unroll 1
+    for (int row = tid / 8; row < kRows; row += kThreads / 8) {
+        const bool valid = row < valid_rows;
+        // A masked row still needs an address; row 0 always exists.
+        const typename C::elem_t* src = gmem + (valid ? row * row_stride : 0) + chunk * 8;
+#pragma unroll
+        for (int slab = 0; slab < C::kSlabs; ++slab)
+            cp_async_16(smem_addr(smem + SmemTile<C>::template offset<kRows>(row, slab * 8 + chunk)),
+                        src + slab * C::kSlab, valid ? 16 : 0);
+    }
+}
+
+template <class C, int kRows, int kThreads>
+__device__ __forceinline__ void store_rows_by(typename C::elem_t* gmem,
+                                              const typename C::elem_t* smem, int64_t row_stride,
+                                              int valid_rows, unsigned tid) {
+    static_assert(kThreads % 8 == 0 && kRows % (kThreads / 8) == 0, "whole rows per pass");
+    const int chunk = tid % 8;
+#pragma unroll
+    for (int row = tid / 8; row < kRows; row += kThreads / 8) {
+        if (row >= valid_rows) break;
+#pragma unroll
+        for (int slab = 0; slab < C::kSlabs; ++slab) {
+            const uint4 v = *reinterpret_cast<const uint4*>(
+                smem + SmemTile<C>::template offset<kRows>(row, slab * 8 + chunk));
+            *reinterpret_cast<uint4*>(gmem + row * row_stride + slab * C::kSlab + chunk * 8) = v;
+        }
+    }
+}
+
 // Completion of the copies issued so far (a no-op for synchronous copies, which complete in
 // program order; the caller's __syncthreads makes them visible). With wgmma the tensor cores
 // read shared memory through the async proxy, so the wait ends with a proxy fence.

@@ -158,10 +158,11 @@ __device__ __forceinline__ void gemm_regs_tile(float (&acc)[kD / 8][4],
 
 // The lse of one query row as the exponent offset in log2 units. A row that saw no key in the
 // forward (lse = -inf) and rows past the sequence get +inf, so its P = exp2(s - inf) = 0.
+__device__ __forceinline__ float lse_log2_of(float lse, bool valid) {
+    return !valid || lse == -INFINITY ? INFINITY : lse * kLog2e;
+}
 __device__ __forceinline__ float lse_log2(const BwdParams& p, int64_t row_index, bool valid) {
-    if (!valid) return INFINITY;
-    const float lse = p.lse[row_index];
-    return lse == -INFINITY ? INFINITY : lse * kLog2e;
+    return valid ? lse_log2_of(p.lse[row_index], true) : INFINITY;
 }
 
 // Accumulators (16 x d_head per warp, times `scale`) -> the warp's rows of a shared tile, as
@@ -190,11 +191,31 @@ __device__ __forceinline__ void acc_to_tile(elem_t* tile, const float (&acc)[kN]
         }
 }
 
-// Row `row` of query head `head` in the float32 dQ accumulator: kD floats per row, at the
-// row's lse index ((batch, n_heads, seqlen_q, d), or (n_heads, total_q, d) when packed).
+// The atomic scheme's float32 dQ accumulator: (batch, n_heads, seqlen_q rounded up to
+// kDqTileRows, d_head), so that each 64-row query tile of a head is one contiguous block that
+// a bulk reduction can add whole (the rows past seqlen_q are never converted). Row order,
+// except in warp-specialized modules: their dK/dV kernel adds each tile in its consumers'
+// fragment order (dq_tile_index) and their dq_convert reads it back in that order.
+constexpr int kDqTileRows = 64;
+__device__ __forceinline__ int dq_accum_rows(const BwdParams& p) {
+    return (p.seqlen_q + kDqTileRows - 1) / kDqTileRows * kDqTileRows;
+}
 __device__ __forceinline__ float* dq_accum_row(const BwdParams& p, int batch, int head,
                                                int row) {
-    return p.dq_accum + (batch * p.lse_batch_stride + head * p.lse_head_stride + row) * kD;
+    return p.dq_accum + ((int64_t(batch) * p.n_heads + head) * dq_accum_rows(p) + row) * kD;
+}
+
+// Where element (r, c) of a 64-row dQ tile lies in the warp-specialized kernel's order: the
+// consumer warps' fragments one after another, float4 per lane per n8 block. Consumer warp w
+// (warpgroup w / 4) holds rows 16 (w % 4) + lane / 4 (+ 8) of the columns of its warpgroup's
+// half of d_head; n8 block j of it is float4 j * 32 + lane of the warp's block, holding
+// (row, c), (row, c + 1), (row + 8, c), (row + 8, c + 1).
+__device__ __forceinline__ int dq_tile_index(int r, int c) {
+    constexpr int kHalf = kD / 2;  // columns per consumer warpgroup
+    const int warp = 4 * (c / kHalf) + r / 16;
+    const int lane = 4 * (r % 8) + (c % 8) / 2;
+    const int block = warp * (kHalf / 8) + (c % kHalf) / 8;
+    return (block * 32 + lane) * 4 + 2 * (r % 16 / 8) + c % 2;
 }
 
 // Batch entry `batch` of a packed batch (p.cu_seqlens_q non-null) as a batch of its own: its
@@ -268,6 +289,14 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& p) {
     const int row = blockIdx.x * kPreprocessRows + threadIdx.x / 32;
     const int head = blockIdx.y;
     const int batch = blockIdx.z;
+    if (p.dq_accum != nullptr && row < dq_accum_rows(p)) {
+        // The atomic scheme: its dQ accumulator starts at zero, the tail tile's padding too
+        // (the grid covers dq_accum_rows; any order of a tile's elements is zeroed alike).
+        float* accum = dq_accum_row(p, batch, head, row);
+#pragma unroll
+        for (int c = 2 * lane; c < kD; c += 64)
+            *reinterpret_cast<float2*>(accum + c) = make_float2(0.f, 0.f);
+    }
     if (row >= p.seqlen_q) return;
     const elem_t* o = row_of(static_cast<const elem_t*>(p.o), p.o_strides, batch, row, head);
     const elem_t* dout =
@@ -282,12 +311,6 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& p) {
 #pragma unroll
     for (int m = 16; m > 0; m /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, m);
     if (lane == 0) p.delta[batch * p.lse_batch_stride + head * p.lse_head_stride + row] = sum;
-    if (p.dq_accum != nullptr) {  // the atomic scheme: its dQ accumulator starts at zero
-        float* accum = dq_accum_row(p, batch, head, row);
-#pragma unroll
-        for (int c = 2 * lane; c < kD; c += 64)
-            *reinterpret_cast<float2*>(accum + c) = make_float2(0.f, 0.f);
-    }
 }
 
 // ---- dQ = softmax_scale * accumulator (the atomic scheme) -----------------------------------
@@ -298,11 +321,16 @@ __device__ __forceinline__ void bwd_dq_convert(const BwdParams& p) {
     const int head = blockIdx.y;
     const int batch = blockIdx.z;
     if (row >= p.seqlen_q) return;
-    const float* accum = dq_accum_row(p, batch, head, row);
     elem_t* dq = row_of(static_cast<elem_t*>(p.dq), p.dq_strides, batch, row, head);
 #pragma unroll
     for (int c = 2 * lane; c < kD; c += 64) {
-        const float2 x = *reinterpret_cast<const float2*>(accum + c);
+        // Warp-specialized modules: the tile's elements in fragment order (dq_tile_index).
+        const float* x_at =
+            C::kWarpSpecialized
+                ? dq_accum_row(p, batch, head, row / kDqTileRows * kDqTileRows) +
+                      dq_tile_index(row % kDqTileRows, c)
+                : dq_accum_row(p, batch, head, row) + c;
+        const float2 x = *reinterpret_cast<const float2*>(x_at);
         *reinterpret_cast<uint32_t*>(dq + c) =
             pack_2<C::kBf16>(x.x * p.softmax_scale, x.y * p.softmax_scale);
     }
@@ -455,6 +483,76 @@ __device__ __forceinline__ void ds_k(float (&acc)[C::kDqWgCols / 8][4], uint32_t
 
 }  // namespace wg
 
+// ---- the dK/dV kernels' steps -----------------------------------------------------------------
+
+// The query tiles (kQ rows each) of one query head that see some key of the CTA's keys
+// key0..key0 + key_rows - 1: tiles first..first + per_head - 1. With the window: rows from the
+// first whose window reaches key0 (right side) to the last whose window starts at or before
+// the last key (left side). Without (kWindow false: causal or full): from the tile holding row
+// key0 - shift when causal.
+struct QueryTiles {
+    int first, per_head;
+};
+template <int kQ, bool kWindow>
+__device__ __forceinline__ QueryTiles query_tiles(const BwdParams& p, int key0, int key_rows) {
+    const int shift = p.seqlen_k - p.seqlen_q;  // query i sees keys j <= i + shift (causal)
+    const int n_q_tiles = (p.seqlen_q + kQ - 1) / kQ;
+    QueryTiles t;
+    if constexpr (kWindow) {
+        const int first_row = p.window_right >= 0 ? max(key0 - shift - p.window_right, 0) : 0;
+        const int end_row =
+            p.window_left >= 0 ? min(key0 + key_rows - shift + p.window_left, p.seqlen_q)
+                               : p.seqlen_q;
+        t.first = min(first_row / kQ, n_q_tiles);
+        t.per_head = end_row > first_row ? (end_row + kQ - 1) / kQ - t.first : 0;
+    } else {
+        t.first = p.is_causal ? min(max(key0 - shift, 0) / kQ, n_q_tiles) : 0;
+        t.per_head = n_q_tiles - t.first;
+    }
+    return t;
+}
+
+// P^T = exp(scale * K Q^T - lse), in place of the scores: a warp's 16 keys x kQ query columns
+// in the m16n8 accumulator layout (the warp's first key is warp_key0). Masked
+// (0) only where `mask` says the step's tile is cut by the window's edges or the causal
+// diagonal; lse and columns in log2 units as sLse holds them.
+template <int kQ, bool kWindow, bool kSoftcap>
+__device__ __forceinline__ void step_probabilities(float (&P)[kQ / 8][4], const BwdParams& p,
+                                                   const float* lse, bool mask,
+                                                   const WindowBounds& window, int warp_key0,
+                                                   int q0, int shift) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int nj = 0; nj < kQ / 8; ++nj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int col = nj * 8 + 2 * (lane % 4) + e % 2;
+            const float score = kSoftcap ? tanh_approx(P[nj][e] * p.softcap_pre) : P[nj][e];
+            float x = ex2(fmaf(score, p.scale_log2, -lse[col]));
+            const int key = warp_key0 + lane / 4 + 8 * (e / 2);
+            if (mask &&
+                (kWindow ? window.hides(key - q0 - col - shift) : key > q0 + col + shift))
+                x = 0.f;
+            P[nj][e] = x;
+        }
+}
+
+// dS^T = P^T * (dP^T - delta), in place of dP^T = V dO^T (times the softcap's slope).
+template <int kQ, bool kSoftcap>
+__device__ __forceinline__ void step_score_grads(float (&dS)[kQ / 8][4],
+                                                 const float (&P)[kQ / 8][4], const BwdParams& p,
+                                                 const float* lse, const float* delta) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int nj = 0; nj < kQ / 8; ++nj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int col = nj * 8 + 2 * (lane % 4) + e % 2;
+            dS[nj][e] = P[nj][e] * (dS[nj][e] - delta[col]);
+            if constexpr (kSoftcap) dS[nj][e] *= softcap_slope(P[nj][e], lse[col], p.scale_log2);
+        }
+}
+
 // ---- dK, dV ---------------------------------------------------------------------------------
 
 // kFuseDq: also add dQ += dS K for every step to the float32 accumulator (atomic scheme).
@@ -495,22 +593,8 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
     const int shift = p.seqlen_k - p.seqlen_q;  // query i sees keys j <= i + shift (causal)
     const WindowBounds window(p);
 
-    // The query tiles that see some key of this CTA. With the window: rows from the first
-    // whose window reaches key0 (right side) to the last whose window starts at or before the
-    // last key (left side). Causal only: from the tile holding row key0 - shift.
-    const int n_q_tiles = (p.seqlen_q + kQ - 1) / kQ;
-    int first_tile, tiles_per_head;
-    if constexpr (kWindow) {
-        const int first_row = p.window_right >= 0 ? max(key0 - shift - p.window_right, 0) : 0;
-        const int end_row =
-            p.window_left >= 0 ? min(key0 + key_rows - shift + p.window_left, p.seqlen_q)
-                               : p.seqlen_q;
-        first_tile = min(first_row / kQ, n_q_tiles);
-        tiles_per_head = end_row > first_row ? (end_row + kQ - 1) / kQ - first_tile : 0;
-    } else {
-        first_tile = p.is_causal ? min(max(key0 - shift, 0) / kQ, n_q_tiles) : 0;
-        tiles_per_head = n_q_tiles - first_tile;
-    }
+    const QueryTiles tiles = query_tiles<kQ, kWindow>(p, key0, key_rows);
+    const int first_tile = tiles.first, tiles_per_head = tiles.per_head;
     const int n_steps = group * tiles_per_head;  // (query head, query tile) pairs, in order
 
     using KeyCopy = TileCopy<C, kKeys>;
@@ -599,32 +683,11 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
             kWindow ? window.cuts(key0 - (q0 + kQ - 1) - shift, key0 + kKeys - 1 - q0 - shift)
                     : p.is_causal && q0 + shift < key0 + kKeys - 1;
         auto probabilities = [&](float (&P)[kQ / 8][4]) {
-#pragma unroll
-            for (int nj = 0; nj < kQ / 8; ++nj)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int col = nj * 8 + 2 * (lane % 4) + e % 2;
-                    const float score =
-                        kSoftcap ? tanh_approx(P[nj][e] * p.softcap_pre) : P[nj][e];
-                    float x = ex2(fmaf(score, p.scale_log2, -lse[col]));
-                    const int key = key0 + row0 + lane / 4 + 8 * (e / 2);
-                    if (mask && (kWindow ? window.hides(key - q0 - col - shift)
-                                         : key > q0 + col + shift))
-                        x = 0.f;
-                    P[nj][e] = x;
-                }
+            step_probabilities<kQ, kWindow, kSoftcap>(P, p, lse, mask, window,
+                                                      key0 + row0, q0, shift);
         };
-        // dS^T = P^T * (dP^T - delta), in place of dP^T = V dO^T.
         auto score_grads = [&](float (&dS)[kQ / 8][4], const float (&P)[kQ / 8][4]) {
-#pragma unroll
-            for (int nj = 0; nj < kQ / 8; ++nj)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int col = nj * 8 + 2 * (lane % 4) + e % 2;
-                    dS[nj][e] = P[nj][e] * (dS[nj][e] - delta[col]);
-                    if constexpr (kSoftcap)
-                        dS[nj][e] *= softcap_slope(P[nj][e], lse[col], p.scale_log2);
-                }
+            step_score_grads<kQ, kSoftcap>(dS, P, p, lse, delta);
         };
         const int head = head_k * group + step / tiles_per_head;
 
@@ -729,6 +792,24 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
                    p.dv_strides.seq, key_rows);
     if constexpr (kBulkDq) {
         if (threadIdx.x == 0) bulk_wait<0>();  // the reduction reads shared memory until done
+    }
+}
+
+}  // namespace cudaflash
+
+// The warp-specialized dK/dV + dQ kernel (BwdConfig::kWarpSpecialized), on the helpers above.
+#include "bwd_warp_specialized.cuh"
+
+namespace cudaflash {
+
+// The atomic scheme's fused dK/dV + dQ kernel of this module: warp-specialized (3 warpgroups)
+// or bwd_dkdv's (a template, so that only the one chosen is instantiated).
+template <bool kWindow, class Cfg = C>
+__device__ __forceinline__ void bwd_dkdv_dq(const BwdParams& p) {
+    if constexpr (Cfg::kWarpSpecialized) {
+        bwd_dkdv_dq_ws<kWindow, Cfg>(p);
+    } else {
+        bwd_dkdv<true, kWindow>(p);
     }
 }
 
@@ -880,15 +961,23 @@ extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
 }
 
 // The atomic scheme's fused kernel: causal or full attention (the window fields unread) ...
-extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
+// Warp-specialized: one CTA of 3 warpgroups per SM, whose registers setmaxnreg then moves from
+// the producer to the consumers. Otherwise the bounds the kernel always had (a minimum of one
+// CTA per SM changes ptxas's register choices for the mma.sync and 8-warp wgmma kernels).
+#if CF_WARP_SPECIALIZED
+#define CF_FUSED_BOUNDS __launch_bounds__(cudaflash::BwdConfig::kFusedThreads, 1)
+#else
+#define CF_FUSED_BOUNDS __launch_bounds__(cudaflash::BwdConfig::kThreads)
+#endif
+extern "C" __global__ void CF_FUSED_BOUNDS
     cudaflash_bwd_dkdv_dq(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dkdv<true, false>(p);
+    cudaflash::bwd_dkdv_dq<false>(p);
 }
 
 // ... and with a sliding window.
-extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
+extern "C" __global__ void CF_FUSED_BOUNDS
     cudaflash_bwd_dkdv_dq_window(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dkdv<true, true>(p);
+    cudaflash::bwd_dkdv_dq<true>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)

@@ -39,6 +39,7 @@ from ._params import BWD_PARAMS_FORMAT, score_scales
 from ._torch import current_stream
 
 _PACK = struct.Struct(BWD_PARAMS_FORMAT)  # all of BwdParams (_params.BwdParams), in one pack
+DQ_TILE_ROWS = 64  # flash_bwd.cu kDqTileRows: the dQ accumulator's rows per head, rounded up
 
 
 def scheme(deterministic: bool, softcap: float = 0.0) -> str:
@@ -91,18 +92,21 @@ class _Launches:
                               grid, threads, k.entry.entries[role].smem_bytes, self.stream,
                               self.args, k.synchronize)
 
-    def per_row(self, role: str) -> None:
-        """preprocess, dq_convert: a few query rows per CTA."""
+    def per_row(self, role: str, rows: int | None = None) -> None:
+        """preprocess, dq_convert: a few query rows per CTA, over ``rows`` rows (default
+        seqlen_q)."""
         e = self.kernel.entry
-        grid = ((self.seqlen_q + e.preprocess_rows - 1) // e.preprocess_rows, self.n_heads,
-                self.batch)
+        rows = self.seqlen_q if rows is None else rows
+        grid = ((rows + e.preprocess_rows - 1) // e.preprocess_rows, self.n_heads, self.batch)
         self._launch(role, grid, e.preprocess_threads)
 
     def per_key_tile(self, role: str) -> None:
-        """dkdv, dkdv_dq: one CTA per tile of keys and K/V head."""
+        """dkdv, dkdv_dq: one CTA per tile of keys and K/V head (the fused dkdv_dq entries
+        with the module's fused_threads: warp-specialized modules add a producer warpgroup)."""
         e = self.kernel.entry
         tiles = (self.seqlen_k + e.cta_rows - 1) // e.cta_rows
-        self._launch(role, (tiles, self.n_heads_k, self.batch), e.threads)
+        threads = e.fused_threads if role.startswith("dkdv_dq") else e.threads
+        self._launch(role, (tiles, self.n_heads_k, self.batch), threads)
 
     def per_query_tile(self, role: str) -> None:
         """dq: one CTA per tile of query rows and query head."""
@@ -148,9 +152,11 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     deterministic = scheme == "deterministic"
     delta = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device)
     lse = lse.contiguous()  # the forward's own: already (batch, nheads, seqlen_q), contiguous
-    # The atomic scheme's dQ accumulator; the preprocess kernel zeroes it.
+    # The atomic scheme's dQ accumulator, whole 64-row tiles per head (flash_bwd.cu,
+    # dq_accum_rows: a tile is one bulk reduction); the preprocess kernel zeroes it.
+    accum_rows = -(-seqlen_q // DQ_TILE_ROWS) * DQ_TILE_ROWS
     dq_accum = None if deterministic else torch.empty(
-        (batch, n_heads, seqlen_q, d_head), dtype=torch.float32, device=q.device)
+        (batch, n_heads, accum_rows, d_head), dtype=torch.float32, device=q.device)
 
     strides = [x for t in (q, k, v, out, dout, dq, dk, dv) for x in t.stride()[:3]]
     scales = score_scales(scale, softcap)  # as the forward's Params had them
@@ -164,7 +170,7 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     go = _Launches(kernel, current_stream(index), args, seqlen_q,
                    seqlen_k, n_heads, n_heads_k, batch)
-    go.per_row("preprocess")
+    go.per_row("preprocess", accum_rows)  # the rows past seqlen_q: their accumulator part
     if not deterministic:
         # The fused kernel without window code where the mask is only causal (or none): the
         # window's masking cost it 2-5% (flash_bwd.cu, bwd_dkdv).

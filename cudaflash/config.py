@@ -389,6 +389,7 @@ _NAME_SUFFIXES = ("natexp", "kvfwd", "untiled", "ostore", "ws")  # the optional 
 
 BWD_D_HEADS = (64, 128)
 BWD_TILE_ROWS = (16, 32, 64, 128)
+BWD_WS_STAGES = 2  # kBwdStages: the warp-specialized backward's Q/dO ring
 
 
 BACKWARD_SCHEMES = ("atomic", "deterministic")  # flash_attn_func's deterministic False / True
@@ -406,6 +407,10 @@ class BackwardConfig:
     - ``B_c``: keys per tile the dQ kernel streams past its query rows.
     - ``wgmma``: the dK/dV kernels' GEMMs on Hopper's warpgroup MMA (sm_90a cubins only; the
       dQ kernel keeps mma.sync). Optional in configs.yaml, default false.
+    - ``warp_specialized``: the atomic scheme's fused dK/dV + dQ kernel with a producer
+      warpgroup (loads, dQ bulk reductions) beside the n_warps consumer warps
+      (cuda_src/bwd_warp_specialized.cuh); needs wgmma, n_warps 8 and B_r 64. Optional,
+      default false.
     """
 
     dtype: str
@@ -414,6 +419,7 @@ class BackwardConfig:
     B_c: int
     n_warps: int
     wgmma: bool = False
+    warp_specialized: bool = False
 
     SOURCE = "flash_bwd.cu"
     ROLES = (EntryRole("preprocess", "cudaflash_bwd_preprocess"),  # delta = rowsum(dO * O)
@@ -440,11 +446,18 @@ class BackwardConfig:
     @property
     def name(self) -> str:
         return (f"bwd_{self.dtype}_d{self.d_head}_br{self.B_r}_bc{self.B_c}"
-                f"_w{self.n_warps}" + ("_wgmma" if self.wgmma else ""))
+                f"_w{self.n_warps}" + ("_wgmma" if self.wgmma else "")
+                + ("_ws" if self.warp_specialized else ""))
 
     @property
     def threads(self) -> int:
         return 32 * self.n_warps
+
+    @property
+    def fused_threads(self) -> int:
+        """Threads per block of the fused dK/dV + dQ entries (dkdv_dq, dkdv_dq_window): the
+        consumer warps, and the producer warpgroup when warp-specialized (kFusedThreads)."""
+        return self.threads + (128 if self.warp_specialized else 0)
 
     @property
     def cta_rows(self) -> int:
@@ -461,8 +474,21 @@ class BackwardConfig:
         """dkdv_smem_bytes and the step's dS^T, (cta_rows, 64) 16-bit values; with wgmma at
         d128 also two dQ tiles for the bulk reductions, (B_r, d_head) float32
         (bwd_config.cuh kBulkDq)."""
+        if self.warp_specialized:
+            return self.warp_specialized_smem_bytes
         dq_tiles = 2 * self.B_r * self.d_head * 4 if self.wgmma and self.d_head == 128 else 0
         return self.dkdv_smem_bytes + self.cta_rows * 64 * ELEMENT_BYTES + dq_tiles
+
+    @property
+    def warp_specialized_smem_bytes(self) -> int:
+        """The warp-specialized fused kernel (bwd_warp_specialized.cuh): K and V; a ring of
+        BWD_WS_STAGES stages of Q, dO, lse and delta; two dS^T tiles (cta_rows, 64); two dQ
+        tiles (B_r, d_head) float32; the mbarriers (K/V, and full + empty per stage)."""
+        stages = BWD_WS_STAGES
+        return (2 * self.cta_rows * self.d_head * ELEMENT_BYTES
+                + stages * (2 * self.B_r * self.d_head * ELEMENT_BYTES + 2 * self.B_r * 4)
+                + 2 * self.cta_rows * 64 * ELEMENT_BYTES + 2 * self.B_r * self.d_head * 4
+                + 8 * (1 + 2 * stages))
 
     @property
     def dq_smem_bytes(self) -> int:
@@ -492,7 +518,7 @@ class BackwardConfig:
         """The -D macros of cuda_src/bwd_config.cuh."""
         return {"CF_DTYPE_BF16": int(self.dtype == "bf16"), "CF_D_HEAD": self.d_head,
                 "CF_B_R": self.B_r, "CF_B_C": self.B_c, "CF_N_WARPS": self.n_warps,
-                "CF_WGMMA": int(self.wgmma)}
+                "CF_WGMMA": int(self.wgmma), "CF_WARP_SPECIALIZED": int(self.warp_specialized)}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -532,6 +558,9 @@ class BackwardConfig:
                            "slab, or whole slabs")
         if self.wgmma and self.B_r != 64:
             bad("B_r", "must be 64 with wgmma (the step's dQ = dS K is one 64-row wgmma)")
+        if self.warp_specialized and not (self.wgmma and self.n_warps == 8 and self.B_r == 64):
+            bad("warp_specialized", "needs wgmma, n_warps 8 and B_r 64 (two consumer "
+                                    "warpgroups of 64 keys)")
         if not errs and not any(self.fits_arch(a) for a in ARCH_SMEM_LIMIT):
             bad("B_c", f"shared memory {self.smem_bytes} bytes exceeds every arch's limit")
         if not errs and self.wgmma and not self.fits_arch(WGMMA_ARCH):

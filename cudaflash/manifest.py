@@ -36,7 +36,10 @@ from .selection import Rule, parse_rules
 # 9: each module lists its kernel entries as one table, "entries": {role: {"symbol",
 # "smem_bytes"}} (config.EntryRole), instead of the *_entry, varlen_entries, softcap_entries
 # and *_smem_bytes fields and the top-level entries/backward_entries lists. Same kernels.
-SCHEMA = 9
+# 10: each backward module records fused_threads, the block size of its fused dK/dV + dQ
+# entries (384 where warp-specialized: BackwardConfig.warp_specialized), and the atomic
+# scheme's dQ accumulator holds seqlen_q rounded up to 64 rows per head.
+SCHEMA = 10
 KINDS = ("cubin", "ptx")
 MANIFEST_NAME = "manifest.json"
 
@@ -87,6 +90,7 @@ class BackwardEntry:
     # role (BackwardConfig.ROLES: preprocess, dkdv, dq, dkdv_dq, ...) -> its symbol and smem
     entries: Mapping[str, EntryPoint] = field(hash=False)
     threads: int  # per block of the dK/dV and dQ kernels
+    fused_threads: int  # per block of the fused dK/dV + dQ entries (dkdv_dq, dkdv_dq_window)
     preprocess_threads: int
     preprocess_rows: int  # query rows per preprocess block
     cta_rows: int  # keys per dK/dV block, query rows per dQ block
@@ -238,6 +242,7 @@ def _parse(data: dict, path: Path) -> Manifest:
                     for i, k in enumerate(data["kernels"]))
     backward = tuple(
         BackwardEntry(**_module(BackwardConfig, k, path, f"backward_kernels[{i}]"),
+                      fused_threads=int(k["fused_threads"]),
                       preprocess_threads=int(k["preprocess_threads"]),
                       preprocess_rows=int(k["preprocess_rows"]), cta_rows=int(k["cta_rows"]),
                       schemes=tuple(k["schemes"]))
@@ -269,7 +274,7 @@ def module_record(cfg: KernelConfig | BackwardConfig, *, arch: int, kind: str, f
         "threads": cfg.threads,
     }
     if isinstance(cfg, BackwardConfig):
-        record.update(preprocess_threads=cfg.PREPROCESS_THREADS,
+        record.update(fused_threads=cfg.fused_threads, preprocess_threads=cfg.PREPROCESS_THREADS,
                       preprocess_rows=cfg.PREPROCESS_ROWS, cta_rows=cfg.cta_rows,
                       schemes=list(schemes))
     record.update(registers=registers, spill_bytes=spill_bytes, sha256=sha256,

@@ -361,7 +361,7 @@ TOP_KEYS = {"schema", "nvcc_version", "ptxas_version", "min_driver", "source_has
             "params_bytes", "bwd_params_bytes", "archs", "ptx_arch", "selection", "kernels",
             "backward_kernels"}
 BACKWARD_KEYS = {"name", "config", "arch", "kind", "file", "entries", "threads",
-                 "preprocess_threads", "preprocess_rows", "cta_rows", "schemes", "registers",
+                 "fused_threads", "preprocess_threads", "preprocess_rows", "cta_rows", "schemes", "registers",
                  "spill_bytes", "sha256", "nvcc_version", "ptxas_version", "ptx_isa",
                  "min_driver", "source_hash"}
 # Written out here, not taken from config.py: what the kernels export (docs/contracts.md).
@@ -390,7 +390,7 @@ def check_entries(k: dict, cfg, symbols: list) -> None:
 
 def check_manifest(m: dict, out_dir: Path) -> None:
     assert set(m) == TOP_KEYS
-    assert m["schema"] == build_cubins.manifest.SCHEMA == 9
+    assert m["schema"] == build_cubins.manifest.SCHEMA == 10
     assert re.fullmatch(r"\d+\.\d+\.\d+", m["nvcc_version"])
     assert re.fullmatch(r"\d+\.\d+\.\d+", m["ptxas_version"])
     # Every file's driver floor is what its own header / .version line says.
@@ -429,6 +429,8 @@ def check_manifest(m: dict, out_dir: Path) -> None:
         assert k["schemes"] and set(k["schemes"]) <= {"atomic", "deterministic"}
         check_entries(k, cfg, BACKWARD_ENTRIES)
         assert (k["threads"], k["cta_rows"]) == (cfg.threads, cfg.cta_rows)
+        # The fused dK/dV + dQ entries: a producer warpgroup more where warp-specialized.
+        assert k["fused_threads"] == cfg.threads + 128 * cfg.warp_specialized
         if k["kind"] == "cubin":
             assert k["file"] == f"sm_{k['arch']}/{cfg.name}.cubin" and cfg.builds_for(k["arch"])
             assert isinstance(k["registers"], int) and 0 < k["registers"] <= 255

@@ -1,0 +1,291 @@
+// The warp-specialized dK/dV + dQ kernel of the atomic scheme on Hopper (BwdConfig::
+// kWarpSpecialized; sm_90a, wgmma, 8 consumer warps, B_r = 64): the structure of
+// FlashAttention-3's backward on cp.async instead of TMA. Three warpgroups per CTA:
+//
+//   warpgroup 0, the producer (few registers, setmaxnreg):
+//     warps 0 and 2 (the loaders: K, Q, lse in log2 units; V, dO, delta) copy the CTA's keys
+//       once, then each step's query tiles and row statistics into a ring of kBwdStages
+//       stages; each waits for its own copies, fences them for the tensor cores (async proxy)
+//       and arrives on the stage's "full" mbarrier; a stage is refilled once its "empty"
+//       mbarrier says every consumer warp's GEMMs have read it. (One loader spilled at the
+//       producer's 32 registers.)
+//     warp 1 (the dQ reducer) adds each step's dQ tile (64 query rows x d_head, float32) from
+//       shared memory to the global accumulator with one bulk reduction (cp.reduce.async.bulk)
+//       as soon as the consumers have written it, and hands the tile's buffer back once the
+//       reduction has read it. No consumer issues an atomic or waits for one.
+//   warpgroups 1 and 2, the consumers: 64 keys each, the step's GEMMs on wgmma as bwd_dkdv's
+//     (S^T and dP^T, the softmax under dP^T, dV, dS^T under dV, dK), dK and dV in registers
+//     across all steps. The step's dQ = dS K needs both warpgroups' dS^T (one named barrier
+//     per step, the consumers' only rendezvous); each warpgroup computes half of dQ's columns.
+//
+// What it removes from bwd_dkdv's step (perf log, "Backward v4"): both CTA-wide barriers (the
+// loads' double buffer, and the dQ tile handed to thread 0), the consumers' copy instructions
+// and lse loads, and the dQ tile's bank conflicts: the tile is written in the consumers'
+// fragment order (each warp's store covers 512 contiguous bytes) and reduced into the
+// accumulator in that order; dq_convert reads it back (dq_tile_index).
+//
+// Included by flash_bwd.cu after the helpers it shares with bwd_dkdv (fragments, masks, the
+// step's elementwise functions, the dQ accumulator's layout).
+#pragma once
+#include <type_traits>
+
+namespace cudaflash {
+
+constexpr int kBwdStages = 2;             // Q/dO ring depth (3 does not fit d128's shared memory)
+constexpr int kBwdProducerThreads = 128;  // warpgroup 0
+constexpr int kBwdConsumerThreads = 256;  // warpgroups 1 and 2
+// Registers per thread after setmaxnreg: 128 * 24 + 256 * 240 = 64512, the 168 per thread
+// of the launch (ptxas's cap for 384 threads) times 384: setmaxnreg.inc waits until the pool
+// has the registers, so asking for more than the launch gave deadlocks.
+constexpr int kBwdProducerRegs = 24;
+constexpr int kBwdConsumerRegs = 240;
+// Named barriers (0 is __syncthreads).
+constexpr int kBwdDsBarrier = 1;        // the consumers: both halves of dS^T are in sdS
+constexpr int kBwdDqFullBarrier = 2;    // + buffer: consumers -> reducer, the dQ tile is written
+constexpr int kBwdDqEmptyBarrier = 4;   // + buffer: reducer -> consumers, the tile was read
+constexpr int kBwdEpilogueBarrier = 6;  // the consumers, around dK/dV through shared memory
+constexpr int kBwdDqBarrierThreads = kBwdConsumerThreads + 32;
+
+// Shared memory of the kernel (cudaflash.config.BackwardConfig.dkdv_dq_smem_bytes mirrors it):
+// K, V (kCtaRows x d) | kBwdStages x Q, dO (B_r x d) | 2 x dS^T (kCtaRows x 64) |
+// 2 x dQ tile (B_r x d float32) | kBwdStages x lse, delta (B_r float32) | mbarriers.
+constexpr int kBwdWsBarrierBytes = 8 * (1 + 2 * kBwdStages);
+
+template <bool kWindow, class Cfg = C>
+__device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
+    static_assert(Cfg::kWarpSpecialized && Cfg::kWgmma && Cfg::kWarps == 8 && Cfg::kBr == 64,
+                  "two consumer warpgroups of 64 keys on wgmma, 64-row query tiles");
+    constexpr int kKeys = C::kCtaRows;
+    constexpr int kQ = C::kBr;
+    constexpr int kStages = kBwdStages;
+    constexpr int kDqTileFloats = kQ * kD;
+    constexpr int kDqN8 = C::kDqWgCols / 8;  // a consumer warp's n8 blocks of the dQ tile
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    elem_t* sK = reinterpret_cast<elem_t*>(smem);  // (kKeys, d); holds dK at the end
+    elem_t* sV = sK + kKeys * kD;                  // (kKeys, d); holds dV at the end
+    elem_t* sQ = sV + kKeys * kD;                  // kStages x (kQ, d)
+    elem_t* sdO = sQ + kStages * kQ * kD;          // kStages x (kQ, d)
+    elem_t* sdS = sdO + kStages * kQ * kD;         // 2 x dS^T (kKeys, 64): step % 2
+    float* sdQ = reinterpret_cast<float*>(sdS + 2 * kKeys * 64);  // 2 x dQ tile: step % 2
+    float* sLse = sdQ + 2 * kDqTileFloats;                       // kStages x kQ, log2 units
+    float* sDelta = sLse + kStages * kQ;                         // kStages x kQ
+    uint64_t* bars = reinterpret_cast<uint64_t*>(sDelta + kStages * kQ);
+    uint64_t& kv_full = bars[0];   // the loaders' 64 threads: K and V have landed
+    uint64_t* full = bars + 1;     // per stage, the loaders' 64 threads: the stage has landed
+    uint64_t* empty = full + kStages;  // per stage, lane 0 of each consumer warp: read
+
+    const int head_k = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int key0 = blockIdx.x * kKeys;
+    if (key0 >= p.seqlen_k) return;  // the whole CTA, before any barrier
+    const int key_rows = min(kKeys, p.seqlen_k - key0);
+    const int group = p.n_heads / p.n_heads_k;
+    const int shift = p.seqlen_k - p.seqlen_q;
+    const QueryTiles tiles = query_tiles<kQ, kWindow>(p, key0, key_rows);
+    const int n_steps = group * tiles.per_head;  // (query head, query tile) pairs, in order
+    // Each role walks the steps' (head, first query row) pairs in order with a StepWalk
+    // (counters, not a division per step: the producer's few registers).
+    struct StepWalk {
+        int head, q0, first_q0, end_q0;
+        __device__ __forceinline__ void next() {
+            q0 += kQ;
+            if (q0 == end_q0) {
+                q0 = first_q0;
+                ++head;
+            }
+        }
+    };
+    const StepWalk walk0{head_k * group, tiles.first * kQ, tiles.first * kQ,
+                         (tiles.first + tiles.per_head) * kQ};
+
+    if (threadIdx.x == 0) {
+        mbarrier_init(&kv_full, 64);
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+            mbarrier_init(&full[s], 64);
+            mbarrier_init(&empty[s], kBwdConsumerThreads / 32);
+        }
+    }
+    __syncthreads();
+
+    if (warp < 4) {
+        warpgroup_reg_dealloc<kBwdProducerRegs>();
+        if (warp == 0 || warp == 2) {
+            // ---- loaders: warp 0 copies K, then each step's Q and lse; warp 2 V, dO, delta.
+            // Two instances of one body, so each keeps only its own pointers in registers.
+            auto loader = [&](auto second_loader) {
+                constexpr bool kSecond = decltype(second_loader)::value;
+                const Strides& key_strides = kSecond ? p.v_strides : p.k_strides;
+                load_rows_by<C, kKeys, 32>(
+                    kSecond ? sV : sK,
+                    row_of(static_cast<const elem_t*>(kSecond ? p.v : p.k), key_strides, batch,
+                           key0, head_k),
+                    key_strides.seq, key_rows, lane);
+                cp_async_commit();
+                cp_async_wait<0>();
+                fence_proxy_async_shared();
+                mbarrier_arrive(&kv_full);
+                elem_t* tiles_dst = kSecond ? sdO : sQ;
+                float* stats_dst = kSecond ? sDelta : sLse;
+                const Strides& strides = kSecond ? p.do_strides : p.q_strides;
+                const elem_t* src = static_cast<const elem_t*>(kSecond ? p.dout : p.q);
+                const float* stats_src = kSecond ? p.delta : p.lse;
+                StepWalk at = walk0;
+                for (int step = 0; step < n_steps; ++step, at.next()) {
+                    const int stage = step % kStages;
+                    mbarrier_wait(&empty[stage], ((step / kStages) & 1) ^ 1);
+                    const int rows = min(kQ, p.seqlen_q - at.q0);
+                    load_rows_by<C, kQ, 32>(tiles_dst + stage * kQ * kD,
+                                            row_of(src, strides, batch, at.q0, at.head),
+                                            strides.seq, rows, lane);
+                    cp_async_commit();
+                    const float* stats = stats_src + batch * p.lse_batch_stride +
+                                         at.head * p.lse_head_stride + at.q0;
+#pragma unroll
+                    for (int i = lane; i < kQ; i += 32) {
+                        const float x = i < rows ? stats[i] : 0.f;
+                        stats_dst[stage * kQ + i] = kSecond ? x : lse_log2_of(x, i < rows);
+                    }
+                    cp_async_wait<0>();
+                    fence_proxy_async_shared();
+                    mbarrier_arrive(&full[stage]);  // releases the stats stores too
+                }
+            };
+            if (warp == 0) {
+                loader(std::false_type{});
+            } else {
+                loader(std::true_type{});
+            }
+        } else if (warp == 1) {
+            // ---- dQ reducer --------------------------------------------------------------
+            StepWalk at = walk0;
+            for (int step = 0; step < n_steps; ++step, at.next()) {
+                const int buf = step % 2;
+                named_barrier_sync(kBwdDqFullBarrier + buf, kBwdDqBarrierThreads);
+                if (lane == 0) {
+                    bulk_reduce_add_f32(dq_accum_row(p, batch, at.head, at.q0),
+                                        smem_addr(sdQ + buf * kDqTileFloats), kDqTileFloats * 4);
+                    bulk_commit();
+                    bulk_wait_read<0>();
+                }
+                __syncwarp();
+                // The consumers wait for this buffer again only at step + 2.
+                if (step + 2 < n_steps)
+                    named_barrier_arrive(kBwdDqEmptyBarrier + buf, kBwdDqBarrierThreads);
+            }
+            if (lane == 0) bulk_wait<0>();
+        }
+        return;
+    }
+
+    // ---- consumers ---------------------------------------------------------------------------
+    warpgroup_reg_alloc<kBwdConsumerRegs>();
+    const int cwarp = warp - 4;     // 0..7: keys 16 * cwarp.. of the CTA's tile
+    const int cgroup = cwarp / 4;   // consumer warpgroup: keys 64 * cgroup..
+    const int row0 = cwarp * 16;
+    const WindowBounds window(p);
+
+    float dK[kD / 8][4], dV[kD / 8][4];
+#pragma unroll
+    for (int nd = 0; nd < kD / 8; ++nd)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dK[nd][e] = dV[nd][e] = 0.f;
+
+    const uint32_t k_tile = smem_addr(sK);
+    const uint32_t k_rows = k_tile + cgroup * 64 * 128;
+    const uint32_t v_rows = smem_addr(sV) + cgroup * 64 * 128;
+    // The warpgroup's columns of the step's dQ (the warpgroups split d_head), in the K tile.
+    const int dq_col0 = cgroup * C::kDqWgCols;
+    const uint32_t dq_k_cols = k_tile + (dq_col0 / 64) * kKeys * 128 + (dq_col0 % 64) * 2;
+    mbarrier_wait(&kv_full, 0);
+
+    StepWalk at = walk0;
+    for (int step = 0; step < n_steps; ++step, at.next()) {
+        const int stage = step % kStages;
+        const int buf = step % 2;
+        const int q0 = at.q0;
+        const uint32_t q_tile = smem_addr(sQ + stage * kQ * kD);
+        const uint32_t do_tile = smem_addr(sdO + stage * kQ * kD);
+        const float* lse = sLse + stage * kQ;
+        const float* delta = sDelta + stage * kQ;
+        const bool mask =
+            kWindow ? window.cuts(key0 - (q0 + kQ - 1) - shift, key0 + kKeys - 1 - q0 - shift)
+                    : p.is_causal && q0 + shift < key0 + kKeys - 1;
+        mbarrier_wait(&full[stage], (step / kStages) & 1);
+
+        float P[1][kQ / 8][4], dS[1][kQ / 8][4];
+        wgmma_fence_operands(wg::flat(P[0]));
+        wgmma_fence_operands(wg::flat(dS[0]));
+        wgmma_fence();
+        wg::rows_rows<kKeys, kQ>(P[0], k_rows, q_tile);
+        wgmma_commit();
+        wg::rows_rows<kKeys, kQ>(dS[0], v_rows, do_tile);
+        wgmma_commit();
+        wgmma_wait<1>();  // S^T
+        wgmma_fence_operands(wg::flat(P[0]));
+        step_probabilities<kQ, kWindow, false>(P[0], p, lse, mask, window, key0 + row0, q0,
+                                               shift);
+        uint32_t a[1][kQ / 16][4];
+        pack_a_fragments<C::kBf16>(a, P);
+        wgmma_fence_operands(wg::flat(dV));
+        wgmma_fence();
+        wg::regs_tile<kQ, kQ / 16>(dV, a, do_tile);
+        wgmma_commit();
+        wgmma_wait<1>();  // dP^T (dV may still run)
+        wgmma_fence_operands(wg::flat(dS[0]));
+        step_score_grads<kQ, false>(dS[0], P[0], p, lse, delta);
+        uint32_t ds_a[1][kQ / 16][4];
+        pack_a_fragments<C::kBf16>(ds_a, dS);
+        // dS^T buffer `buf` was last read by step - 2's dQ GEMMs, which both warpgroups
+        // finished before the previous step's dS barrier.
+        elem_t* ds_tile = sdS + buf * kKeys * 64;
+        acc_to_tile<kKeys, kQ / 8>(ds_tile, dS[0], 1.f, row0);
+        fence_proxy_async_shared();
+        wgmma_fence_operands(wg::flat(dK));
+        wgmma_fence();
+        wg::regs_tile<kQ, kQ / 16>(dK, ds_a, q_tile);
+        wgmma_commit();
+        named_barrier_sync(kBwdDsBarrier, kBwdConsumerThreads);  // both halves of dS^T
+        float dQ[kDqN8][4];  // set by the first wgmma (accumulate 0)
+        wgmma_fence_operands(wg::flat(dQ));
+        wgmma_fence();
+        wg::ds_k<kKeys>(dQ, smem_addr(ds_tile), dq_k_cols);
+        wgmma_commit();
+        wgmma_wait<1>();  // dV and dK: this warp is done with the stage
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&empty[stage]);
+        wgmma_wait<0>();
+        wgmma_fence_operands(wg::flat(dQ));
+        wgmma_fence_operands(wg::flat(dK));
+        wgmma_fence_operands(wg::flat(dV));
+        // The dQ tile in fragment order (dq_tile_index): each warp's float4 store covers 512
+        // contiguous bytes, free of bank conflicts.
+        if (step >= 2) named_barrier_sync(kBwdDqEmptyBarrier + buf, kBwdDqBarrierThreads);
+        float4* dq_tile = reinterpret_cast<float4*>(sdQ + buf * kDqTileFloats) +
+                          cwarp * kDqN8 * 32 + lane;
+#pragma unroll
+        for (int nd = 0; nd < kDqN8; ++nd)
+            dq_tile[nd * 32] = make_float4(dQ[nd][0], dQ[nd][1], dQ[nd][2], dQ[nd][3]);
+        fence_proxy_async_shared();
+        named_barrier_arrive(kBwdDqFullBarrier + buf, kBwdDqBarrierThreads);
+    }
+
+    // dK = scale * dS^T Q and dV through shared memory (over K and V) for coalesced stores,
+    // once both warpgroups' last GEMMs have read K.
+    named_barrier_sync(kBwdEpilogueBarrier, kBwdConsumerThreads);
+    acc_to_tile<kKeys>(sK, dK, p.softmax_scale, row0);
+    acc_to_tile<kKeys>(sV, dV, 1.f, row0);
+    named_barrier_sync(kBwdEpilogueBarrier, kBwdConsumerThreads);
+    const unsigned ctid = threadIdx.x - kBwdProducerThreads;
+    store_rows_by<C, kKeys, kBwdConsumerThreads>(
+        row_of(static_cast<elem_t*>(p.dk), p.dk_strides, batch, key0, head_k), sK,
+        p.dk_strides.seq, key_rows, ctid);
+    store_rows_by<C, kKeys, kBwdConsumerThreads>(
+        row_of(static_cast<elem_t*>(p.dv), p.dv_strides, batch, key0, head_k), sV,
+        p.dv_strides.seq, key_rows, ctid);
+}
+
+}  // namespace cudaflash

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# A/B of backward modules in one GPU call, on one build: the backward suite with the manifest
+# as built (A), then with the modules whose name contains HIDE removed from it (B: the
+# runtime then takes the next module configs.yaml lists for the scheme), alternating ROUNDS
+# times. Logs under $OUT (default /tmp/cudaflash-out); the kernels must be built.
+#
+#   tools/backward_ab.sh HIDE [ROUNDS]     e.g. tools/backward_ab.sh _ws 2
+#
+# Extra arguments of the backward suite in SUITE_ARGS (default: bf16, d 64 and 128,
+# S 1024..16384, cudaflash and cudnn).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/cudaflash-out}
+hide=${1:?usage: tools/backward_ab.sh HIDE [ROUNDS]}
+rounds=${2:-2}
+mkdir -p "$OUT" .dev/ab-b
+kernels=cudaflash/kernels
+# B: the same files, a manifest without the hidden modules (links, not copies).
+for d in "$kernels"/*/; do ln -sfn "$PWD/$d" ".dev/ab-b/$(basename "$d")"; done
+python3 - "$kernels/manifest.json" ".dev/ab-b/manifest.json" "$hide" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))
+before = len(m["backward_kernels"])
+m["backward_kernels"] = [k for k in m["backward_kernels"] if sys.argv[3] not in k["name"]]
+print(f"B hides {before - len(m['backward_kernels'])} backward modules matching {sys.argv[3]!r}")
+json.dump(m, open(sys.argv[2], "w"), indent=1)
+PY
+args=${SUITE_ARGS:---dtype bf16 --head-dims 64,128 --seqlens 1024,2048,4096,8192,16384 --backends cudaflash,cudnn}
+rc=0
+for r in $(seq "$rounds"); do
+    for side in A B; do
+        dir=$kernels; [[ $side == B ]] && dir=.dev/ab-b
+        echo "== round $r, $side ($dir)"
+        # shellcheck disable=SC2086  # the argument list is meant to split into words
+        CUDAFLASH_KERNEL_DIR=$dir timeout 150 python3 -m cudaflash bench --suite backward $args \
+            --json "$OUT/ab-$side$r.json" > "$OUT/ab-$side$r.log" 2>&1 || rc=1
+        grep -E "^ *(bf16|fp16) " "$OUT/ab-$side$r.log"
+    done
+done
+python3 - "$OUT" "$rounds" <<'PY'
+import json, statistics, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+def rows(side):
+    per = {}
+    for r in range(1, rounds + 1):
+        for row in json.load(open(f"{out}/ab-{side}{r}.json"))["results"]:
+            key = (row["dtype"], row["d"], row["causal"], row["S"])
+            per.setdefault(key, []).append(row["phases"]["backward"]["cudaflash"]["tflops"])
+    return {k: statistics.median(v) for k, v in per.items()}
+a, b = rows("A"), rows("B")
+print("A/B of cudaflash backward TFLOP/s (median over rounds)")
+ratios = []
+for k in sorted(a):
+    ratios.append(a[k] / b[k])
+    print(*k, f"A {a[k]:.1f}  B {b[k]:.1f}  A/B {a[k] / b[k]:.3f}")
+print(f"A/B: median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}")
+PY
+exit $rc
