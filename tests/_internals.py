@@ -129,6 +129,14 @@ def force_backward_module(monkeypatch, entry) -> None:
 clear_backward_cache = dispatch.clear_backward_cache
 
 
+def replace_ring_step(monkeypatch, stand_in) -> None:
+    """What each ring step computes (cudaflash.distributed.layout.ring_step), as the ring's
+    loops call it."""
+    from cudaflash.distributed import layout
+
+    replace(monkeypatch, layout.ring_step, stand_in)
+
+
 def usable_backward_entries(index: int) -> list:
     """Every shipped backward module that runs on cuda:``index``, in manifest order."""
     from cudaflash import _driver, manifest
