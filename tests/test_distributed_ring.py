@@ -188,6 +188,27 @@ def test_a_wrong_step_rule_is_caught(monkeypatch):
         assert_close("out", out, full_attention(q, k, v, 0.5, True)[0], torch.float64)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_benchmarks_one_gpu_baseline_does_the_ranks_work(world, causal):
+    """cudaflash.distributed.bench times the ring against whole calls on one GPU: those calls
+    must give exactly the rank's rows of the whole attention, with the FLOPs it reports."""
+    from cudaflash.distributed.bench import baseline_calls, pairs
+
+    q, k, v, _ = random_qkv(1, 6 * world, 6 * world, 2, 1, 8, torch.float64, seed=world)
+    ref, _ = full_attention(q, k, v, 0.5, causal)
+    for rank in range(world):
+        calls = baseline_calls(zigzag_shard(q, rank, world), k, v, causal, rank, world)
+        rows = torch.cat([full_attention(*call, 0.5, causal)[0] for call in calls], dim=1)
+        assert_close(f"rank {rank}'s rows", rows, zigzag_shard(ref, rank, world), torch.float64)
+        # bottom-right causal: row i of sq sees sk - sq + i + 1 keys
+        seen = sum(qi.shape[1] * ki.shape[1] - (qi.shape[1] * (qi.shape[1] - 1) // 2
+                                                if causal else 0) for qi, ki, _ in calls)
+        local = 6  # rows per rank
+        # the usual FLOP count halves the causal diagonal blocks: off by their half-diagonal
+        assert abs(seen - pairs(causal, local, 6 * world)) <= (local if causal else 0)
+
+
 # ---- in this process, a ring of one (gloo) ---------------------------------------------------
 
 
