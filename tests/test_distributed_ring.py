@@ -270,7 +270,7 @@ def test_cudaflash_blocks_check_the_deterministic_flag():
         CudaflashBlocks("yes")
 
 
-# ---- the ring across processes (gloo) -------------------------------------------------------------
+# ---- the ring across processes (gloo) -----------------------------------------------------------
 
 
 @dataclass(frozen=True)

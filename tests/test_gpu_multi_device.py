@@ -76,7 +76,8 @@ def _plain(q, k, v):
     return flash_attn_func(q, k, v, causal=True, return_attn_probs=True)[:2]
 
 
-def _decode_split(q, k, v):  # one query row: split-KV, a workspace on q's device
+def _decode_split(q, k, v):  # one query row, 4096 keys: split-KV, a workspace on q's device
+    k, v = k.repeat(1, 16, 1, 1), v.repeat(1, 16, 1, 1)
     return flash_attn_func(q[:, :1], k, v, causal=True, return_attn_probs=True)[:2]
 
 
@@ -203,8 +204,9 @@ def test_gradients_on_the_second_gpu(deterministic):
 
 
 def test_cuda_graph_on_the_second_gpu():
-    """Capture on cuda:1 (warm-up first, as torch asks), replay with new inputs from a thread
-    whose current device is cuda:0."""
+    """Capture on cuda:1 (warm-up first, as torch asks; a capture stream of cuda:1: torch's
+    default capture stream belongs to whichever device made the first graph), replay with
+    new inputs while cuda:0 is current."""
     q, k, v = qkv_on("cuda:1", 2, 300, 300, 4, 2, seed=13)
     with torch.cuda.device(1):
         side = torch.cuda.Stream()
@@ -213,7 +215,7 @@ def test_cuda_graph_on_the_second_gpu():
             flash_attn_func(q, k, v, causal=True)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
             static_out = flash_attn_func(q, k, v, causal=True)
     with torch.cuda.device(0):
         for seed in (21, 22):
@@ -224,30 +226,43 @@ def test_cuda_graph_on_the_second_gpu():
             check_attention(static_out, None, q, k, v, causal=True)
 
 
-def test_graphed_forward_and_backward_on_the_second_gpu():
-    """torch.cuda.make_graphed_callables on cuda:1: forward and backward replayed as graphs
-    give the eager gradients (deterministic scheme: bitwise)."""
+def test_forward_and_backward_in_one_graph_on_the_second_gpu():
+    """A training step's attention (forward and backward) captured in one graph on cuda:1
+    (torch's whole-network capture), replayed on new inputs while cuda:0 is current: the
+    gradients of an eager step on the same inputs, bitwise (deterministic scheme)."""
     dtype, d = combo()
     if d not in BWD_D_HEADS:
         pytest.skip(f"no backward for head dim {d}")
-    q, k, v = (t.requires_grad_() for t in qkv_on("cuda:1", 1, 256, 256, 4, 4, seed=17))
+    q, k, v = (t.requires_grad_() for t in qkv_on("cuda:1", 1, 256, 256, 4, 2, seed=17))
     dout = randn("cuda:1", 1, 256, 4, d, dtype=dtype, seed=18)
 
-    def attention(q, k, v):
-        return flash_attn_func(q, k, v, causal=True, deterministic=True)
+    def step(q, k, v):
+        for t in (q, k, v):
+            t.grad = None
+        flash_attn_func(q, k, v, causal=True, deterministic=True).backward(dout)
+        return [t.grad for t in (q, k, v)]
 
     with torch.cuda.device(1):
-        graphed = torch.cuda.make_graphed_callables(attention, (q, k, v))
-        eager = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        attention(*eager).backward(dout)
-        for _ in range(2):
-            for t in (q, k, v):
-                t.grad = None
-            out = graphed(q, k, v)
-            out.backward(dout)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # module loads and kernel choice before the capture
+                step(q, k, v)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
+            static_grads = step(q, k, v)
+    with torch.cuda.device(0):
+        for seed in (23, 24):
+            fresh = qkv_on("cuda:1", 1, 256, 256, 4, 2, seed=seed)
+            with torch.no_grad():
+                for t, new in zip((q, k, v), fresh):
+                    t.copy_(new)
+            graph.replay()
             torch.cuda.synchronize(1)
-            for name, ours, theirs in zip(("dq", "dk", "dv"), (q, k, v), eager):
-                assert torch.equal(ours.grad, theirs.grad), f"graphed {name} differs from eager"
+            eager = step(*(t.clone().requires_grad_() for t in fresh))
+            for name, ours, theirs in zip(("dq", "dk", "dv"), static_grads, eager):
+                assert torch.equal(ours, theirs), f"replayed {name} differs from eager"
 
 
 def test_two_threads_on_two_gpus_at_once():
