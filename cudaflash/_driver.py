@@ -133,18 +133,31 @@ def _primary_context(index: int):
 
 
 def current_context(index: int) -> int:
-    """Handle of the calling thread's current context.
+    """Handle of the context the calling thread runs cuda:``index``'s kernels in: its current
+    context when that belongs to cuda:``index``, else the device's primary context (the one
+    torch uses), made current, as Triton's launcher does for a thread without one.
 
-    The caller has made ``index`` torch's current device, so a current context belongs to
-    it. A thread that has not touched CUDA yet has none: make the device's primary context
-    (the one torch uses) current, as Triton's launcher does.
+    The callers have made ``index`` torch's current device, which normally leaves a context of
+    that device current. Not always: a thread that has not touched CUDA yet has none, and
+    torch can report a device current while the driver still holds another device's context
+    (torch defers the switch into a device that had no context yet). Loading or launching in
+    another device's context would fail (or load the module into the wrong device), so the
+    context's device is checked, not assumed.
     """
+    return _bind_context(index)[0]
+
+
+def _bind_context(index: int) -> tuple[int, bool]:
+    """(the context of cuda:``index`` that is current on this thread, whether it was made
+    current here): the current one if it is that device's, else the primary context."""
     cu = _cu()
     ctx = check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    if not int(ctx):
-        ctx = _primary_context(index)
-        check(cu.cuCtxSetCurrent(ctx), f"cuCtxSetCurrent(primary context of device {index})")
-    return int(ctx)
+    if int(ctx) and (int(check(cu.cuCtxGetDevice(), "cuCtxGetDevice"))
+                     == int(check(cu.cuDeviceGet(index), f"cuDeviceGet({index})"))):
+        return int(ctx), False
+    ctx = _primary_context(index)
+    check(cu.cuCtxSetCurrent(ctx), f"cuCtxSetCurrent(primary context of device {index})")
+    return int(ctx), True
 
 
 # ---- modules ---------------------------------------------------------------------------------
@@ -369,13 +382,15 @@ class Launcher:
     graph, where synchronizing is illegal.
     """
 
-    __slots__ = ("fn", "label", "grid", "threads", "smem", "synchronize", "_fixed",
-                 "_cuLaunchKernel")
+    __slots__ = ("fn", "label", "grid", "threads", "smem", "synchronize", "device_index",
+                 "_fixed", "_cuLaunchKernel")
 
     def __init__(self, fn, label: str, grid: tuple[int, int, int], threads: int, smem: int,
-                 synchronize: bool, fixed_params: tuple) -> None:
+                 synchronize: bool, fixed_params: tuple, device_index: int) -> None:
         self.fn, self.label, self.grid = fn, label, grid
         self.threads, self.smem, self.synchronize = threads, smem, synchronize
+        # fn's device: a failed launch checks that the thread's context is this device's
+        self.device_index = device_index
         # The Params fields between the pointers and the workspace pointers, in order.
         self._fixed = _pack_fixed(*fixed_params)
         self._cuLaunchKernel = _cu().cuLaunchKernel  # one attribute lookup less per call
@@ -397,7 +412,14 @@ class Launcher:
         result = self._cuLaunchKernel(self.fn, gx, gy, gz, self.threads, 1, 1, self.smem,
                                       stream_obj, None, extra_address)
         if result[0]:  # check() inline: this is the per-call path
-            check(result, self.label)
+            # A repeat call's launch skips current_context (its cost is per call), so on a
+            # thread whose first CUDA work is such a call (a new thread: no context yet) the
+            # driver refuses it. Then bind the device's context and launch again: a launch
+            # that fails enqueues nothing. Any failure in the right context raises.
+            if not _bind_context(self.device_index)[1]:
+                check(result, self.label)
+            check(self._cuLaunchKernel(self.fn, gx, gy, gz, self.threads, 1, 1, self.smem,
+                                       stream_obj, None, extra_address), self.label)
         if self.synchronize:
             _synchronize_unless_capturing(stream, self.label)
 

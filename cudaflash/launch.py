@@ -140,13 +140,14 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
             kernel.fns.forward_softcap if softcap else kernel.fns.forward, kernel.label,
             grid=(q_blocks, heads, batch),
             threads=kernel.threads, smem=kernel.smem, synchronize=kernel.synchronize,
-            fixed_params=fixed_params).launch
-    return _split_launch(kernel, device, fixed_params, q_blocks=q_blocks, heads=heads,
+            fixed_params=fixed_params, device_index=index).launch
+    return _split_launch(kernel, index, device, fixed_params, q_blocks=q_blocks, heads=heads,
                          batch=batch, rows=rows, d_head=d_head, num_splits=num_splits,
                          softcap=softcap)
 
 
-def _split_launch(kernel: dispatch.Kernel, device: torch.device, fixed_params: tuple, *,
+def _split_launch(kernel: dispatch.Kernel, index: int, device: torch.device,
+                  fixed_params: tuple, *,
                   q_blocks: int, heads: int, batch: int, rows: int, d_head: int,
                   num_splits: int, softcap: bool = False):
     """The launch function of a split-KV call: allocate the float32 workspace (one tensor
@@ -156,12 +157,12 @@ def _split_launch(kernel: dispatch.Kernel, device: torch.device, fixed_params: t
         kernel.fns.split_softcap if softcap else kernel.fns.split,
         kernel.label.replace("(", "(split ", 1),
         grid=(q_blocks, heads, batch * num_splits), threads=kernel.threads, smem=kernel.smem,
-        synchronize=kernel.synchronize, fixed_params=fixed_params)
+        synchronize=kernel.synchronize, fixed_params=fixed_params, device_index=index)
     combine = _driver.Launcher(
         kernel.fns.combine, kernel.label.replace("(", "(combine ", 1),
         grid=((rows + _COMBINE_ROWS - 1) // _COMBINE_ROWS, heads, batch),
         threads=_COMBINE_THREADS, smem=0, synchronize=kernel.synchronize,
-        fixed_params=fixed_params)
+        fixed_params=fixed_params, device_index=index)
     # o_accum (num_splits, batch, heads, rows, d_head) then lse_accum (num_splits, batch,
     # heads, rows), float32, in one allocation.
     lse_values = num_splits * batch * heads * rows

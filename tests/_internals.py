@@ -24,6 +24,7 @@ kvcache_plans = _plans.kvcache_plans
 plan_key = _plans.plan_key
 varlen_plan_key = _plans.varlen_plan_key
 fast_allocator = _plans.fast_allocator
+checked_forward = _call.checked_forward  # (config, q, k, v, out, softmax_scale, causal, ...)
 run = launch.run  # a padded batch past the checks: (config, index, q, k, v, out, scale, ...)
 COMBINE_ROWS, COMBINE_THREADS = launch._COMBINE_ROWS, launch._COMBINE_THREADS
 selected_config = dispatch.selected_config
@@ -127,6 +128,14 @@ def force_backward_module(monkeypatch, entry) -> None:
 
 
 clear_backward_cache = dispatch.clear_backward_cache
+
+
+def replace_ring_step(monkeypatch, stand_in) -> None:
+    """What each ring step computes (cudaflash.distributed.layout.ring_step), as the ring's
+    loops call it."""
+    from cudaflash.distributed import layout
+
+    replace(monkeypatch, layout.ring_step, stand_in)
 
 
 def usable_backward_entries(index: int) -> list:

@@ -24,7 +24,7 @@ from cudaflash import _driver, api, manifest
 from cudaflash._params import PARAMS_BYTES, Params
 
 OK = real_driver.CUresult.CUDA_SUCCESS
-CTX = 0x5000
+CTX = 0x5000  # the thread's current context: cuda:0's unless a test says otherwise
 
 
 class FakeDriver:
@@ -45,9 +45,24 @@ class FakeDriver:
         self.ctas_per_sm = 2
         self.driver_version = 13000  # cuDriverGetVersion: CUDA 13.0
         self.load_result = OK
+        self.launch_results = []  # cuLaunchKernel's next answers, before launch_result
+        self.context = CTX  # cuCtxGetCurrent's answer (0: the thread has none)
+        self.device_of = {CTX: 0}  # cuCtxGetDevice's answer, by context
+        self.made_current = []  # cuCtxSetCurrent's arguments
 
     def cuCtxGetCurrent(self):
-        return OK, CTX
+        return OK, self.context
+
+    def cuCtxGetDevice(self):
+        return OK, self.device_of[self.context]
+
+    def cuDeviceGet(self, index):
+        return OK, index
+
+    def cuCtxSetCurrent(self, ctx):
+        self.made_current.append(ctx)
+        self.context = ctx
+        return (OK,)
 
     def cuDriverGetVersion(self):
         return OK, self.driver_version
@@ -81,7 +96,7 @@ class FakeDriver:
         params = Params.from_buffer_copy(ctypes.string_at(params_address, PARAMS_BYTES))
         self.launches.append(SimpleNamespace(fn=fn, grid=(gx, gy, gz), block=(bx, by, bz),
                                              smem=smem, stream=stream, params=params))
-        return (self.launch_result,)
+        return (self.launch_results.pop(0) if self.launch_results else self.launch_result,)
 
     def cuStreamIsCapturing(self, stream):
         status = self.CUstreamCaptureStatus
@@ -409,6 +424,51 @@ def test_launch_error_names_the_kernel(fake):
     with pytest.raises(_driver.CudaError, match=f"cuLaunchKernel\\({D64_WIDE.name}\\) failed: "
                                                 "CUDA_ERROR_INVALID_VALUE"):
         run(*qkv())
+
+
+def primary_contexts(fake, monkeypatch):
+    """Each device's primary context in the fake: 0x6000 + its index."""
+    monkeypatch.setattr(_driver, "_primary_context", lambda index: 0x6000 + index)
+    fake.device_of.update({0x6000 + i: i for i in range(4)})
+
+
+def test_kernels_load_in_a_context_of_the_tensors_device(fake, monkeypatch):
+    """The thread's current context belongs to cuda:1 while the call runs on cuda:0 (torch
+    can report a device current before it switched the driver's context): the module must
+    load in, and the launch run from, cuda:0's primary context, not the current one."""
+    primary_contexts(fake, monkeypatch)
+    fake.context = 0x6001
+    run(*qkv())
+    assert fake.made_current == [0x6000]
+    assert {key[:2] for key in _driver._functions} == {(0, 0x6000)}
+    run(*qkv())  # now current: nothing to switch
+    assert fake.made_current == [0x6000]
+
+
+def test_a_planned_launch_on_a_thread_without_a_context_binds_the_device(fake, monkeypatch):
+    """A repeat call's launch skips the context lookup; on a thread with no context the
+    driver refuses it (CUDA_ERROR_INVALID_CONTEXT): the launcher makes the device's primary
+    context current and launches again, once."""
+    primary_contexts(fake, monkeypatch)
+    q, k, v = qkv()
+    table = {}
+    internals.run(None, 1, q, k, v, None, 0.125, False, True, plan_key="signature",
+                  plans=table)
+    fake.context = 0  # a new thread
+    fake.launch_results = [real_driver.CUresult.CUDA_ERROR_INVALID_CONTEXT]
+    out, lse = torch.empty_like(q), torch.empty(2, 4, 100)
+    table["signature"].launch(0x77, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                              lse.data_ptr(), 0, 0)
+    assert fake.made_current[-1] == 0x6001  # cuda:1's
+    assert len(fake.launches) == 3  # the first call's, the refused one, the retry
+    assert fake.launches[-1].params.o == out.data_ptr()
+
+    # A failure in the right context is the kernel's own: raised, not retried.
+    fake.launch_results = [real_driver.CUresult.CUDA_ERROR_INVALID_VALUE]
+    with pytest.raises(_driver.CudaError, match="CUDA_ERROR_INVALID_VALUE"):
+        table["signature"].launch(0x77, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                  out.data_ptr(), lse.data_ptr(), 0, 0)
+    assert len(fake.launches) == 4
 
 
 def test_user_rules_come_first(fake, tmp_path, monkeypatch):
