@@ -91,15 +91,17 @@ def check_within(what: str, ours, lowp, ref32, atol: float = 1e-2, factor: float
         f"{ref32.abs().max().item():.3g})")
 
 
-def loss_and_grads(m, ids, mask):
+def loss_and_grads(m, ids, mask, forward=None):
     """A training step's loss (labels = inputs, padding ignored) and every parameter's
     gradient, float32, by name. A row's first real token is no label either: with left
     padding it would be predicted from a padding position, whose output is arbitrary in every
-    implementation (eager: a row with every key masked; cudaflash: zeros)."""
+    implementation (eager: a row with every key masked; cudaflash: zeros). ``forward``: what
+    runs the model (default ``m`` itself; e.g. a torch.compile'd ``m``)."""
     m.zero_grad(set_to_none=True)
     first_real = mask.cumsum(1) == 1
     labels = ids.masked_fill((mask == 0) | first_real, -100)
-    out = m(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    out = (m if forward is None else forward)(input_ids=ids, attention_mask=mask,
+                                              labels=labels, use_cache=False)
     out.loss.backward()
     return out.loss.detach().float(), {n: p.grad.float() for n, p in m.named_parameters()
                                        if p.grad is not None}
