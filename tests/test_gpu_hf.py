@@ -150,19 +150,19 @@ def test_torch_compile(padding, kernel_calls):
     in a compiler-disabled region: a graph break per layer)."""
     torch._dynamo.reset()
     ids, mask = hf.batch(padding, DEVICE)
-    m = hf.model("gemma2", NAME, torch.bfloat16, DEVICE)
+    m = hf.model("llama", NAME, torch.bfloat16, DEVICE)
     compiled = torch.compile(m)
     with torch.no_grad():
         got = compiled(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
-    lowp, ref32 = reference_logits("gemma2", ids, mask)
+    lowp, ref32 = reference_logits("llama", ids, mask)
     real = mask.bool()
-    hf.check_within(f"compiled gemma2, {padding} padding", got[real], lowp[real], ref32[real])
+    hf.check_within(f"compiled llama, {padding} padding", got[real], lowp[real], ref32[real])
     assert kernel_calls == ["dense" if padding == "none" else "varlen"] * 2
 
     m.train()
     _, ours = hf.loss_and_grads(m, ids, mask, forward=compiled)
-    _, lowp_grads = hf.loss_and_grads(hf.model("gemma2", "eager", torch.bfloat16,
+    _, lowp_grads = hf.loss_and_grads(hf.model("llama", "eager", torch.bfloat16,
                                                DEVICE).train(), ids, mask)
-    _, ref_grads = hf.loss_and_grads(hf.model("gemma2", "eager", torch.float32,
+    _, ref_grads = hf.loss_and_grads(hf.model("llama", "eager", torch.float32,
                                               DEVICE).train(), ids, mask)
     hf.check_grads(ours, lowp_grads, ref_grads, rtol=2e-3)

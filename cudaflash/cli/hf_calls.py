@@ -1,8 +1,9 @@
 """The GPU side of the ``hf`` suite (``suites.HF_*``): one randomly initialised Llama-like
-transformers model per variant (the same weights: one seed), and the calls that
-``timing.time_in_turns`` times, keyed (phase, variant). transformers is imported here only,
-when the suite runs; a variant that cannot be built (flash_attention_2 without the flash-attn
-package) gets calls that raise why, which the suite reports as n/a."""
+transformers model per variant (the same weights: one seed; built once, on the GPU, and kept
+for every row of the run), and the calls that ``timing.time_in_turns`` times, keyed (phase,
+variant). transformers is imported here only, when the suite runs; a variant that cannot be
+built (flash_attention_2 without the flash-attn package) gets calls that raise why, which the
+suite reports as n/a."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from .timing import TORCH_DTYPES
 
 NO_CONTEXT = contextlib.nullcontext
 SEED = 0
+MAX_POSITIONS = 16384  # every row's prompt and decoding steps fit: one model serves them all
+_models: dict = {}  # (implementation, dtype, device) -> the model, or why it cannot be built
 
 
 def _unavailable(why: str):
@@ -23,17 +26,26 @@ def _unavailable(why: str):
     return call
 
 
-def _model(transformers, implementation: str, seqlen: int, dtype, device):
-    m = HF_MODEL
-    config = transformers.LlamaConfig(
-        vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["intermediate"],
-        num_hidden_layers=m["layers"], num_attention_heads=m["heads"],
-        num_key_value_heads=m["kv_heads"], head_dim=m["d_head"],
-        max_position_embeddings=seqlen + HF_DECODE_STEPS + 64)
-    torch.manual_seed(SEED)
-    model = transformers.AutoModelForCausalLM.from_config(config,
-                                                          attn_implementation=implementation)
-    return model.to(device=device, dtype=dtype)
+def _model(transformers, implementation: str, dtype, device):
+    """The suite's model with ``implementation``'s attention, or the reason (a string) it
+    cannot be built; initialised on ``device`` (fast), then cast to ``dtype``."""
+    key = (implementation, dtype, str(device), tuple(sorted(HF_MODEL.items())))
+    if key not in _models:
+        m = HF_MODEL
+        config = transformers.LlamaConfig(
+            vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["intermediate"],
+            num_hidden_layers=m["layers"], num_attention_heads=m["heads"],
+            num_key_value_heads=m["kv_heads"], head_dim=m["d_head"],
+            max_position_embeddings=MAX_POSITIONS)
+        torch.manual_seed(SEED)
+        try:
+            with torch.device(device):
+                model = transformers.AutoModelForCausalLM.from_config(
+                    config, attn_implementation=implementation)
+            _models[key] = model.to(dtype=dtype)
+        except Exception as e:  # e.g. flash_attention_2 without flash-attn: n/a, with why
+            _models[key] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+    return _models[key]
 
 
 def _prefill(model, ids):
@@ -86,17 +98,14 @@ def hf_calls(opts: Options, row: Row, device) -> dict:
     implementations = {"cudaflash": integration.register(), "sdpa": "sdpa",
                        "flash_attention_2": "flash_attention_2"}
     seqlen, dtype = row.get("S"), TORCH_DTYPES[row.get("dtype")]
+    if seqlen + HF_DECODE_STEPS > MAX_POSITIONS:
+        raise ValueError(f"S={seqlen}: the hf suite's model holds {MAX_POSITIONS} positions")
     g = torch.Generator().manual_seed(SEED)
     ids = torch.randint(0, HF_MODEL["vocab"], (row.get("B"), seqlen), generator=g).to(device)
     calls = {}
     for variant in opts.variants:
-        try:
-            model = _model(transformers, implementations[variant], seqlen, dtype, device)
-        except Exception as e:  # e.g. flash_attention_2 without flash-attn: n/a, with why
-            why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-            for phase in opts.phases:
-                calls[phase, variant] = _unavailable(why), NO_CONTEXT
-            continue
+        model = _model(transformers, implementations[variant], dtype, device)
         for phase in opts.phases:
-            calls[phase, variant] = PHASE_CALLS[phase](model, ids), NO_CONTEXT
+            calls[phase, variant] = (_unavailable(model) if isinstance(model, str)
+                                     else PHASE_CALLS[phase](model, ids)), NO_CONTEXT
     return calls

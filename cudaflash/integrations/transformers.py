@@ -25,14 +25,19 @@ What runs: causal attention (bottom-right aligned, as transformers' masks are), 
 the model's scaling (Gemma's query_pre_attn_scalar arrives as ``scaling``), sliding windows
 (per layer, as the mask says: transformers' window W lets a query see itself and W - 1 keys
 before it, flash-attn's window_size=(W - 1, 0)), softcapping (Gemma 2's
-attn_logit_softcapping), left and right padding, and the generation cache (decoding steps
-are q_len 1 against the cache). A batch without padding whose keys end at its last query
-(the usual case) runs flash_attn_func directly, with no host read; a padded one, or a static
-cache with empty slots, is packed once per forward (one host read of the mask) and runs
-flash_attn_varlen_func. Mask patterns the kernels cannot express (packed sequences found in
+attn_logit_softcapping), left and right padding, and the generation caches (decoding steps
+are q_len 1 against the cache; a static cache's empty slots count as padding). Without an
+attention_mask the batch runs flash_attn_func directly, with no host read; with one, the
+first layer reads once per forward whether anything is masked (transformers' own
+flash-attention path reads as much): if not, flash_attn_func on the batch as it is, else the
+real tokens packed for flash_attn_varlen_func (padding rows of the output are zeros).
+Under torch.compile the mask function traces (tensor ops only) and that read is a graph
+break per layer. Mask patterns the kernels cannot express (packed sequences found in
 position_ids, or/and mask functions such as image-token overlays, chunked attention,
 bidirectional sliding windows, a 4D mask of the caller's) run on PyTorch math with the
-materialized mask, with a warning naming the reason: correct, not fast.
+materialized mask, with a warning naming the reason: correct, not fast. Note that traced
+mask builders always add the packed-sequence overlay when no attention_mask is given, so a
+compiled model should get one (README).
 Refused with NotImplementedError: attention dropout during training, attention sinks
 (s_aux), position biases, value head dims unlike the query's; float32 attention inputs
 outside autocast raise TypeError (load the model in bfloat16 or float16).
@@ -52,10 +57,10 @@ from . import _token_layout
 
 try:
     import transformers
-    from transformers import masking_utils
-except ImportError as e:  # an optional dependency: say which
-    raise ImportError("cudaflash.integrations.transformers needs the transformers package "
-                      f"(pip install 'transformers>=4.57'): {e}") from e
+    from transformers import masking_utils  # the mask registry: transformers >= 4.53
+except ImportError as e:  # an optional dependency: say which version
+    raise ImportError("cudaflash.integrations.transformers needs transformers >= 4.53 (its "
+                      f"masking_utils registers mask functions): {e}") from e
 
 DEFAULT_NAME = "cuda_fa"
 # Parts of an attn_implementation name that transformers interprets (see the module's
@@ -218,7 +223,7 @@ def _refuse_unsupported(module, query, value, dropout, kwargs) -> None:
     if value.shape[-1] != query.shape[-1]:
         raise NotImplementedError(f"value head dim {value.shape[-1]} differs from the query's "
                                   f"{query.shape[-1]}: cudaflash needs them equal")
-    if kwargs.get("output_attentions", False):
+    if kwargs.get("output_attentions", False) and not torch.compiler.is_compiling():
         warnings.warn("cudaflash computes no attention weights (output_attentions=True "
                       "returns None for them); use attn_implementation='eager' to get them",
                       stacklevel=3)
