@@ -42,6 +42,13 @@ def reference_kernels(monkeypatch):
     monkeypatch.setattr(sdpa, "cudaflash_backward", backward)
 
 
+def gqa(qkv):
+    """q, k, v with k and v's heads repeated to q's (SDPA's enable_gqa is torch >= 2.5)."""
+    q, k, v = qkv
+    groups = q.shape[1] // k.shape[1]
+    return q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+
+
 class RecordingKernel:
     """A stand-in for torch's own flash kernel (torch.library.get_kernel's result)."""
 
@@ -82,8 +89,8 @@ def test_kernels_compute_sdpa_flash(causal, reference_kernels):
     q, k, v = bhsd(2, 4, 16, 64, seed=1), bhsd(2, 2, 16, 64, seed=2), bhsd(2, 2, 16, 64, seed=3)
     got = kernels.forward("keyset", q, k, v, 0.0, causal, False, scale=0.2)
     out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, debug = got
-    want = F.scaled_dot_product_attention(*(x.float() for x in (q, k, v)), is_causal=causal,
-                                          scale=0.2, enable_gqa=True)
+    want = F.scaled_dot_product_attention(*gqa(x.float() for x in (q, k, v)),
+                                          is_causal=causal, scale=0.2)
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=0)
     assert out.shape == q.shape and lse.shape == (2, 4, 16) and lse.dtype == torch.float32
     assert (cum_q, cum_k, max_q, max_k) == (None, None, 16, 16)
@@ -94,7 +101,7 @@ def test_kernels_compute_sdpa_flash(causal, reference_kernels):
                                   causal, rng_state, unused, scale=0.2)
     leaves = [x.float().requires_grad_() for x in (q, k, v)]
     want_grads = torch.autograd.grad(
-        F.scaled_dot_product_attention(*leaves, is_causal=causal, scale=0.2, enable_gqa=True),
+        F.scaled_dot_product_attention(*gqa(leaves), is_causal=causal, scale=0.2),
         leaves, dout.float())
     for name, g, w in zip("qkv", (dq, dk, dv), want_grads):
         assert g.shape == w.shape, name

@@ -10,8 +10,8 @@ and its backward. ``activate()`` registers Python kernels for them on the CUDA d
 (``torch.library.Library("aten", "IMPL")``), which launch cudaflash (flash_attn_func for the
 forward with its log-sum-exp, the ``cudaflash::bwd`` op for the backward). No C++ is
 needed: a Python launcher satisfies the dispatcher's interface, and torch's own FA4 entry
-does the same with a Python (CuTe DSL) kernel. torch >= 2.10 keeps a registry of such
-implementations (``torch.nn.attention.register_flash_attention_impl``,
+does the same with a Python (CuTe DSL) kernel. Recent torch (2.13 has it) keeps a registry
+of such implementations (``torch.nn.attention.register_flash_attention_impl``,
 ``activate_flash_attention_impl``, ``restore_flash_attention_impl``,
 ``list_flash_attention_impls``): where it exists, ``register()`` adds "cudaflash" to it and
 ``activate()`` goes through it; on older torch ``activate()`` installs the same kernels
@@ -23,8 +23,8 @@ computes exactly as torch's flash kernel does: no dropout, no debug mask, nheads
 of nheads_k, causal as the flash kernel aligns it (bottom-right; SDPA itself hands the flash
 backend causal calls of square shape only), any head dim (cudaflash pads the others). The
 backward runs cudaflash's kernels for head dims 64 and 128. Anything else goes to torch's
-own flash kernel, fetched before the override with ``torch.library.get_kernel`` (torch >=
-2.10); without that function such calls raise RuntimeError naming why (``restore()`` gives
+own flash kernel, fetched before the override with ``torch.library.get_kernel`` (2.13 has
+it); without that function such calls raise RuntimeError naming why (``restore()`` gives
 torch's kernels back). Other SDPA backends (cuDNN, efficient, math) are untouched.
 """
 
@@ -176,7 +176,7 @@ def _without_keyset(kernel):
 
 
 def _registry():
-    """torch.nn.attention's flash-implementation registry functions, or None (torch < 2.10)."""
+    """torch.nn.attention's flash-implementation registry functions, or None (older torch)."""
     import torch.nn.attention as attention
 
     names = ("register_flash_attention_impl", "activate_flash_attention_impl",
