@@ -111,8 +111,10 @@ def test_padded_head_dim_and_dropout_reach_the_right_kernels(activated):
 def test_torch_compile_reaches_cudaflash(activated):
     q, k, v = (x.detach() for x in inputs(2, 8, 512, 128))
     torch._dynamo.reset()
-    compiled = torch.compile(lambda q, k, v: flash_sdpa(q, k, v, is_causal=True))
-    out = compiled(q, k, v)
+    compiled = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v,
+                                                                             is_causal=True))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # read when the graph is compiled
+        out = compiled(q, k, v)
     assert "forward" in activated
     ref, _ = math_sdpa(q, k, v, torch.float32, is_causal=True)
     lowp, _ = math_sdpa(q, k, v, torch.bfloat16, is_causal=True)
