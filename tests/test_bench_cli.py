@@ -150,7 +150,7 @@ def test_forward_suite_is_the_default_and_decode_an_alias():
     assert bench.suite_name(parse("bench", "--suite", "decode")) == "decode"
     assert bench.suite_name(parse("bench", "--decode", "--suite", "decode")) == "decode"
     assert set(bench.SUITE_NAMES) == {"forward", "decode", "train", "backward", "varlen",
-                                      "window", "softcap", "kvcache"}
+                                      "window", "softcap", "kvcache", "hf"}
 
 
 def test_train_suite_defaults():
@@ -187,6 +187,7 @@ def test_suite_filters():
     ("window", ("forward", "train"), ("full", "w4096", "w1024", "w256", "flash")),
     ("softcap", ("forward", "train"), ("plain", "softcap")),
     ("kvcache", ("forward",), ("kvcache", "full", "sdpa-eff")),
+    ("hf", ("prefill", "decode", "train"), ("cudaflash", "sdpa", "flash_attention_2")),
 ])
 def test_suite_defaults(suite, phases, variants):
     opts = bench.resolve_suite(parse("bench", "--suite", suite))
@@ -207,6 +208,9 @@ def test_suite_defaults(suite, phases, variants):
     (["--phases", "backward"], "--phases applies to the train, backward"),
     (["--backends", "cudaflash-det"], "the forward suite has cudaflash,flash,cudnn,efficient"),
     (["--decode", "--backends", "varlen"], "the decode suite has"),
+    (["--suite", "hf", "--head-dims", "64"], "--head-dims does not apply to the hf suite"),
+    (["--suite", "hf", "--phases", "forward"], "the hf suite times prefill,decode,train"),
+    (["--suite", "train", "--phases", "prefill"], "the train suite times forward,backward"),
 ])
 def test_suite_rejects_with_a_clear_error(argv, message, capsys):
     assert bench.run(parse("bench", *argv)) == 2
@@ -447,6 +451,66 @@ def test_kvcache_table_shows_us_and_gbps(tmp_path):
     assert data["results"][0]["phases"]["forward"]["kvcache"]["gbps"] == \
         pytest.approx(r.row.bytes / 50e-6 / 1e9)
     assert data["results"][0]["lengths"] == list(r.row.lengths)
+
+
+def test_hf_rows_count_tokens_per_phase():
+    opts = bench.resolve_suite(parse("bench", "--suite", "hf", "--seqlens", "1024,2048",
+                                     "--phases", "decode,prefill"))
+    assert opts.phases == ("prefill", "decode")  # the suite's order
+    rows = opts.rows()
+    assert [r.get("S") for r in rows] == [1024, 2048]
+    for r in rows:
+        tokens = dict(r.tokens)
+        assert tokens["prefill"] == tokens["train"] == suites.HF_BATCH * r.get("S")
+        assert tokens["decode"] == suites.HF_BATCH * suites.HF_DECODE_STEPS
+        assert (r.get("layers"), r.get("hidden"), r.get("H"), r.get("d")) == (8, 2048, 16, 128)
+
+
+def test_hf_table_and_json_in_tokens_per_second(tmp_path):
+    opts = bench.resolve_suite(parse("bench", "--suite", "hf", "--seqlens", "2048"))
+    no_fa2 = "RuntimeError: flash_attention_2 needs flash-attn"
+    times = {"cudaflash": 50.0, "sdpa": 60.0, "flash_attention_2": no_fa2}
+    results, _ = measure_fake(opts, lambda phase, v: times[v])
+    r = results[0]
+    assert r.tokens_per_s("prefill", "cudaflash") == pytest.approx(4 * 2048 / 50e-3)
+    assert r.tokens_per_s("decode", "sdpa") == pytest.approx(4 * 16 / 60e-3)
+    assert r.ratio("train", "cudaflash", "sdpa") == pytest.approx(1.2)
+    text = suites.format_results(opts, results)
+    assert "hf suite, decode: 16 greedy decoding steps" in text
+    assert "cudaflash tok/s  sdpa tok/s  flash_attention_2 tok/s  cf/sdpa  cf/fa2" in text
+    assert f"-: flash_attention_2 prefill on 1 row(s); the first: {no_fa2}" in text
+    data = suites.to_json(opts, {}, {}, results)
+    entry = data["results"][0]["phases"]["prefill"]["cudaflash"]
+    assert entry["tokens"] == 4 * 2048 and entry["tokens_per_s"] == pytest.approx(163840.0)
+    assert data["method"]["phase_flops"] is None
+    assert data["results"][0]["phases"]["decode"]["flash_attention_2"]["error"] == no_fa2
+
+
+def test_hf_calls_on_the_cpu(monkeypatch):
+    """The hf suite's calls with a tiny model: every (phase, variant) built, the SDPA ones
+    run (decoding leaves the cache at the prompt's length), a variant that cannot be built
+    raises why."""
+    pytest.importorskip("transformers", reason="transformers is not installed (optional)")
+    import torch
+
+    from cudaflash.cli import hf_calls
+
+    monkeypatch.setattr(hf_calls, "HF_MODEL", dict(layers=2, hidden=64, heads=4, kv_heads=2,
+                                                    d_head=16, intermediate=128, vocab=100))
+    opts = bench.resolve_suite(parse("bench", "--suite", "hf", "--dtype", "bf16"))
+    row = suites.Row((("dtype", "bf16"), ("S", 12), ("B", 2)), 0.0)
+    calls = hf_calls.hf_calls(opts, row, torch.device("cpu"))
+    assert set(calls) == set(itertools.product(opts.phases, opts.variants))
+    assert calls["prefill", "sdpa"][0]().logits.shape == (2, 1, 100)
+    decode = calls["decode", "sdpa"][0]
+    # The second call starts from the prompt's cache again (cropped), so it decodes the same.
+    assert torch.equal(decode(), decode())
+    assert calls["train", "sdpa"][0]().item() > 0
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError):
+            calls["prefill", "flash_attention_2"][0]()
 
 
 def test_window_ratios_are_speedups():

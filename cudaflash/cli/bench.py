@@ -380,9 +380,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     + _suite_lines() + ".")
     p.add_argument("--suite", choices=SUITE_NAMES, default=None,
                    help="what to time (default forward): " + ", ".join(SUITE_NAMES))
-    p.add_argument("--phases", type=comma_list(str, suites.PHASES), default=None,
+    p.add_argument("--phases", type=comma_list(str, suites.ALL_PHASES), default=None,
                    help="train, backward, varlen, window, softcap: comma-separated phases of "
-                        f"{','.join(suites.PHASES)} (default: the suite's; train: all three)")
+                        f"{','.join(suites.PHASES)} (default: the suite's; train: all three); "
+                        f"hf: of {','.join(suites.HF_PHASES)}")
     p.add_argument("--seqlens", type=comma_list(_positive), default=None,
                    help="comma-separated sequence lengths (default "
                         f"{','.join(map(str, DEFAULT_SEQLENS))}); batch = {FA_TOKENS} // S. "
@@ -460,16 +461,20 @@ def check_forward_args(args) -> list:
 
 
 def run_suite(args, opts: suites.Options) -> int:
-    """The train, backward, varlen, window, softcap and kvcache suites."""
+    """The train, backward, varlen, window, softcap, kvcache and hf suites."""
     rows = opts.rows()
     device = torch.device("cuda", torch.cuda.current_device())
     env = environment(device.index)
-    method = {"text": method_text(args.iters, args.warmup, grad=True), "iters": args.iters,
-              "warmup": args.warmup, "l2_flush_bytes": L2_FLUSH_BYTES}
+    whole_model = opts.suite.unit == "tokens"
+    if whole_model:
+        env["transformers"] = _transformers_version()
+    method = {"text": method_text(args.iters, args.warmup, grad=not whole_model,
+                                  model=whole_model),
+              "iters": args.iters, "warmup": args.warmup, "l2_flush_bytes": L2_FLUSH_BYTES}
     print_env(env)
     print(f"timing: {method['text']}")
     print(f"suite {opts.suite.name}: {opts.suite.help}; phases {', '.join(opts.phases)}: "
-          + "; ".join(f"{p} = {suites.PHASE_TEXT[p]}" for p in opts.phases))
+          + "; ".join(f"{p} = {opts.suite.describe(p)}" for p in opts.phases))
     progress = Progress(len(rows) * len(opts.phases) * len(opts.variants), opts.suite.name)
     flush = flush_buffer(device)
     from .suite_calls import build_calls  # torch on the GPU: imported when a suite runs
@@ -487,11 +492,20 @@ def run_suite(args, opts: suites.Options) -> int:
     return 0
 
 
+def _transformers_version() -> Optional[str]:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers.__version__
+
+
 def print_env(env: dict) -> None:
     print(f"{env['gpu']} ({env['sm_count']} SMs, compute capability "
           f"{env['compute_capability']}), driver "
           f"{env['driver']}, torch {env['torch']} (CUDA {env['torch_cuda']}, cuDNN "
-          f"{env['cudnn']}), cuda-bindings {env['cuda_bindings']}, cudaflash {env['cudaflash']}")
+          f"{env['cudnn']}), cuda-bindings {env['cuda_bindings']}, cudaflash {env['cudaflash']}"
+          + (f", transformers {env['transformers']}" if "transformers" in env else ""))
 
 
 def sweep_dims(args) -> tuple[list, list]:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import api, kvcache
+from .hf_calls import hf_calls
 from .suites import SOFTCAP, Options, Row
 from .timing import TORCH_DTYPES, make_qkv, phase_call, sdpa_context
 
@@ -148,7 +149,8 @@ def kvcache_calls(opts: Options, row: Row, device) -> dict:
 
 
 BUILDERS = {"train": fa_calls, "backward": fa_calls, "softcap": fa_calls,
-            "window": window_calls, "varlen": varlen_calls, "kvcache": kvcache_calls}
+            "window": window_calls, "varlen": varlen_calls, "kvcache": kvcache_calls,
+            "hf": hf_calls}
 
 
 def build_calls(opts: Options, row: Row, device) -> dict:

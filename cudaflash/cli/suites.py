@@ -1,7 +1,9 @@
 """The bench's suites beyond the forward sweep: ``train`` and ``backward`` (cudaflash against
 SDPA's cuDNN and flash backends, forward / backward / training step), ``varlen`` (packed
 against padded), ``window`` (sliding windows against full causal), ``softcap`` (capped
-against plain) and ``kvcache`` (decoding steps of flash_attn_with_kvcache).
+against plain), ``kvcache`` (decoding steps of flash_attn_with_kvcache) and ``hf`` (a
+transformers model's prefill, decoding and training step, in tokens per second; its calls
+in ``hf_calls``).
 
 A suite is a list of rows (one problem each, sizes only: built here, on the CPU), a set of
 variants (the backends or call forms it compares), the phases it times (forward, backward,
@@ -37,6 +39,24 @@ PHASE_TEXT = {
     "train": "forward with autograd recording + torch.autograd.grad with a fixed random "
              "dout (a training step of the attention op)",
 }
+
+# The hf suite's model: Llama-like, small enough that a step takes milliseconds; its phases
+# are whole-model steps, timed in tokens/s.
+HF_MODEL = dict(layers=8, hidden=2048, heads=16, kv_heads=4, d_head=128, intermediate=5632,
+                vocab=32000)
+HF_BATCH = 4
+HF_DECODE_STEPS = 16
+HF_PHASES = ("prefill", "decode", "train")
+HF_PHASE_TEXT = {
+    "prefill": "the model's forward over the prompt under torch.inference_mode(), filling a "
+               "DynamicCache, logits of the last position only (as generate()'s prefill)",
+    "decode": f"{HF_DECODE_STEPS} greedy decoding steps (one token per sequence against the "
+              "DynamicCache of the prompt, argmax of the logits fed back), the cache cropped "
+              "back to the prompt after each call",
+    "train": "forward with labels (the inputs) and loss.backward() over the whole model (no "
+             "optimizer step), gradients accumulating",
+}
+ALL_PHASES = PHASES + HF_PHASES[:2]  # every phase name --phases accepts
 
 SOFTCAP = 30.0  # Gemma 2's attention cap
 WINDOWS = (4096, 1024, 256)  # left windows of the window suite (right 0, causal)
@@ -96,13 +116,15 @@ class Row:
     """One problem of a suite. ``fields`` are the table's leading columns, in order, and
     what ``suite_calls`` builds the tensors from; ``flops`` is the useful work of one
     forward (per variant where they differ: ``variant_flops``); ``bytes`` what one call
-    must read at least (kvcache: K and V of the used cache), or None."""
+    must read at least (kvcache: K and V of the used cache), or None; ``tokens`` the tokens
+    one call of each phase processes (the hf suite, whose unit is tokens/s)."""
 
     fields: tuple  # ((name, value), ...)
     flops: float
     variant_flops: tuple = ()  # ((variant, flops), ...)
     bytes: Optional[int] = None
     lengths: tuple = ()  # varlen: the sequence lengths; kvcache: the cache lengths
+    tokens: tuple = ()  # hf: ((phase, tokens per call), ...)
 
     def get(self, name: str):
         return dict(self.fields)[name]
@@ -172,6 +194,17 @@ def kvcache_rows(opts) -> list:
     return rows
 
 
+def hf_rows(opts) -> list:
+    """The hf suite's model at each prompt length (HF_BATCH sequences)."""
+    m = HF_MODEL
+    return [Row((("dtype", dtype), ("S", s), ("B", HF_BATCH), ("layers", m["layers"]),
+                 ("hidden", m["hidden"]), ("H", m["heads"]), ("H_k", m["kv_heads"]),
+                 ("d", m["d_head"])), 0.0,
+                tokens=(("prefill", HF_BATCH * s), ("decode", HF_BATCH * HF_DECODE_STEPS),
+                        ("train", HF_BATCH * s)))
+            for dtype in opts.dtypes for s in opts.seqlens]
+
+
 # ---- suites ----------------------------------------------------------------------------------
 
 
@@ -188,9 +221,13 @@ class Suite:
     options: frozenset  # which sweep options apply: seqlens, head_dims, causal
     default_seqlens: tuple = ()
     default_head_dims: tuple = (64, 128)
-    unit: str = "tflops"  # "tflops" or "us" (kvcache: microseconds and GB/s)
+    unit: str = "tflops"  # "tflops", "us" (kvcache: microseconds and GB/s) or "tokens" (hf)
     x_field: str = "S"  # the plot's x axis
     note: str = ""
+    phase_text: tuple = ()  # ((phase, text), ...) where the suite's phases differ from PHASE_TEXT
+
+    def describe(self, phase: str) -> str:
+        return dict(self.phase_text).get(phase) or PHASE_TEXT[phase]
 
     def group_key(self, row: Row) -> tuple:
         """Rows that one plot panel and one summary line cover: all fields but the x axis
@@ -251,6 +288,18 @@ SUITES = {
                    "flash_attn_func over the whole cache (an upper bound: wrong where a cache "
                    "is not full), sdpa-eff = SDPA efficient with a key-padding mask; GB/s = "
                    "K/V bytes of the used cache / kvcache's time"),
+        Suite("hf", "a Llama-like transformers model (8 layers, hidden 2048, 16 heads of 128, "
+              "4 K/V heads, batch 4): prefill, decoding and training step with "
+              "attn_implementation cudaflash vs sdpa and flash_attention_2, tokens/s",
+              ("cudaflash", "sdpa", "flash_attention_2"),
+              ("cudaflash", "sdpa", "flash_attention_2"), HF_PHASES, HF_PHASES,
+              (("cf/sdpa", "cudaflash", "sdpa"), ("cf/fa2", "cudaflash", "flash_attention_2")),
+              hf_rows, frozenset({"seqlens"}), (2048, 4096), unit="tokens",
+              phase_text=tuple(HF_PHASE_TEXT.items()),
+              note="random weights, bf16, no padding; cudaflash = "
+                   "cudaflash.integrations.transformers.register(); flash_attention_2 needs the "
+                   "flash-attn package (n/a without it); tokens/s = tokens of one call / its "
+                   f"time (decode: {HF_BATCH} x {HF_DECODE_STEPS} new tokens per call)"),
     )
 }
 
@@ -277,6 +326,7 @@ class Options:
 
 
 FIXED_BY_SUITE = {"window": "always causal, window_size=(w, 0)",
+                  "hf": "a fixed Llama-like model, causal, head dim 128",
                   "kvcache": f"fixed decoding cases {KVCACHE_CASES} (batch, cache), "
                              f"d{KVCACHE_D_HEAD}"}
 
@@ -310,7 +360,7 @@ def resolve(args, name: str) -> "Options":
         head_dims=tuple(args.head_dims or suite.default_head_dims),
         causals=CAUSAL_CHOICES[args.causal], seqlens=tuple(args.seqlens or suite.default_seqlens),
         variants=tuple(v for v in suite.variants if v in variants),  # table order
-        phases=tuple(p for p in PHASES if p in phases))
+        phases=tuple(p for p in suite.phases if p in phases))
 
 
 
@@ -340,6 +390,11 @@ class RowResult:
     def us(self, phase: str, variant: str) -> Optional[float]:
         t = self.timing(phase, variant)
         return None if t is None else t.median_ms * 1e3
+
+    def tokens_per_s(self, phase: str, variant: str) -> Optional[float]:
+        t = self.timing(phase, variant)
+        tokens = dict(self.row.tokens).get(phase)
+        return None if t is None or tokens is None else tokens / t.median_ms * 1e3
 
     def gbps(self, phase: str, variant: str) -> Optional[float]:
         t = self.timing(phase, variant)
@@ -397,6 +452,14 @@ def format_results(opts: Options, results: list) -> str:
                      *(_num(r.ratio(phase, a, b), ".2f") for _, a, b in opts.ratios()))
                     for r in results]
             unit = "microseconds per call"
+        elif suite.unit == "tokens":
+            header = (*fields, *(f"{v} tok/s" for v in opts.variants), *labels)
+            rows = [(*(v for _, v in r.row.fields),
+                     *(_num(r.tokens_per_s(phase, v), ".0f") for v in opts.variants),
+                     *(_num(r.ratio(phase, a, b), ".2f") for _, a, b in opts.ratios()))
+                    for r in results]
+            unit = (f"tokens per second ({dict(results[0].row.tokens)[phase]} tokens per call"
+                    " on the first row)" if results else "tokens per second")
         else:
             header = (*fields, *opts.variants, *labels)
             rows = [(*(v for _, v in r.row.fields),
@@ -404,7 +467,7 @@ def format_results(opts: Options, results: list) -> str:
                      *(_num(r.ratio(phase, a, b), ".2f") for _, a, b in opts.ratios()))
                     for r in results]
             unit = f"TFLOP/s ({PHASE_FLOPS[phase]:g} x the forward's FLOPs)"
-        out += [f"{suite.name} suite, {phase}: {PHASE_TEXT[phase]}; {unit}; a/b = b's time / "
+        out += [f"{suite.name} suite, {phase}: {suite.describe(phase)}; {unit}; a/b = b's time / "
                 "a's time; - = n/a (reason below)", format_table(header, rows), ""]
     if suite.note:
         out.append(f"note: {suite.note}")
@@ -441,14 +504,20 @@ def to_json(opts: Options, env: dict, method: dict, results: list) -> dict:
     """Every number: per row its fields, per phase and variant the FLOPs counted and the
     timing (or the reason it is n/a), and the ratios."""
 
+    tokens = opts.suite.unit == "tokens"
+
     def entry(r: RowResult, phase: str, variant: str) -> dict:
-        got = {"flops": r.flops(phase, variant)}
+        got = ({"tokens": dict(r.row.tokens)[phase]} if tokens
+               else {"flops": r.flops(phase, variant)})
         if r.error(phase, variant) is not None:
             return {**got, "error": r.error(phase, variant)}
         t = r.timing(phase, variant)
         if t is None:
             return {**got, "error": "not measured"}
-        got.update(tflops=r.tflops(phase, variant), **dataclasses.asdict(t))
+        if tokens:
+            got.update(tokens_per_s=r.tokens_per_s(phase, variant), **dataclasses.asdict(t))
+        else:
+            got.update(tflops=r.tflops(phase, variant), **dataclasses.asdict(t))
         if r.row.bytes is not None:
             got["gbps"] = r.gbps(phase, variant)
         return got
@@ -456,8 +525,8 @@ def to_json(opts: Options, env: dict, method: dict, results: list) -> dict:
     return {
         "suite": opts.suite.name,
         "env": env,
-        "method": {**method, "phases": {p: PHASE_TEXT[p] for p in opts.phases},
-                   "phase_flops": {p: PHASE_FLOPS[p] for p in opts.phases},
+        "method": {**method, "phases": {p: opts.suite.describe(p) for p in opts.phases},
+                   "phase_flops": None if tokens else {p: PHASE_FLOPS[p] for p in opts.phases},
                    "note": opts.suite.note},
         "variants": list(opts.variants),
         "phases": list(opts.phases),
@@ -477,7 +546,7 @@ def write_json(path: Path, opts: Options, env: dict, method: dict, results: list
 
 def plot(path: Path, opts: Options, results: list, pyplot) -> None:
     """One panel per group of rows and phase, x = the suite's x field, one line per
-    variant (TFLOP/s; kvcache: microseconds)."""
+    variant (TFLOP/s; kvcache: microseconds; hf: tokens/s)."""
     groups: dict = {}
     for r in results:
         groups.setdefault(opts.suite.group_key(r.row), []).append(r)
@@ -485,15 +554,16 @@ def plot(path: Path, opts: Options, results: list, pyplot) -> None:
     fig, axes = pyplot.subplots(len(panels), 1, figsize=(7, 3.2 * len(panels)), squeeze=False)
     for ax, (key, phase, group) in zip(axes[:, 0], panels):
         xs = [r.row.get(opts.suite.x_field) for r in group]
+        get = {"us": RowResult.us, "tokens": RowResult.tokens_per_s}.get(opts.suite.unit,
+                                                                       RowResult.tflops)
         for variant in opts.variants:
-            get = RowResult.us if opts.suite.unit == "us" else RowResult.tflops
             ax.plot(xs, [get(r, phase, variant) or float("nan") for r in group], marker="o",
                     label=variant)
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.set_title(f"{opts.suite.name} {phase} {_group_title(key)}")
         ax.set_xlabel(opts.suite.x_field)
-        ax.set_ylabel("us" if opts.suite.unit == "us" else "TFLOP/s")
+        ax.set_ylabel({"us": "us", "tokens": "tokens/s"}.get(opts.suite.unit, "TFLOP/s"))
         ax.legend()
     fig.tight_layout()
     fig.savefig(path)

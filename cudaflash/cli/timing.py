@@ -60,11 +60,18 @@ def flush_buffer(device) -> torch.Tensor:
     return torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
 
 
-def method_text(iters: int, warmup: int, grad: bool = False) -> str:
-    """The timing method in words; ``grad``: the suites with gradients (phase_call)."""
+def method_text(iters: int, warmup: int, grad: bool = False, model: bool = False) -> str:
+    """The timing method in words; ``grad``: the suites with gradients (phase_call);
+    ``model``: the hf suite's whole-model calls."""
     inputs = ("the same tensors for every variant of a row, leaves requiring grad, and a "
               "fixed torch.randn dout; phases as timing.phase_call says" if grad
               else "torch.inference_mode()")
+    if model:
+        return (f"CUDA events around each single call (a whole-model step, host time "
+                f"included), after {warmup} warm-up calls; median of {iters} calls, taken in "
+                f"{CASE_ROUNDS} rounds with the variants taking turns; L2 flushed before every "
+                "timed call; one model per variant with the same weights (one seed) and the "
+                "same random token ids")
     return (f"CUDA events around each single call, after {warmup} warm-up calls; median of "
             f"{iters} calls, taken in {CASE_ROUNDS} rounds with the backends taking turns "
             f"(min and max kept in --json); L2 flushed before every timed call "
