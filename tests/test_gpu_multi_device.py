@@ -190,7 +190,9 @@ def test_gradients_on_the_second_gpu(deterministic):
     grads = {}
     with torch.cuda.device(0):
         for device in ("cuda:0", "cuda:1"):
-            leaves = [t.to(device).requires_grad_() for t in inputs0]
+            # detach: after the first device's pass the inputs require grad, and .to() would
+            # give non-leaf tensors whose .grad stays None
+            leaves = [t.detach().to(device).requires_grad_() for t in inputs0]
             out = flash_attn_func(*leaves, causal=True, deterministic=deterministic)
             out.backward(dout0.to(device))
             assert torch.cuda.current_device() == 0

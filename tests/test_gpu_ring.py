@@ -120,7 +120,7 @@ def run_case(case: Case, rank: int) -> str:
               ("lse", lse, _shard(ref_lse, rank, 2), _shard(lowp_lse, rank, 2),
                _shard(single_lse, rank, 2))]
     for i, name in enumerate(("dq", "dk", "dv")):
-        part = _shard if name == "dq" else keys
+        part = (lambda t: _shard(t, rank)) if name == "dq" else keys
         checks.append((name, grads[i], part(ref_grads[i]), part(lowp_grads[i]),
                        part(single_grads[i])))
     for name, ours, r, lp, one_gpu in checks:

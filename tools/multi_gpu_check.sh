@@ -17,6 +17,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# torchrun runs tools/ring_example.py with tools/ as its path: use the repository's cudaflash.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # NVLink multicast stays off (a program using it can take the host's GPUs down).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 torchrun="python3 -m torch.distributed.run --standalone --nproc-per-node 2"
