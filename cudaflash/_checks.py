@@ -4,6 +4,7 @@ no ``assert`` for user errors (asserts vanish under ``-O``)."""
 
 import math
 import numbers
+import operator
 
 import torch
 
@@ -42,15 +43,29 @@ def check_softcap(softcap) -> float:
     return float(softcap)
 
 
+def _window_side(w) -> int | None:
+    """One side of window_size as an int if it is integer-like (as flash-attn, which converts
+    each side with int(): an int, a numpy integer, a 0-d or 1-element integer tensor; a
+    tensor on the GPU is read on the host), else None. Booleans are not integers here."""
+    if isinstance(w, bool) or isinstance(w, torch.Tensor) and w.dtype == torch.bool:
+        return None
+    try:
+        return operator.index(w)
+    except (TypeError, RuntimeError):  # a float, a string; a tensor of floats or of several
+        return None                    # elements (torch raises RuntimeError for those)
+
+
 def check_window(window_size) -> tuple[int, int]:
-    """flash-attn's window_size as (left, right): each an int >= -1, -1 meaning unbounded."""
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool)
-                       and -1 <= w <= INT32_MAX for w in window_size)):
-        raise ValueError(f"window_size={window_size!r}; it must be (left, right): two ints in "
-                         "[-1, 2**31) (-1: unbounded on that side; query i sees keys i + "
-                         "seqlen_k - seqlen_q - left to i + seqlen_k - seqlen_q + right)")
-    return int(window_size[0]), int(window_size[1])
+    """flash-attn's window_size as (left, right): each integer-like and >= -1, -1 meaning
+    unbounded."""
+    sides = ([_window_side(w) for w in window_size]
+             if isinstance(window_size, (tuple, list)) and len(window_size) == 2 else [None])
+    if not all(w is not None and -1 <= w <= INT32_MAX for w in sides):
+        raise ValueError(f"window_size={window_size!r}; it must be (left, right): two integers "
+                         "(ints, numpy integers or 1-element integer tensors) in [-1, 2**31) "
+                         "(-1: unbounded on that side; query i sees keys i + seqlen_k - "
+                         "seqlen_q - left to i + seqlen_k - seqlen_q + right)")
+    return sides[0], sides[1]
 
 
 def wants_grad(q, k, v) -> bool:

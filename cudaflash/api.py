@@ -35,8 +35,21 @@ from .manifest import KernelEntry
 # ---- public functions ------------------------------------------------------------------------
 
 
+# The default window_size: no window. The per-call paths test the default by identity and
+# an explicit (-1, -1) of two ints by value; any other value (lists, numpy integers,
+# tensors: flash-attn takes integer-like sides) goes through _checks.check_window.
+NO_WINDOW = (-1, -1)
+
+
+def _no_window(window_size) -> bool:
+    """Whether window_size is an explicit (-1, -1) of two ints (the caller tests identity
+    with NO_WINDOW first, inline)."""
+    return (type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int
+            and type(window_size[1]) is int and window_size == NO_WINDOW)
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
-                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False):
     """Scaled dot-product attention, with gradients; drop-in for flash-attn 2.x.
 
@@ -87,7 +100,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     # the defaults take it (anything else gets the full checks, which raise or accept an
     # equivalent value such as window_size=[-1, -1]), and never under torch.compile.
     if (dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
-            and type(window_size) is tuple and window_size == (-1, -1)
+            and (window_size is NO_WINDOW or _no_window(window_size))
             and not _is_compiling()):
         # No lse unless asked for: the kernel skips it and the call saves an allocation.
         want_lse = True if return_attn_probs else False
@@ -173,7 +186,7 @@ def _windowed_or_capped_attention(q, k, v, softmax_scale, causal, window, softca
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=NO_WINDOW,
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None):
     """Attention over a packed batch of sequences of different lengths; drop-in for flash-attn
@@ -208,7 +221,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     window = (-1, -1)
     if not (dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
-            and type(window_size) is tuple and window_size == (-1, -1)):
+            and (window_size is NO_WINDOW or _no_window(window_size))):
         window, softcap = _checks.attention_options(dropout_p, alibi_slopes, window_size, softcap)
     else:
         softcap = 0.0
@@ -259,7 +272,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
-                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False):
     """flash_attn_func for q, k, v packed in one tensor; drop-in for flash-attn 2.x's.
 
@@ -273,7 +286,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
-                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None,
                              deterministic=False, return_attn_probs=False):
     """flash_attn_func with k and v packed in one tensor; drop-in for flash-attn 2.x's.
 
@@ -286,7 +299,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
-                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softmax_scale=None, causal=False, window_size=NO_WINDOW,
                                      softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):
     """flash_attn_varlen_func for a packed batch whose q, k, v share one tensor and one set of
@@ -301,7 +314,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, dropout_p=0.0, softmax_scale=None,
-                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    causal=False, window_size=NO_WINDOW, softcap=0.0,
                                     alibi_slopes=None, deterministic=False,
                                     return_attn_probs=False):
     """flash_attn_varlen_func with k and v packed in one tensor, kv: (total_k, 2, nheads_k,
@@ -323,7 +336,7 @@ def _varlen_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 
 def forward(config, q, k, v, out=None, softmax_scale=None, causal=False, num_splits=None,
-            window_size=(-1, -1), softcap=0.0):
+            window_size=NO_WINDOW, softcap=0.0):
     """Run one explicit kernel config; returns ``(out, lse)``.
 
     ``config`` is a KernelConfig or its canonical name (``list_kernels(device)`` lists the

@@ -8,6 +8,7 @@ test_gpu_correctness.py.
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -184,17 +185,31 @@ def test_unsupported_features(kwargs, message):
 
 
 @pytest.mark.parametrize("window", [None, (128,), (1, 2, 3), (-2, 0), (1.5, 0), (True, 0),
-                                    "ab", (2**31, 0)])
+                                    "ab", (2**31, 0), (torch.tensor(1.0), 0),
+                                    (torch.tensor(True), 0), (torch.tensor([1, 2]), 0),
+                                    (torch.tensor(-2), 0), torch.tensor([4, 0])])
 def test_bad_window_size(window):
     with pytest.raises(ValueError, match=r"window_size=.*; it must be \(left, right\): two "
-                                         r"ints in \[-1, 2\*\*31\)"):
+                                         r"integers \(ints, numpy integers or 1-element integer "
+                                         r"tensors\) in \[-1, 2\*\*31\)"):
         flash_attn_func(*qkv(), window_size=window)
 
 
-@pytest.mark.parametrize("window", [(128, 0), [3, -1], (-1, 5)])
+@pytest.mark.parametrize("window", [(128, 0), [3, -1], (-1, 5), (torch.tensor(128), 0),
+                                    (torch.tensor([3]), torch.tensor(-1, dtype=torch.int32)),
+                                    (np.int64(16), np.int32(0)), (np.array(8), -1)])
 def test_valid_window_reaches_the_device_check(window):
+    """Integer-like sides, as flash-attn takes them (its local=True tests pass tensors)."""
     with pytest.raises(ValueError, match=CPU_ERROR):
         flash_attn_func(*qkv(), window_size=window)
+
+
+@pytest.mark.parametrize("window, expected", [((torch.tensor(128), 0), (128, 0)),
+                                              ((np.int64(16), torch.tensor([-1])), (16, -1)),
+                                              ([np.array(3), 7], (3, 7))])
+def test_integer_like_window_sides_become_ints(window, expected):
+    got = internals.check_window(window)
+    assert got == expected and all(type(w) is int for w in got)
 
 
 @pytest.mark.parametrize("cap", [-1.0, math.nan, math.inf, True, "30", torch.ones(1)])
