@@ -5,7 +5,7 @@
 // Build one config by hand (what build_cubins.py does):
 //   nvcc -cubin -gencode arch=compute_90,code=sm_90 -O3 -std=c++17 -I cuda_src \
 //        -DCF_DTYPE_BF16=1 -DCF_D_HEAD=128 -DCF_B_R=64 -DCF_B_C=64 -DCF_N_WARPS=4 \
-//        -DCF_WGMMA=0 -DCF_WARP_SPECIALIZED=0 cuda_src/flash_bwd.cu -o bwd.cubin
+//        -DCF_WGMMA=0 -DCF_WARP_SPECIALIZED=0 -DCF_WS_QUERY_ROWS=64 cuda_src/flash_bwd.cu -o bwd.cubin
 // (CF_WGMMA=1 needs the arch-specific target: arch=compute_90a,code=sm_90a.)
 #pragma once
 #include <cuda_bf16.h>
@@ -13,7 +13,8 @@
 #include <type_traits>
 
 #if !defined(CF_DTYPE_BF16) || !defined(CF_D_HEAD) || !defined(CF_B_R) || !defined(CF_B_C) || \
-    !defined(CF_N_WARPS) || !defined(CF_WGMMA) || !defined(CF_WARP_SPECIALIZED)
+    !defined(CF_N_WARPS) || !defined(CF_WGMMA) || !defined(CF_WARP_SPECIALIZED) ||        \
+    !defined(CF_WS_QUERY_ROWS)
 #error "define every CF_* macro: see cudaflash.config.BackwardConfig.nvcc_defines()"
 #endif
 
@@ -80,6 +81,11 @@ struct BwdConfig {
     static_assert(!kWarpSpecialized || (kWgmma && kWarps == 8 && kBr == 64),
                   "warp_specialized needs wgmma, n_warps 8 and B_r 64");
     static constexpr int kFusedThreads = kThreads + (kWarpSpecialized ? 128 : 0);
+    // Query rows per step of the warp-specialized kernel (its own tile: the module's other
+    // kernels keep B_r): 64, or 128 (S^T and dP^T as N = 128 wgmmas, dQ as two M = 64 halves).
+    static constexpr int kWsQueryRows = CF_WS_QUERY_ROWS;
+    static_assert(kWsQueryRows == 64 || (kWsQueryRows == 128 && kWarpSpecialized),
+                  "ws_query_rows must be 64, or 128 with warp_specialized");
 };
 
 }  // namespace cudaflash

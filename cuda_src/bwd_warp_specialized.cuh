@@ -47,16 +47,37 @@ constexpr int kBwdEpilogueBarrier = 6;  // the consumers, around dK/dV through s
 constexpr int kBwdDqBarrierThreads = kBwdConsumerThreads + 32;
 
 // Shared memory of the kernel (cudaflash.config.BackwardConfig.dkdv_dq_smem_bytes mirrors it):
-// K, V (kCtaRows x d) | kBwdStages x Q, dO (B_r x d) | 2 x dS^T (kCtaRows x 64) |
-// 2 x dQ tile (B_r x d float32) | kBwdStages x lse, delta (B_r float32) | mbarriers.
+// K, V (kCtaRows x d) | kBwdStages x Q, dO (Q x d) | 2 x dS^T (kCtaRows x Q) |
+// 2 x dQ tile (Q x d float32) | kBwdStages x lse, delta (Q float32) | mbarriers, where Q is
+// BwdConfig::kWsQueryRows.
 constexpr int kBwdWsBarrierBytes = 8 * (1 + 2 * kBwdStages);
+
+// dS^T = P^T * (dP^T - delta) in place of dP^T, with P^T read back from its 16-bit A
+// fragments (pack_a_fragments' layout): the 128-query-row step keeps no float32 P^T beside
+// dP^T, dK, dV and the fragments, which would not fit its 240 registers (ptxas serialized
+// the wgmmas). P^T is then the value the dV GEMM used; the reference's rounding is the same.
+template <int kQ>
+__device__ __forceinline__ void step_score_grads_packed(float (&dS)[kQ / 8][4],
+                                                        const uint32_t (&a)[1][kQ / 16][4],
+                                                        const float* delta) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int nj = 0; nj < kQ / 8; ++nj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int col = nj * 8 + 2 * (lane % 4) + e % 2;
+            const float2 pair = to_float2(a[0][nj / 2][2 * (nj % 2) + e / 2]);
+            dS[nj][e] = (e % 2 ? pair.y : pair.x) * (dS[nj][e] - delta[col]);
+        }
+}
 
 template <bool kWindow, class Cfg = C>
 __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
-    static_assert(Cfg::kWarpSpecialized && Cfg::kWgmma && Cfg::kWarps == 8 && Cfg::kBr == 64,
-                  "two consumer warpgroups of 64 keys on wgmma, 64-row query tiles");
+    static_assert(Cfg::kWarpSpecialized && Cfg::kWgmma && Cfg::kWarps == 8,
+                  "two consumer warpgroups of 64 keys on wgmma");
     constexpr int kKeys = C::kCtaRows;
-    constexpr int kQ = C::kBr;
+    constexpr int kQ = C::kWsQueryRows;  // query rows per step: 64, or 128 (two dQ halves)
+    constexpr int kHalves = kQ / 64;
     constexpr int kStages = kBwdStages;
     constexpr int kDqTileFloats = kQ * kD;
     constexpr int kDqN8 = C::kDqWgCols / 8;  // a consumer warp's n8 blocks of the dQ tile
@@ -66,8 +87,8 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
     elem_t* sV = sK + kKeys * kD;                  // (kKeys, d); holds dV at the end
     elem_t* sQ = sV + kKeys * kD;                  // kStages x (kQ, d)
     elem_t* sdO = sQ + kStages * kQ * kD;          // kStages x (kQ, d)
-    elem_t* sdS = sdO + kStages * kQ * kD;         // 2 x dS^T (kKeys, 64): step % 2
-    float* sdQ = reinterpret_cast<float*>(sdS + 2 * kKeys * 64);  // 2 x dQ tile: step % 2
+    elem_t* sdS = sdO + kStages * kQ * kD;         // 2 x dS^T (kKeys, kQ): step % 2
+    float* sdQ = reinterpret_cast<float*>(sdS + 2 * kKeys * kQ);  // 2 x dQ tile: step % 2
     float* sLse = sdQ + 2 * kDqTileFloats;                       // kStages x kQ, log2 units
     float* sDelta = sLse + kStages * kQ;                         // kStages x kQ
     uint64_t* bars = reinterpret_cast<uint64_t*>(sDelta + kStages * kQ);
@@ -236,12 +257,16 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
         wgmma_commit();
         wgmma_wait<1>();  // dP^T (dV may still run)
         wgmma_fence_operands(wg::flat(dS[0]));
-        step_score_grads<kQ, false>(dS[0], P[0], p, lse, delta);
+        if constexpr (kQ == 128) {
+            step_score_grads_packed<kQ>(dS[0], a, delta);
+        } else {
+            step_score_grads<kQ, false>(dS[0], P[0], p, lse, delta);
+        }
         uint32_t ds_a[1][kQ / 16][4];
         pack_a_fragments<C::kBf16>(ds_a, dS);
         // dS^T buffer `buf` was last read by step - 2's dQ GEMMs, which both warpgroups
         // finished before the previous step's dS barrier.
-        elem_t* ds_tile = sdS + buf * kKeys * 64;
+        elem_t* ds_tile = sdS + buf * kKeys * kQ;  // (kKeys, 64) slabs, one per dQ half
         acc_to_tile<kKeys, kQ / 8>(ds_tile, dS[0], 1.f, row0);
         fence_proxy_async_shared();
         wgmma_fence_operands(wg::flat(dK));
@@ -249,26 +274,34 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
         wg::regs_tile<kQ, kQ / 16>(dK, ds_a, q_tile);
         wgmma_commit();
         named_barrier_sync(kBwdDsBarrier, kBwdConsumerThreads);  // both halves of dS^T
-        float dQ[kDqN8][4];  // set by the first wgmma (accumulate 0)
-        wgmma_fence_operands(wg::flat(dQ));
+        float dQ[kHalves][kDqN8][4];  // set by the first wgmma of each half (accumulate 0)
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h) wgmma_fence_operands(wg::flat(dQ[h]));
         wgmma_fence();
-        wg::ds_k<kKeys>(dQ, smem_addr(ds_tile), dq_k_cols);
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h)
+            wg::ds_k<kKeys>(dQ[h], smem_addr(ds_tile + h * kKeys * 64), dq_k_cols);
         wgmma_commit();
         wgmma_wait<1>();  // dV and dK: this warp is done with the stage
         __syncwarp();
         if (lane == 0) mbarrier_arrive(&empty[stage]);
         wgmma_wait<0>();
-        wgmma_fence_operands(wg::flat(dQ));
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h) wgmma_fence_operands(wg::flat(dQ[h]));
         wgmma_fence_operands(wg::flat(dK));
         wgmma_fence_operands(wg::flat(dV));
-        // The dQ tile in fragment order (dq_tile_index): each warp's float4 store covers 512
-        // contiguous bytes, free of bank conflicts.
+        // The dQ tile in fragment order (dq_tile_index, per 64-row half): each warp's float4
+        // store covers 512 contiguous bytes, free of bank conflicts.
         if (step >= 2) named_barrier_sync(kBwdDqEmptyBarrier + buf, kBwdDqBarrierThreads);
-        float4* dq_tile = reinterpret_cast<float4*>(sdQ + buf * kDqTileFloats) +
-                          cwarp * kDqN8 * 32 + lane;
 #pragma unroll
-        for (int nd = 0; nd < kDqN8; ++nd)
-            dq_tile[nd * 32] = make_float4(dQ[nd][0], dQ[nd][1], dQ[nd][2], dQ[nd][3]);
+        for (int h = 0; h < kHalves; ++h) {
+            float4* dq_tile = reinterpret_cast<float4*>(sdQ + buf * kDqTileFloats + h * 64 * kD) +
+                              cwarp * kDqN8 * 32 + lane;
+#pragma unroll
+            for (int nd = 0; nd < kDqN8; ++nd)
+                dq_tile[nd * 32] =
+                    make_float4(dQ[h][nd][0], dQ[h][nd][1], dQ[h][nd][2], dQ[h][nd][3]);
+        }
         fence_proxy_async_shared();
         named_barrier_arrive(kBwdDqFullBarrier + buf, kBwdDqBarrierThreads);
     }

@@ -192,13 +192,15 @@ __device__ __forceinline__ void acc_to_tile(elem_t* tile, const float (&acc)[kN]
 }
 
 // The atomic scheme's float32 dQ accumulator: (batch, n_heads, seqlen_q rounded up to
-// kDqTileRows, d_head), so that each 64-row query tile of a head is one contiguous block that
-// a bulk reduction can add whole (the rows past seqlen_q are never converted). Row order,
-// except in warp-specialized modules: their dK/dV kernel adds each tile in its consumers'
-// fragment order (dq_tile_index) and their dq_convert reads it back in that order.
+// kDqAccumRowAlign, d_head), so that each query tile of a head (64 or 128 rows) is one
+// contiguous block that a bulk reduction can add whole (the rows past seqlen_q are never
+// converted). Row order, except in warp-specialized modules: their dK/dV kernel adds each
+// 64-row sub-tile (kDqTileRows) in its consumers' fragment order (dq_tile_index) and their
+// dq_convert reads it back in that order.
 constexpr int kDqTileRows = 64;
+constexpr int kDqAccumRowAlign = 128;
 __device__ __forceinline__ int dq_accum_rows(const BwdParams& p) {
-    return (p.seqlen_q + kDqTileRows - 1) / kDqTileRows * kDqTileRows;
+    return (p.seqlen_q + kDqAccumRowAlign - 1) / kDqAccumRowAlign * kDqAccumRowAlign;
 }
 __device__ __forceinline__ float* dq_accum_row(const BwdParams& p, int batch, int head,
                                                int row) {

@@ -39,7 +39,7 @@ from ._params import BWD_PARAMS_FORMAT, score_scales
 from ._torch import current_stream
 
 _PACK = struct.Struct(BWD_PARAMS_FORMAT)  # all of BwdParams (_params.BwdParams), in one pack
-DQ_TILE_ROWS = 64  # flash_bwd.cu kDqTileRows: the dQ accumulator's rows per head, rounded up
+DQ_ACCUM_ROW_ALIGN = 128  # flash_bwd.cu kDqAccumRowAlign: dq_accum's rows per head, rounded up
 
 
 def scheme(deterministic: bool, softcap: float = 0.0) -> str:
@@ -152,9 +152,9 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     deterministic = scheme == "deterministic"
     delta = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device)
     lse = lse.contiguous()  # the forward's own: already (batch, nheads, seqlen_q), contiguous
-    # The atomic scheme's dQ accumulator, whole 64-row tiles per head (flash_bwd.cu,
+    # The atomic scheme's dQ accumulator, whole query tiles per head (flash_bwd.cu,
     # dq_accum_rows: a tile is one bulk reduction); the preprocess kernel zeroes it.
-    accum_rows = -(-seqlen_q // DQ_TILE_ROWS) * DQ_TILE_ROWS
+    accum_rows = -(-seqlen_q // DQ_ACCUM_ROW_ALIGN) * DQ_ACCUM_ROW_ALIGN
     dq_accum = None if deterministic else torch.empty(
         (batch, n_heads, accum_rows, d_head), dtype=torch.float32, device=q.device)
 

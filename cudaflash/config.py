@@ -139,6 +139,7 @@ class KernelConfig:
     d_head_tiled: bool = True
     o_store_cache: str = "default"
     warp_specialized: bool = False
+    ws_query_rows: int = 64
 
     # The translation unit under cuda_src/ and, by role, the extern "C" entries every module
     # of this family exports (EntryRole: the one table of them).
@@ -411,6 +412,9 @@ class BackwardConfig:
       warpgroup (loads, dQ bulk reductions) beside the n_warps consumer warps
       (cuda_src/bwd_warp_specialized.cuh); needs wgmma, n_warps 8 and B_r 64. Optional,
       default false.
+    - ``ws_query_rows``: query rows per step of that kernel, 64 or 128 (128: its score GEMMs
+      are N = 128 wgmmas and dQ two 64-row halves; its own tile, the module's other kernels
+      keep B_r). Optional, default 64; 128 needs warp_specialized.
     """
 
     dtype: str
@@ -420,6 +424,7 @@ class BackwardConfig:
     n_warps: int
     wgmma: bool = False
     warp_specialized: bool = False
+    ws_query_rows: int = 64
 
     SOURCE = "flash_bwd.cu"
     ROLES = (EntryRole("preprocess", "cudaflash_bwd_preprocess"),  # delta = rowsum(dO * O)
@@ -447,7 +452,8 @@ class BackwardConfig:
     def name(self) -> str:
         return (f"bwd_{self.dtype}_d{self.d_head}_br{self.B_r}_bc{self.B_c}"
                 f"_w{self.n_warps}" + ("_wgmma" if self.wgmma else "")
-                + ("_ws" if self.warp_specialized else ""))
+                + ("_ws" if self.warp_specialized else "")
+                + (f"_wsq{self.ws_query_rows}" if self.ws_query_rows != 64 else ""))
 
     @property
     def threads(self) -> int:
@@ -482,12 +488,13 @@ class BackwardConfig:
     @property
     def warp_specialized_smem_bytes(self) -> int:
         """The warp-specialized fused kernel (bwd_warp_specialized.cuh): K and V; a ring of
-        BWD_WS_STAGES stages of Q, dO, lse and delta; two dS^T tiles (cta_rows, 64); two dQ
-        tiles (B_r, d_head) float32; the mbarriers (K/V, and full + empty per stage)."""
-        stages = BWD_WS_STAGES
+        BWD_WS_STAGES stages of Q, dO, lse and delta (ws_query_rows rows); two dS^T tiles
+        (cta_rows, ws_query_rows); two dQ tiles (ws_query_rows, d_head) float32; the mbarriers
+        (K/V, and full + empty per stage)."""
+        stages, rows = BWD_WS_STAGES, self.ws_query_rows
         return (2 * self.cta_rows * self.d_head * ELEMENT_BYTES
-                + stages * (2 * self.B_r * self.d_head * ELEMENT_BYTES + 2 * self.B_r * 4)
-                + 2 * self.cta_rows * 64 * ELEMENT_BYTES + 2 * self.B_r * self.d_head * 4
+                + stages * (2 * rows * self.d_head * ELEMENT_BYTES + 2 * rows * 4)
+                + 2 * self.cta_rows * rows * ELEMENT_BYTES + 2 * rows * self.d_head * 4
                 + 8 * (1 + 2 * stages))
 
     @property
@@ -518,7 +525,8 @@ class BackwardConfig:
         """The -D macros of cuda_src/bwd_config.cuh."""
         return {"CF_DTYPE_BF16": int(self.dtype == "bf16"), "CF_D_HEAD": self.d_head,
                 "CF_B_R": self.B_r, "CF_B_C": self.B_c, "CF_N_WARPS": self.n_warps,
-                "CF_WGMMA": int(self.wgmma), "CF_WARP_SPECIALIZED": int(self.warp_specialized)}
+                "CF_WGMMA": int(self.wgmma), "CF_WARP_SPECIALIZED": int(self.warp_specialized),
+                "CF_WS_QUERY_ROWS": self.ws_query_rows}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -561,6 +569,9 @@ class BackwardConfig:
         if self.warp_specialized and not (self.wgmma and self.n_warps == 8 and self.B_r == 64):
             bad("warp_specialized", "needs wgmma, n_warps 8 and B_r 64 (two consumer "
                                     "warpgroups of 64 keys)")
+        if self.ws_query_rows not in (64, 128) or (self.ws_query_rows == 128
+                                                    and not self.warp_specialized):
+            bad("ws_query_rows", "must be 64, or 128 with warp_specialized")
         if not errs and not any(self.fits_arch(a) for a in ARCH_SMEM_LIMIT):
             bad("B_c", f"shared memory {self.smem_bytes} bytes exceeds every arch's limit")
         if not errs and self.wgmma and not self.fits_arch(WGMMA_ARCH):
