@@ -139,7 +139,6 @@ class KernelConfig:
     d_head_tiled: bool = True
     o_store_cache: str = "default"
     warp_specialized: bool = False
-    ws_query_rows: int = 64
 
     # The translation unit under cuda_src/ and, by role, the extern "C" entries every module
     # of this family exports (EntryRole: the one table of them).
