@@ -7,8 +7,9 @@
 //       once, then each step's query tiles and row statistics into a ring of kBwdStages
 //       stages; each waits for its own copies, fences them for the tensor cores (async proxy)
 //       and arrives on the stage's "full" mbarrier; a stage is refilled once its "empty"
-//       mbarrier says every consumer warp's GEMMs have read it. (One loader spilled at the
-//       producer's 32 registers.)
+//       mbarrier says every consumer warp's GEMMs have read it. (Two loaders, each one
+//       instance of a generic lambda, keep only their own pointers: one loader for all four
+//       tiles spilled more at the producer's 24 registers.)
 //     warp 1 (the dQ reducer) adds each step's dQ tile (64 query rows x d_head, float32) from
 //       shared memory to the global accumulator with one bulk reduction (cp.reduce.async.bulk)
 //       as soon as the consumers have written it, and hands the tile's buffer back once the
@@ -49,8 +50,7 @@ constexpr int kBwdDqBarrierThreads = kBwdConsumerThreads + 32;
 // Shared memory of the kernel (cudaflash.config.BackwardConfig.dkdv_dq_smem_bytes mirrors it):
 // K, V (kCtaRows x d) | kBwdStages x Q, dO (Q x d) | 2 x dS^T (kCtaRows x Q) |
 // 2 x dQ tile (Q x d float32) | kBwdStages x lse, delta (Q float32) | mbarriers, where Q is
-// BwdConfig::kWsQueryRows.
-constexpr int kBwdWsBarrierBytes = 8 * (1 + 2 * kBwdStages);
+// BwdConfig::kWsQueryRows (mbarriers: 8 bytes each, 1 + 2 * kBwdStages of them).
 
 // dS^T = P^T * (dP^T - delta) in place of dP^T, with P^T read back from its 16-bit A
 // fragments (pack_a_fragments' layout): the 128-query-row step keeps no float32 P^T beside

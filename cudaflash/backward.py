@@ -6,8 +6,9 @@ Three launches on torch's current stream (cuda_src/flash_bwd.cu), in one of two 
 - atomic (flash-attn's default, deterministic=False): delta = rowsum(dout * out) (which also
   zeroes a float32 dQ accumulator), then dK/dV (one CTA per key tile and K/V head, summing
   over the query heads of its GQA group) adding each step's dS K to the accumulator with
-  atomics, then dq = scale * accumulator. 5 GEMMs; the atomics' order varies, and so do the
-  last bits of dq.
+  atomics or bulk reductions (the warp-specialized modules on Hopper: one per step, by a
+  warp of their own), then dq = scale * accumulator. 5 GEMMs; the additions' order varies,
+  and so do the last bits of dq.
 - deterministic: delta, dK/dV, then dQ in a kernel of its own (one CTA per query tile and
   head), which recomputes S and dP: 7 GEMMs, every gradient written once, bitwise
   reproducible.
