@@ -450,6 +450,8 @@ def parse_ptxas(log: str, cfg=None) -> dict:
         smem = re.search(r"Used \d+ registers[^\n]*?(\d+) bytes smem", section)
         stats[name] = (int(used.group(1)), int(props.group(2)) + int(props.group(3)),
                        int(props.group(1)), int(smem.group(1)) if smem else 0)
+    if isinstance(cfg, config.BackwardConfig) and cfg.warp_specialized:
+        _check_register_pool(cfg, stats)
     forward = expected == config.KernelConfig.ENTRIES
     entry, split = (_symbol(config.KernelConfig, role) for role in ("forward", "split"))
     return {"registers": stats[entry][0] if forward else max(s[0] for s in stats.values()),
@@ -458,6 +460,25 @@ def parse_ptxas(log: str, cfg=None) -> dict:
             "stack_bytes": max(s[2] for s in stats.values()),
             "static_smem": max(s[3] for s in stats.values()),
             "wgmma_serialized": "wgmma.mma_async instructions are serialized" in log}
+
+
+def _check_register_pool(cfg, stats: dict) -> None:
+    """A warp-specialized backward module's fused entries move registers between warpgroups
+    with setmaxnreg, whose .inc waits until the CTA's pool (the launch's registers per thread
+    x fused_threads) can give them: asking for more than the pool holds deadlocks at run
+    time (perf log "Backward v4"), so a ptxas that gives the entry fewer registers fails the
+    build instead."""
+    need = (config.BWD_WS_PRODUCER_REGS * (cfg.fused_threads - cfg.threads)
+            + config.BWD_WS_CONSUMER_REGS * cfg.threads)
+    for role in ("dkdv_dq", "dkdv_dq_window"):
+        symbol = _symbol(config.BackwardConfig, role)
+        registers = stats[symbol][0]
+        if registers * cfg.fused_threads < need:
+            raise BuildError(f"{cfg.name}: {symbol} got {registers} registers per thread, a pool "
+                             f"of {registers * cfg.fused_threads} for {cfg.fused_threads} "
+                             f"threads; its setmaxnreg split needs {need} (producer "
+                             f"{config.BWD_WS_PRODUCER_REGS}, consumers "
+                             f"{config.BWD_WS_CONSUMER_REGS}) and would deadlock")
 
 
 def ptx_entries(text: str) -> list:

@@ -38,6 +38,8 @@ constexpr int kBwdConsumerThreads = 256;  // warpgroups 1 and 2
 // Registers per thread after setmaxnreg: 128 * 24 + 256 * 240 = 64512, the 168 per thread
 // of the launch (ptxas's cap for 384 threads) times 384: setmaxnreg.inc waits until the pool
 // has the registers, so asking for more than the launch gave deadlocks.
+// cudaflash.config.BWD_WS_PRODUCER_REGS / _CONSUMER_REGS mirror these; the build checks them
+// against the launch's registers (build_cubins.py, _check_register_pool).
 constexpr int kBwdProducerRegs = 24;
 constexpr int kBwdConsumerRegs = 240;
 // Named barriers (0 is __syncthreads).

@@ -390,6 +390,11 @@ _NAME_SUFFIXES = ("natexp", "kvfwd", "untiled", "ostore", "ws")  # the optional 
 BWD_D_HEADS = (64, 128)
 BWD_TILE_ROWS = (16, 32, 64, 128)
 BWD_WS_STAGES = 2  # kBwdStages: the warp-specialized backward's Q/dO ring
+# kBwdProducerRegs, kBwdConsumerRegs: the registers per thread setmaxnreg gives its producer
+# warpgroup and its consumer warps. setmaxnreg.inc waits until the CTA's pool (the launch's
+# registers x threads) holds them, so the build checks the pool (build_cubins.parse_ptxas).
+BWD_WS_PRODUCER_REGS = 24
+BWD_WS_CONSUMER_REGS = 240
 
 
 BACKWARD_SCHEMES = ("atomic", "deterministic")  # flash_attn_func's deterministic False / True

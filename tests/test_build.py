@@ -171,6 +171,31 @@ def test_parse_ptxas():
         "static_smem": 0, "wgmma_serialized": False}
 
 
+def _backward_ptxas_log(fused_registers: int) -> str:
+    """A ptxas report of a backward module's entries: the fused ones with fused_registers."""
+    out = []
+    for symbol in BackwardConfig.ENTRIES:
+        regs = fused_registers if symbol.startswith("cudaflash_bwd_dkdv_dq") else 200
+        out += [f"ptxas info    : Compiling entry function '{symbol}' for 'sm_90a'",
+                f"ptxas info    : Function properties for {symbol}",
+                "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+                f"ptxas info    : Used {regs} registers, used 16 barriers, 720 bytes cmem[0]"]
+    return "\n".join(out) + "\n"
+
+
+def test_parse_ptxas_checks_the_warp_specialized_register_pool():
+    """setmaxnreg's split (24 x 128 + 240 x 256) must fit the launch's pool (registers x 384):
+    168 registers per thread does, 160 would deadlock, so the build refuses it."""
+    cfg = BackwardConfig("bf16", 128, 64, 64, 8, wgmma=True, warp_specialized=True)
+    assert build_cubins.parse_ptxas(_backward_ptxas_log(168), cfg)["registers"] == 200
+    with pytest.raises(build_cubins.BuildError, match=r"cudaflash_bwd_dkdv_dq got 160 "
+                                                      r"registers.*needs 64512.*deadlock"):
+        build_cubins.parse_ptxas(_backward_ptxas_log(160), cfg)
+    # Without warp specialization no setmaxnreg: any count passes.
+    plain = BackwardConfig("bf16", 128, 64, 64, 8, wgmma=True)
+    assert build_cubins.parse_ptxas(_backward_ptxas_log(160), plain)["registers"] == 200
+
+
 @pytest.mark.parametrize("log", [
     "",
     PTXAS_LOG.replace("'cudaflash_fwd'", "'_Z3fooPf'"),
