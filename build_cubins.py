@@ -88,13 +88,14 @@ def _load_cudaflash_modules():
         pkg.__path__ = [str(ROOT / "cudaflash")]
         sys.modules[pkg_name] = pkg
     return (importlib.import_module(f"{pkg_name}.config"),
+            importlib.import_module(f"{pkg_name}.backward_config"),
             importlib.import_module(f"{pkg_name}.config_file"),
             importlib.import_module(f"{pkg_name}.selection"),
             importlib.import_module(f"{pkg_name}.driver_compat"),
             importlib.import_module(f"{pkg_name}.manifest"))
 
 
-config, config_file, selection, driver_compat, manifest = _load_cudaflash_modules()
+config, backward_config, config_file, selection, driver_compat, manifest = _load_cudaflash_modules()
 ConfigError = config.ConfigError
 MANIFEST_NAME, KINDS = manifest.MANIFEST_NAME, manifest.KINDS
 write_atomic = manifest.write_atomic
@@ -106,7 +107,7 @@ def _symbol(cls, role: str) -> str:
 
 # The entry a PTX job's check compiles, per module family: the one that assembles fastest.
 SMALLEST_ENTRY = {"KernelConfig": _symbol(config.KernelConfig, "combine"),
-                  "BackwardConfig": _symbol(config.BackwardConfig, "dq_convert")}
+                  "BackwardConfig": _symbol(backward_config.BackwardConfig, "dq_convert")}
 
 
 class BuildError(RuntimeError):
@@ -239,16 +240,16 @@ def load_spec(path: Path) -> Spec:
             raise ConfigError(f"{label} must be a mapping of config fields, got {entry!r}")
         fields = {k: v for k, v in entry.items() if k != "scheme"}
         expanded = config_file.expand_config_entries([fields], where=label,
-                                                cls=config.BackwardConfig)
-        schemes = entry.get("scheme", list(config.BACKWARD_SCHEMES))
+                                                cls=backward_config.BackwardConfig)
+        schemes = entry.get("scheme", list(backward_config.BACKWARD_SCHEMES))
         schemes = schemes if isinstance(schemes, list) else [schemes]
-        if not schemes or any(s not in config.BACKWARD_SCHEMES for s in schemes):
+        if not schemes or any(s not in backward_config.BACKWARD_SCHEMES for s in schemes):
             raise ConfigError(f"{label}: scheme={entry['scheme']!r} must be one of (or a list "
-                              f"of) {list(config.BACKWARD_SCHEMES)}")
+                              f"of) {list(backward_config.BACKWARD_SCHEMES)}")
         for cfg in expanded:
             if cfg in backward_schemes:
                 raise ConfigError(f"{label}: {cfg.name} is already listed")
-            backward_schemes[cfg] = tuple(s for s in config.BACKWARD_SCHEMES if s in schemes)
+            backward_schemes[cfg] = tuple(s for s in backward_config.BACKWARD_SCHEMES if s in schemes)
         backward_configs += expanded
     spec = Spec(archs=tuple(sorted(archs)), ptx_arch=ptx_arch, configs=tuple(configs),
                 rules=selection.parse_rules(data.get("selection") or [], where=where),
@@ -450,7 +451,7 @@ def parse_ptxas(log: str, cfg=None) -> dict:
         smem = re.search(r"Used \d+ registers[^\n]*?(\d+) bytes smem", section)
         stats[name] = (int(used.group(1)), int(props.group(2)) + int(props.group(3)),
                        int(props.group(1)), int(smem.group(1)) if smem else 0)
-    if isinstance(cfg, config.BackwardConfig) and cfg.warp_specialized:
+    if isinstance(cfg, backward_config.BackwardConfig) and cfg.warp_specialized:
         _check_register_pool(cfg, stats)
     forward = expected == config.KernelConfig.ENTRIES
     entry, split = (_symbol(config.KernelConfig, role) for role in ("forward", "split"))
@@ -468,17 +469,17 @@ def _check_register_pool(cfg, stats: dict) -> None:
     x fused_threads) can give them: asking for more than the pool holds deadlocks at run
     time (perf log "Backward v4"), so a ptxas that gives the entry fewer registers fails the
     build instead."""
-    need = (config.BWD_WS_PRODUCER_REGS * (cfg.fused_threads - cfg.threads)
-            + config.BWD_WS_CONSUMER_REGS * cfg.threads)
+    need = (backward_config.BWD_WS_PRODUCER_REGS * (cfg.fused_threads - cfg.threads)
+            + backward_config.BWD_WS_CONSUMER_REGS * cfg.threads)
     for role in ("dkdv_dq", "dkdv_dq_window"):
-        symbol = _symbol(config.BackwardConfig, role)
+        symbol = _symbol(backward_config.BackwardConfig, role)
         registers = stats[symbol][0]
         if registers * cfg.fused_threads < need:
             raise BuildError(f"{cfg.name}: {symbol} got {registers} registers per thread, a pool "
                              f"of {registers * cfg.fused_threads} for {cfg.fused_threads} "
                              f"threads; its setmaxnreg split needs {need} (producer "
-                             f"{config.BWD_WS_PRODUCER_REGS}, consumers "
-                             f"{config.BWD_WS_CONSUMER_REGS}) and would deadlock")
+                             f"{backward_config.BWD_WS_PRODUCER_REGS}, consumers "
+                             f"{backward_config.BWD_WS_CONSUMER_REGS}) and would deadlock")
 
 
 def ptx_entries(text: str) -> list:
@@ -688,7 +689,7 @@ def manifest_dict(spec: Spec, jobs: Sequence[Job], stats: dict, *, out_dir: Path
     kernels, backward = [], []
     for job in jobs:
         s = stats[job]
-        backward_job = isinstance(job.cfg, config.BackwardConfig)
+        backward_job = isinstance(job.cfg, backward_config.BackwardConfig)
         (backward if backward_job else kernels).append(manifest.module_record(
             job.cfg, arch=job.arch, kind=job.kind, file=job.file,
             sha256=sha256_file(out_dir / job.file), registers=s["registers"],

@@ -1,5 +1,5 @@
 // BwdConfig: the compile-time config of one backward module (cuda_src/flash_bwd.cu), from
-// the -D macros that cudaflash.config.BackwardConfig.nvcc_defines() produces. The validity
+// the -D macros that cudaflash.backward_config.BackwardConfig.nvcc_defines() produces. The validity
 // rules repeat BackwardConfig.errors().
 //
 // Build one config by hand (what build_cubins.py does):
@@ -15,7 +15,7 @@
 #if !defined(CF_DTYPE_BF16) || !defined(CF_D_HEAD) || !defined(CF_B_R) || !defined(CF_B_C) || \
     !defined(CF_N_WARPS) || !defined(CF_WGMMA) || !defined(CF_WARP_SPECIALIZED) ||        \
     !defined(CF_WS_QUERY_ROWS)
-#error "define every CF_* macro: see cudaflash.config.BackwardConfig.nvcc_defines()"
+#error "define every CF_* macro: see cudaflash.backward_config.BackwardConfig.nvcc_defines()"
 #endif
 
 namespace cudaflash {
@@ -70,7 +70,7 @@ struct BwdConfig {
     // rows are contiguous there as in the accumulator) instead of per-lane float4 atomics.
     // H100 A/B (perf log "Backward: dQ by bulk reductions"): d128 +1.8% (median of 12), d64
     // -2.5% (its 16 KB tile's bank-conflicted stores cost more than its atomics), so d64
-    // keeps the atomics. cudaflash.config.BackwardConfig.dkdv_dq_smem_bytes mirrors this.
+    // keeps the atomics. cudaflash.backward_config.BackwardConfig.dkdv_dq_smem_bytes mirrors this.
     static constexpr bool kBulkDq = kWgmma && kDHead == 128;
     static constexpr int kDqRowFloats = kDHead;
 

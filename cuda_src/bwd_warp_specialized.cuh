@@ -38,7 +38,7 @@ constexpr int kBwdConsumerThreads = 256;  // warpgroups 1 and 2
 // Registers per thread after setmaxnreg: 128 * 24 + 256 * 240 = 64512, the 168 per thread
 // of the launch (ptxas's cap for 384 threads) times 384: setmaxnreg.inc waits until the pool
 // has the registers, so asking for more than the launch gave deadlocks.
-// cudaflash.config.BWD_WS_PRODUCER_REGS / _CONSUMER_REGS mirror these; the build checks them
+// cudaflash.backward_config.BWD_WS_PRODUCER_REGS / _CONSUMER_REGS mirror these; the build checks them
 // against the launch's registers (build_cubins.py, _check_register_pool).
 constexpr int kBwdProducerRegs = 24;
 constexpr int kBwdConsumerRegs = 240;
@@ -49,7 +49,7 @@ constexpr int kBwdDqEmptyBarrier = 4;   // + buffer: reducer -> consumers, the t
 constexpr int kBwdEpilogueBarrier = 6;  // the consumers, around dK/dV through shared memory
 constexpr int kBwdDqBarrierThreads = kBwdConsumerThreads + 32;
 
-// Shared memory of the kernel (cudaflash.config.BackwardConfig.dkdv_dq_smem_bytes mirrors it):
+// Shared memory of the kernel (cudaflash.backward_config.BackwardConfig.dkdv_dq_smem_bytes mirrors it):
 // K, V (kCtaRows x d) | kBwdStages x Q, dO (Q x d) | 2 x dS^T (kCtaRows x Q) |
 // 2 x dQ tile (Q x d float32) | kBwdStages x lse, delta (Q float32) | mbarriers, where Q is
 // BwdConfig::kWsQueryRows (mbarriers: 8 bytes each, 1 + 2 * kBwdStages of them).

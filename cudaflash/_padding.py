@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 
 from . import _checks
-from .config import BWD_D_HEADS, D_HEADS
+from .backward_config import BWD_D_HEADS
+from .config import D_HEADS
 
 
 def padded_head_dim(q, k, v) -> Optional[int]:

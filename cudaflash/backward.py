@@ -86,8 +86,8 @@ class _Launches:
     batch: int
 
     def _launch(self, role: str, grid: tuple, threads: int) -> None:
-        """Launch the module's ``role`` entry (config.BackwardConfig.ROLES) with the dynamic
-        shared memory the manifest gives it."""
+        """Launch the module's ``role`` entry (backward_config.BackwardConfig.ROLES) with the
+        dynamic shared memory the manifest gives it."""
         k = self.kernel
         _driver.launch_packed(getattr(k.fns, role), f"cuLaunchKernel({k.entry.name} {role})",
                               grid, threads, k.entry.entries[role].smem_bytes, self.stream,

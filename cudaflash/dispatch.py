@@ -18,7 +18,8 @@ import torch
 from . import _driver, _env, heuristics, manifest as _manifest, selection
 from ._checks import DTYPES
 from ._env import log
-from .config import BWD_D_HEADS, KernelConfig
+from .backward_config import BWD_D_HEADS
+from .config import KernelConfig
 from .manifest import BackwardEntry, KernelEntry
 
 
@@ -62,7 +63,7 @@ class Rules:
 @dataclass(frozen=True)
 class BackwardKernel:
     entry: BackwardEntry
-    fns: tuple  # CUfunctions by role (config.BackwardConfig.ROLES): fns.preprocess, ...
+    fns: tuple  # CUfunctions by role (backward_config.BackwardConfig.ROLES): fns.preprocess, ...
     synchronize: bool  # CUDAFLASH_DEBUG
 
 

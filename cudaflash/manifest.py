@@ -20,7 +20,8 @@ from typing import Mapping, NamedTuple
 
 from . import _env
 from ._params import BWD_PARAMS_BYTES, PARAMS_BYTES
-from .config import BackwardConfig, KernelConfig
+from .backward_config import BackwardConfig
+from .config import KernelConfig
 from .driver_compat import describe_driver
 from .selection import Rule, parse_rules
 

@@ -16,7 +16,8 @@ import pytest
 
 from cudaflash import manifest
 from cudaflash._params import BWD_PARAMS_BYTES, PARAMS_BYTES
-from cudaflash.config import BackwardConfig, KernelConfig
+from cudaflash.backward_config import BackwardConfig
+from cudaflash.config import KernelConfig
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,7 +25,7 @@ import build_cubins
 ROOT = Path(build_cubins.__file__).resolve().parent
 SPEC = build_cubins.load_spec(ROOT / "configs.yaml")
 KernelConfig = build_cubins.config.KernelConfig
-BackwardConfig = build_cubins.config.BackwardConfig
+BackwardConfig = build_cubins.backward_config.BackwardConfig
 MANIFEST = ROOT / "cudaflash" / "kernels" / "manifest.json"
 
 CFG = KernelConfig(dtype="bf16", d_head=128, B_r=128, B_c=64, n_warps=4, async_copy=True,
@@ -341,8 +341,8 @@ def test_entry_archs_limit_the_cubins_and_the_rules(tmp_path):
 
 
 def test_shipped_backward_serves_every_scheme_once_per_dtype_and_head_dim():
-    cfg = build_cubins.config
-    for dtype in cfg.DTYPES:
+    cfg = build_cubins.backward_config
+    for dtype in build_cubins.config.DTYPES:
         for d in cfg.BWD_D_HEADS:
             for scheme in cfg.BACKWARD_SCHEMES:
                 serving = [c for c in SPEC.backward_configs if (c.dtype, c.d_head) == (dtype, d)

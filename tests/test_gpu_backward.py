@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cudaflash import flash_attn_func
-from cudaflash.config import BWD_D_HEADS
+from cudaflash.backward_config import BWD_D_HEADS
 from test_gpu_correctness import (COMBOS, DTYPES, _assert_within, _combo_id, attention_ref,
                                   check_attention, fp32_reference_without_tf32,  # noqa: F401
                                   make_qkv)

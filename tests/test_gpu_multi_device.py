@@ -17,7 +17,7 @@ import torch
 
 from cudaflash import (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
                        forward)
-from cudaflash.config import BWD_D_HEADS
+from cudaflash.backward_config import BWD_D_HEADS
 from cudaflash.distributed import ring_flash_attn_func
 from test_gpu_backward import check_grads
 from test_gpu_correctness import COMBOS, DTYPES, check_attention

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cudaflash import flash_attn_func
-from cudaflash.config import BWD_D_HEADS
+from cudaflash.backward_config import BWD_D_HEADS
 from cudaflash.distributed import ring_flash_attn_func, zigzag_shard
 from test_gpu_backward import reference_grads
 from test_gpu_correctness import COMBOS, DTYPES, _assert_within, attention_ref

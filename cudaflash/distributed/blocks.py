@@ -17,7 +17,8 @@ from typing import Protocol
 import torch
 
 from .. import _autograd, _call, _checks, backward as _backward, dispatch, heuristics
-from ..config import BWD_D_HEADS, D_HEADS
+from ..backward_config import BWD_D_HEADS
+from ..config import D_HEADS
 
 
 class BlockAttention(Protocol):
