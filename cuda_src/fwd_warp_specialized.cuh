@@ -39,28 +39,6 @@ constexpr int kConsumerRegs = 224;
 constexpr int kTurnBarrier = 1;      // + consumer warpgroup (0 or 1)
 constexpr int kEpilogueBarrier = 3;  // + consumer warpgroup
 
-// The producer's copy of a (kRows, d_head) tile by its 128 threads: TileCopy::load's layout
-// and zero-filled rows at or past valid_rows, with the pass loop left rolled. Unrolled, ptxas
-// keeps every pass's 64-bit source address live at once, which spills at the producer's
-// register budget.
-template <class C, int kRows>
-__device__ __forceinline__ void producer_load(typename C::elem_t* smem,
-                                              const typename C::elem_t* gmem,
-                                              int64_t row_stride, int valid_rows,
-                                              unsigned tid) {
-    const int chunk = tid % 8;
-#pragma unroll 1
-    for (int row = tid / 8; row < kRows; row += C::kRowsPerCopyPass) {
-        const bool valid = row < valid_rows;
-        // A masked row still needs an address; row 0 always exists.
-        const typename C::elem_t* src = gmem + (valid ? row * row_stride : 0) + chunk * 8;
-#pragma unroll
-        for (int slab = 0; slab < C::kSlabs; ++slab)
-            cp_async_16(smem_addr(smem + SmemTile<C>::template offset<kRows>(row, slab * 8 + chunk)),
-                        src + slab * C::kSlab, valid ? 16 : 0);
-    }
-}
-
 template <class C, bool kSplit, bool kSoftcap>
 __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     using elem_t = typename C::elem_t;
@@ -116,7 +94,7 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         warpgroup_reg_dealloc<kProducerRegs>();
         const unsigned tid = threadIdx.x;
         const HeadTiles<C> tiles = head_tiles<C>(p, at, seq, q_row0);
-        producer_load<C, C::kBr>(sQ, tiles.q, p.q_seq_stride, q_rows, tid);
+        load_rows_by<C, C::kBr, C::kCopyThreads>(sQ, tiles.q, p.q_seq_stride, q_rows, tid);
         cp_async_commit();
         // Each tile's copies are one cp.async group; waiting for all but the newest group
         // lands the previous tile (its "full" barrier gets the arrival) while this one flies.
@@ -124,8 +102,9 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         auto load_stage = [&](elem_t* dst, const elem_t* head_base, int64_t seq_stride,
                               int block, uint64_t* empty, int reuse, uint64_t* full) {
             mbarrier_wait(empty, reuse);
-            producer_load<C, C::kBc>(dst, head_base + int64_t(block) * C::kBc * seq_stride,
-                                     seq_stride, seq.len_k - block * C::kBc, tid);
+            load_rows_by<C, C::kBc, C::kCopyThreads>(
+                dst, head_base + int64_t(block) * C::kBc * seq_stride, seq_stride,
+                seq.len_k - block * C::kBc, tid);
             cp_async_commit();
             cp_async_wait<1>();
             fence_proxy_async_shared();
