@@ -9,9 +9,7 @@ The same ring runs cudaflash's kernels over NCCL in test_gpu_ring.py."""
 from __future__ import annotations
 
 import datetime
-import json
 import math
-import traceback
 from dataclasses import dataclass
 
 import pytest
@@ -20,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import _internals as internals
+from _spawned_cases import read_outcomes, run_recorded, write_outcome
 from cudaflash.distributed import (CudaflashBlocks, TorchBlocks, ring_flash_attn_func,
                                    zigzag_positions, zigzag_shard, zigzag_unshard)
 from cudaflash.distributed.layout import Step, ring_step
@@ -330,19 +329,13 @@ def _worker(global_rank: int, world: int, store: str, results: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=global_rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     pair = dist.new_group([1, 2])  # every process takes part in creating it
-    outcome = {}
-    for case in CASES:
-        if case.world == 2 and global_rank == 0:
-            continue
+
+    def run(case):
         group, rank = (None, global_rank) if case.world == 3 else (pair, global_rank - 1)
-        try:
-            run_case(case, group, rank)
-            outcome[case.id] = "ok"
-        except Exception as e:  # reported per case; the comparisons run after all transfers
-            outcome[case.id] = f"rank {global_rank}: {type(e).__name__}: {e}\n" + \
-                               "".join(traceback.format_tb(e.__traceback__)[-3:])
-    with open(f"{results}.{global_rank}", "w") as f:
-        json.dump(outcome, f)
+        run_case(case, group, rank)
+
+    mine = [case for case in CASES if case.world == 3 or global_rank > 0]
+    write_outcome(results, global_rank, run_recorded(mine, run))
     dist.destroy_process_group()
 
 
@@ -353,12 +346,7 @@ def ring_results(tmp_path_factory):
     world = 3
     mp.spawn(_worker, args=(world, str(tmp / "store"), str(tmp / "results")), nprocs=world,
              join=True)
-    outcomes = {}
-    for rank in range(world):
-        with open(tmp / f"results.{rank}") as f:
-            for case_id, result in json.load(f).items():
-                outcomes.setdefault(case_id, []).append(result)
-    return outcomes
+    return read_outcomes(str(tmp / "results"), world)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)

@@ -10,8 +10,6 @@ processes (gloo, float64) is test_distributed_ring.py."""
 from __future__ import annotations
 
 import datetime
-import json
-import traceback
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _spawned_cases import read_outcomes, run_recorded, write_outcome
 from cudaflash import flash_attn_func
 from cudaflash.backward_config import BWD_D_HEADS
 from cudaflash.distributed import ring_flash_attn_func, zigzag_shard
@@ -140,15 +139,7 @@ def _worker(rank: int, store: str, results: str) -> None:
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=90))
     torch.set_float32_matmul_precision("highest")  # the fp32 reference without TF32
-    outcome = {}
-    for case in CASES:
-        try:
-            outcome[case.id] = run_case(case, rank)
-        except Exception as e:  # reported per case
-            outcome[case.id] = f"rank {rank}: {type(e).__name__}: {e}\n" + \
-                               "".join(traceback.format_tb(e.__traceback__)[-4:])
-    with open(f"{results}.{rank}", "w") as f:
-        json.dump(outcome, f)
+    write_outcome(results, rank, run_recorded(CASES, lambda case: run_case(case, rank), frames=4))
     dist.destroy_process_group()
 
 
@@ -158,12 +149,7 @@ def ring_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu_ring")
     mp.spawn(_worker, args=(str(tmp / "store"), str(tmp / "results")), nprocs=WORLD,
              join=True)
-    outcomes = {}
-    for rank in range(WORLD):
-        with open(tmp / f"results.{rank}") as f:
-            for case_id, result in json.load(f).items():
-                outcomes.setdefault(case_id, []).append(result)
-    return outcomes
+    return read_outcomes(str(tmp / "results"), WORLD)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
