@@ -105,9 +105,15 @@ class Device:
 
 
 @functools.cache
+def _device_handle(index: int):
+    """The driver's CUdevice of cuda:``index`` (fixed for the process: looked up once)."""
+    return check(_cu().cuDeviceGet(index), f"cuDeviceGet({index})")
+
+
+@functools.cache
 def device(index: int) -> Device:
     cu = _cu()
-    dev = check(cu.cuDeviceGet(index), f"cuDeviceGet({index})")
+    dev = _device_handle(index)
     attr = cu.CUdevice_attribute
 
     def get(a) -> int:
@@ -127,9 +133,8 @@ def device(index: int) -> Device:
 @functools.cache
 def _primary_context(index: int):
     # Retained for the life of the process, like torch does; never released.
-    cu = _cu()
-    dev = check(cu.cuDeviceGet(index), f"cuDeviceGet({index})")
-    return check(cu.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain({index})")
+    return check(_cu().cuDevicePrimaryCtxRetain(_device_handle(index)),
+                 f"cuDevicePrimaryCtxRetain({index})")
 
 
 def current_context(index: int) -> int:
@@ -153,7 +158,7 @@ def _bind_context(index: int) -> tuple[int, bool]:
     cu = _cu()
     ctx = check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
     if int(ctx) and (int(check(cu.cuCtxGetDevice(), "cuCtxGetDevice"))
-                     == int(check(cu.cuDeviceGet(index), f"cuDeviceGet({index})"))):
+                     == int(_device_handle(index))):
         return int(ctx), False
     ctx = _primary_context(index)
     check(cu.cuCtxSetCurrent(ctx), f"cuCtxSetCurrent(primary context of device {index})")
