@@ -235,8 +235,9 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
         const float* lse = sLse + stage * kQ;
         const float* delta = sDelta + stage * kQ;
         const bool mask =
-            kWindow ? window.cuts(key0 - (q0 + kQ - 1) - shift, key0 + kKeys - 1 - q0 - shift)
-                    : p.is_causal && q0 + shift < key0 + kKeys - 1;
+            (kWindow ? window.cuts(key0 - (q0 + kQ - 1) - shift, key0 + kKeys - 1 - q0 - shift)
+                     : p.is_causal && q0 + shift < key0 + kKeys - 1) ||
+            key_rows < kKeys;  // keys past seqlen_k (step_probabilities, kKeyTail)
         mbarrier_wait(&full[stage], (step / kStages) & 1);
 
         float P[1][kQ / 8][4], dS[1][kQ / 8][4];
@@ -249,8 +250,8 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
         wgmma_commit();
         wgmma_wait<1>();  // S^T
         wgmma_fence_operands(wg::flat(P[0]));
-        step_probabilities<kQ, kWindow, false>(P[0], p, lse, mask, window, key0 + row0, q0,
-                                               shift);
+        step_probabilities<kQ, kWindow, false, true>(P[0], p, lse, mask, window, key0 + row0,
+                                                     q0, shift);
         uint32_t a[1][kQ / 16][4];
         pack_a_fragments<C::kBf16>(a, P);
         wgmma_fence_operands(wg::flat(dV));

@@ -517,8 +517,13 @@ __device__ __forceinline__ QueryTiles query_tiles(const BwdParams& p, int key0, 
 // P^T = exp(scale * K Q^T - lse), in place of the scores: a warp's 16 keys x kQ query columns
 // in the m16n8 accumulator layout (the warp's first key is warp_key0). Masked
 // (0) only where `mask` says the step's tile is cut by the window's edges or the causal
-// diagonal; lse and columns in log2 units as sLse holds them.
-template <int kQ, bool kWindow, bool kSoftcap>
+// diagonal, or (kKeyTail) holds keys past seqlen_k; lse and columns in log2 units as sLse
+// holds them. kKeyTail: the fused kernels' dQ reads dS of every key of the tile, and a
+// zero-filled key past the sequence has score 0, so P = 2^-lse, which overflows where lse is
+// very negative (and dS in 16 bits much sooner): inf * K's zero row is NaN in dQ. The other
+// kernels never store a tail key's gradient. With kKeyTail `mask` may be set in a non-causal
+// call, so the diagonal's test asks is_causal itself (without it, mask implies is_causal).
+template <int kQ, bool kWindow, bool kSoftcap, bool kKeyTail = false>
 __device__ __forceinline__ void step_probabilities(float (&P)[kQ / 8][4], const BwdParams& p,
                                                    const float* lse, bool mask,
                                                    const WindowBounds& window, int warp_key0,
@@ -533,7 +538,9 @@ __device__ __forceinline__ void step_probabilities(float (&P)[kQ / 8][4], const 
             float x = ex2(fmaf(score, p.scale_log2, -lse[col]));
             const int key = warp_key0 + lane / 4 + 8 * (e / 2);
             if (mask &&
-                (kWindow ? window.hides(key - q0 - col - shift) : key > q0 + col + shift))
+                ((kWindow ? window.hides(key - q0 - col - shift)
+                          : (!kKeyTail || p.is_causal) && key > q0 + col + shift) ||
+                 (kKeyTail && key >= p.seqlen_k)))
                 x = 0.f;
             P[nj][e] = x;
         }
@@ -682,11 +689,12 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
         // cut: their offsets key - query - shift span [key0 - (q0 + kQ - 1) - shift, key0 +
         // kKeys - 1 - q0 - shift].
         const bool mask =
-            kWindow ? window.cuts(key0 - (q0 + kQ - 1) - shift, key0 + kKeys - 1 - q0 - shift)
-                    : p.is_causal && q0 + shift < key0 + kKeys - 1;
+            (kWindow ? window.cuts(key0 - (q0 + kQ - 1) - shift, key0 + kKeys - 1 - q0 - shift)
+                     : p.is_causal && q0 + shift < key0 + kKeys - 1) ||
+            (kFuseDq && key_rows < kKeys);
         auto probabilities = [&](float (&P)[kQ / 8][4]) {
-            step_probabilities<kQ, kWindow, kSoftcap>(P, p, lse, mask, window,
-                                                      key0 + row0, q0, shift);
+            step_probabilities<kQ, kWindow, kSoftcap, kFuseDq>(P, p, lse, mask, window,
+                                                               key0 + row0, q0, shift);
         };
         auto score_grads = [&](float (&dS)[kQ / 8][4], const float (&P)[kQ / 8][4]) {
             step_score_grads<kQ, kSoftcap>(dS, P, p, lse, delta);

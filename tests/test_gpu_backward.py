@@ -229,6 +229,34 @@ def test_every_backward_module_that_runs_here(causal, monkeypatch):
     for_each_backward_module(monkeypatch, body)
 
 
+def test_key_tail_with_very_negative_scores_gives_finite_gradients(monkeypatch):
+    """Every score -100 (lse about -96) and 65 keys: the dK/dV kernels' last key tile holds
+    zero-filled keys past seqlen_k whose score is 0, so unmasked their P = exp(-lse)
+    overflows, and the fused kernels' dQ (dS times K's zero rows) became NaN. Each module
+    this GPU runs, each scheme it serves."""
+    force_atomic_kernels(monkeypatch)
+
+    def body(entry):
+        cfg = entry.config
+        d, dtype = cfg.d_head, DTYPES[cfg.dtype]
+        a = (100.0 * d ** 0.5) ** 0.5  # q.k * d^-0.5 = -100 for every (query, key)
+        u = torch.zeros(d, device="cuda")
+        u[0] = 1.0
+        k = (a * u).expand(1, 65, 2, d).to(dtype).contiguous()
+        q = (-a * u).expand(1, 256, 4, d).to(dtype).contiguous()
+        v = torch.randn(1, 65, 2, d, device="cuda", dtype=dtype)
+        dout = torch.randn(1, 256, 4, d, device="cuda", dtype=dtype)
+        for scheme in entry.schemes:
+            _, grads = run_with_grad(q, k, v, dout, causal=False,
+                                     deterministic=scheme == "deterministic")
+            try:
+                check_grads(grads, q, k, v, dout, False)
+            except AssertionError as e:
+                raise AssertionError(f"({scheme}) {e}") from None
+
+    for_each_backward_module(monkeypatch, body)
+
+
 def test_empty_sequences_give_zero_gradients():
     dtype, d = BWD_COMBOS[0]
     for sq, sk in ((0, 10), (10, 0)):
