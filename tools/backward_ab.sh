@@ -1,29 +1,53 @@
 #!/usr/bin/env bash
 # A/B of backward modules in one GPU call, on one build: the backward suite with the manifest
-# as built (A), then with the modules whose name contains HIDE removed from it (B: the
-# runtime then takes the next module configs.yaml lists for the scheme), alternating ROUNDS
-# times. Logs under $OUT (default /tmp/cudaflash-out); the kernels must be built.
+# as built (A), then with the modules whose name contains MATCH changed (B), alternating
+# ROUNDS times. Logs under $OUT (default /tmp/cudaflash-out); the kernels must be built.
 #
-#   tools/backward_ab.sh HIDE [ROUNDS]     e.g. tools/backward_ab.sh _ws 2
+#   tools/backward_ab.sh MATCH [ROUNDS]     e.g. tools/backward_ab.sh _ws 2
+#
+# B is, by default, the manifest without those modules (the runtime then takes the next
+# module configs.yaml lists for the scheme). With B_SRC=DIR, B keeps every module but rebuilds
+# the matching ones (sm_90) from the kernel sources in DIR: an A/B of two source versions of
+# one kernel (carry DIR, e.g. `git archive HEAD cuda_src | tar -x -C .dev/ab-src`).
 #
 # Extra arguments of the backward suite in SUITE_ARGS (default: bf16, d 64 and 128,
 # S 1024..16384, cudaflash and cudnn).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cudaflash-out}
-hide=${1:?usage: tools/backward_ab.sh HIDE [ROUNDS]}
+match=${1:?usage: tools/backward_ab.sh MATCH [ROUNDS]}
 rounds=${2:-2}
-mkdir -p "$OUT" .dev/ab-b
 kernels=cudaflash/kernels
-# B: the same files, a manifest without the hidden modules (links, not copies).
-for d in "$kernels"/*/; do ln -sfn "$PWD/$d" ".dev/ab-b/$(basename "$d")"; done
-python3 - "$kernels/manifest.json" ".dev/ab-b/manifest.json" "$hide" <<'PY'
-import json, sys
+rm -rf .dev/ab-b .dev/ab-b-build
+mkdir -p "$OUT" .dev/ab-b
+if [[ -n ${B_SRC:-} ]]; then
+    # B: a copy of the kernels, the matching modules' files and manifest entries replaced.
+    python3 build_cubins.py -j16 --src "$B_SRC" --only "$match" --archs 90 \
+        --out .dev/ab-b-build > "$OUT/ab-b-build.log" 2>&1 || { tail -30 "$OUT/ab-b-build.log"; exit 1; }
+    cp -r "$kernels"/. .dev/ab-b/
+else
+    # B: the same files, a manifest without the matching modules (links, not copies).
+    for d in "$kernels"/*/; do ln -sfn "$PWD/$d" ".dev/ab-b/$(basename "$d")"; done
+fi
+python3 - "$kernels/manifest.json" .dev/ab-b "$match" "${B_SRC:+.dev/ab-b-build}" <<'PY'
+import json, shutil, sys
+from pathlib import Path
 m = json.load(open(sys.argv[1]))
-before = len(m["backward_kernels"])
-m["backward_kernels"] = [k for k in m["backward_kernels"] if sys.argv[3] not in k["name"]]
-print(f"B hides {before - len(m['backward_kernels'])} backward modules matching {sys.argv[3]!r}")
-json.dump(m, open(sys.argv[2], "w"), indent=1)
+b_dir, match, rebuilt = Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+if rebuilt:
+    new = json.load(open(Path(rebuilt) / "manifest.json"))
+    for family in ("kernels", "backward_kernels"):
+        by_key = {(k["name"], k["arch"], k["kind"]): k for k in new[family]}
+        for i, k in enumerate(m[family]):
+            if (k["name"], k["arch"], k["kind"]) in by_key:
+                m[family][i] = by_key.pop((k["name"], k["arch"], k["kind"]))
+                shutil.copyfile(Path(rebuilt) / k["file"], b_dir / k["file"])
+                print(f"B rebuilds {k['name']} sm_{k['arch']}")
+else:
+    before = len(m["backward_kernels"])
+    m["backward_kernels"] = [k for k in m["backward_kernels"] if match not in k["name"]]
+    print(f"B hides {before - len(m['backward_kernels'])} backward modules matching {match!r}")
+json.dump(m, open(b_dir / "manifest.json", "w"), indent=1)
 PY
 args=${SUITE_ARGS:---dtype bf16 --head-dims 64,128 --seqlens 1024,2048,4096,8192,16384 --backends cudaflash,cudnn}
 rc=0
