@@ -161,9 +161,14 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
                     const int stage = step % kStages;
                     mbarrier_wait(&empty[stage], ((step / kStages) & 1) ^ 1);
                     const int rows = min(kQ, p.seqlen_q - at.q0);
-                    load_rows_by<C, kQ, 32>(tiles_dst + stage * kQ * kD,
-                                            row_of(src, strides, batch, at.q0, at.head),
-                                            strides.seq, rows, lane);
+                    elem_t* dst = tiles_dst + stage * kQ * kD;
+                    const elem_t* rows_src = row_of(src, strides, batch, at.q0, at.head);
+                    // Only a head's last query tile can be short: it takes the general copy.
+                    if (rows == kQ) {
+                        load_full_rows_by_warp<C, kQ>(dst, rows_src, strides.seq, lane);
+                    } else {
+                        load_rows_by<C, kQ, 32>(dst, rows_src, strides.seq, rows, lane);
+                    }
                     cp_async_commit();
                     const float* stats = stats_src + batch * p.lse_batch_stride +
                                          at.head * p.lse_head_stride + at.q0;

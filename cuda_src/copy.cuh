@@ -96,6 +96,40 @@ __device__ __forceinline__ void load_rows_by(typename C::elem_t* smem,
     }
 }
 
+// load_rows_by for a full tile (every row valid) by one warp, with few instructions per copy:
+// the warp's rows repeat their swizzle every 8 rows (two passes of 4), so each lane keeps two
+// shared addresses and one global pointer, advanced by constants, instead of recomputing the
+// row, its mask, its 64-bit address and its swizzled offset for every pass (about 20
+// instructions per pair of copies, which made the backward's loader warps its bottleneck:
+// perf log, "Backward v4.2").
+template <class C, int kRows>
+__device__ __forceinline__ void load_full_rows_by_warp(typename C::elem_t* smem,
+                                                       const typename C::elem_t* gmem,
+                                                       int64_t row_stride, unsigned lane) {
+    using elem_t = typename C::elem_t;
+    constexpr int kPassRows = 4;                   // 32 lanes x 16 bytes = 4 rows of a slab
+    constexpr int kSlabBytes = kRows * C::kSlab * int(sizeof(elem_t));
+    constexpr int kPeriodBytes = 8 * C::kSlab * int(sizeof(elem_t));  // 8 rows of a slab
+    static_assert(kRows % 8 == 0, "whole swizzle periods");
+    const int chunk = lane % 8;
+    const int row0 = lane / 8;  // 0..3; the next pass's row is row0 + 4, its swizzle row0 + 4
+    const uint32_t dst0 = smem_addr(smem + SmemTile<C>::template offset<kRows>(row0, chunk));
+    const uint32_t dst1 =
+        smem_addr(smem + SmemTile<C>::template offset<kRows>(row0 + kPassRows, chunk));
+    const elem_t* src = gmem + row0 * row_stride + chunk * 8;
+    const int64_t pass_stride = kPassRows * row_stride;
+#pragma unroll 1
+    for (int period = 0; period < kRows / 8; ++period) {
+        const uint32_t at = period * kPeriodBytes;
+#pragma unroll
+        for (int slab = 0; slab < C::kSlabs; ++slab) {
+            cp_async_16(dst0 + at + slab * kSlabBytes, src + slab * C::kSlab, 16);
+            cp_async_16(dst1 + at + slab * kSlabBytes, src + pass_stride + slab * C::kSlab, 16);
+        }
+        src += 2 * pass_stride;
+    }
+}
+
 template <class C, int kRows, int kThreads>
 __device__ __forceinline__ void store_rows_by(typename C::elem_t* gmem,
                                               const typename C::elem_t* smem, int64_t row_stride,

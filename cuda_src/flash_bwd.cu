@@ -515,14 +515,18 @@ __device__ __forceinline__ QueryTiles query_tiles(const BwdParams& p, int key0, 
 }
 
 // P^T = exp(scale * K Q^T - lse), in place of the scores: a warp's 16 keys x kQ query columns
-// in the m16n8 accumulator layout (the warp's first key is warp_key0). Masked
-// (0) only where `mask` says the step's tile is cut by the window's edges or the causal
-// diagonal, or (kKeyTail) holds keys past seqlen_k; lse and columns in log2 units as sLse
-// holds them. kKeyTail: the fused kernels' dQ reads dS of every key of the tile, and a
-// zero-filled key past the sequence has score 0, so P = 2^-lse, which overflows where lse is
-// very negative (and dS in 16 bits much sooner): inf * K's zero row is NaN in dQ. The other
-// kernels never store a tail key's gradient. With kKeyTail `mask` may be set in a non-causal
-// call, so the diagonal's test asks is_causal itself (without it, mask implies is_causal).
+// in the m16n8 accumulator layout (the warp's first key is warp_key0); lse and columns in log2
+// units as sLse holds them. Then, only where `mask` says the step's tile is cut by the window's
+// edges or the causal diagonal, or (kKeyTail) holds keys past seqlen_k, the hidden elements
+// are zeroed: a second pass behind a warp-uniform branch, so an unmasked step runs the
+// exponentials alone (a per-element test folded into the first pass made the compiler build
+// the mask's bits before every step's GEMMs: -10% at d64, perf log "Backward: keys past
+// seqlen_k").
+// kKeyTail: the fused kernels' dQ reads dS of every key of the tile, and a zero-filled key past
+// the sequence has score 0, so P = 2^-lse, which overflows where lse is very negative (and dS
+// in 16 bits much sooner): inf * K's zero row is NaN in dQ. The other kernels never store a
+// tail key's gradient. With kKeyTail `mask` may be set in a non-causal call, so the diagonal's
+// test asks is_causal itself (without it, mask implies is_causal).
 template <int kQ, bool kWindow, bool kSoftcap, bool kKeyTail = false>
 __device__ __forceinline__ void step_probabilities(float (&P)[kQ / 8][4], const BwdParams& p,
                                                    const float* lse, bool mask,
@@ -535,15 +539,23 @@ __device__ __forceinline__ void step_probabilities(float (&P)[kQ / 8][4], const 
         for (int e = 0; e < 4; ++e) {
             const int col = nj * 8 + 2 * (lane % 4) + e % 2;
             const float score = kSoftcap ? tanh_approx(P[nj][e] * p.softcap_pre) : P[nj][e];
-            float x = ex2(fmaf(score, p.scale_log2, -lse[col]));
-            const int key = warp_key0 + lane / 4 + 8 * (e / 2);
-            if (mask &&
-                ((kWindow ? window.hides(key - q0 - col - shift)
-                          : (!kKeyTail || p.is_causal) && key > q0 + col + shift) ||
-                 (kKeyTail && key >= p.seqlen_k)))
-                x = 0.f;
-            P[nj][e] = x;
+            P[nj][e] = ex2(fmaf(score, p.scale_log2, -lse[col]));
         }
+    if (!mask) return;
+#pragma unroll
+    for (int e2 = 0; e2 < 2; ++e2) {
+        const int key = warp_key0 + lane / 4 + 8 * e2;
+        const bool past_end = kKeyTail && key >= p.seqlen_k;
+#pragma unroll
+        for (int nj = 0; nj < kQ / 8; ++nj)
+#pragma unroll
+            for (int e1 = 0; e1 < 2; ++e1) {
+                const int col = nj * 8 + 2 * (lane % 4) + e1;
+                if (past_end || (kWindow ? window.hides(key - q0 - col - shift)
+                                         : (!kKeyTail || p.is_causal) && key > q0 + col + shift))
+                    P[nj][2 * e2 + e1] = 0.f;
+            }
+    }
 }
 
 // dS^T = P^T * (dP^T - delta), in place of dP^T = V dO^T (times the softcap's slope).
