@@ -277,10 +277,9 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
         elem_t* ds_tile = sdS + buf * kKeys * kQ;  // (kKeys, 64) slabs, one per dQ half
         acc_to_tile<kKeys, kQ / 8>(ds_tile, dS[0], 1.f, row0);
         fence_proxy_async_shared();
-        wgmma_fence_operands(wg::flat(dK));
-        wgmma_fence();
-        wg::regs_tile<kQ, kQ / 16>(dK, ds_a, q_tile);
-        wgmma_commit();
+        // dQ = dS K before dK = dS^T Q: the tensor pipe runs them in issue order, so the dQ
+        // tile is stored to shared memory while dK runs instead of after it (perf log,
+        // "Backward v4.3").
         named_barrier_sync(kBwdDsBarrier, kBwdConsumerThreads);  // both halves of dS^T
         float dQ[kHalves][kDqN8][4];  // set by the first wgmma of each half (accumulate 0)
 #pragma unroll
@@ -290,14 +289,12 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
         for (int h = 0; h < kHalves; ++h)
             wg::ds_k<kKeys>(dQ[h], smem_addr(ds_tile + h * kKeys * 64), dq_k_cols);
         wgmma_commit();
-        wgmma_wait<1>();  // dV and dK: this warp is done with the stage
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(&empty[stage]);
-        wgmma_wait<0>();
+        wgmma_fence_operands(wg::flat(dK));
+        wg::regs_tile<kQ, kQ / 16>(dK, ds_a, q_tile);
+        wgmma_commit();
+        wgmma_wait<1>();  // dV and dQ
 #pragma unroll
         for (int h = 0; h < kHalves; ++h) wgmma_fence_operands(wg::flat(dQ[h]));
-        wgmma_fence_operands(wg::flat(dK));
-        wgmma_fence_operands(wg::flat(dV));
         // The dQ tile in fragment order (dq_tile_index, per 64-row half): each warp's float4
         // store covers 512 contiguous bytes, free of bank conflicts.
         if (step >= 2) named_barrier_sync(kBwdDqEmptyBarrier + buf, kBwdDqBarrierThreads);
@@ -312,6 +309,11 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
         }
         fence_proxy_async_shared();
         named_barrier_arrive(kBwdDqFullBarrier + buf, kBwdDqBarrierThreads);
+        wgmma_wait<0>();  // dK: this warp is done with the stage
+        wgmma_fence_operands(wg::flat(dK));
+        wgmma_fence_operands(wg::flat(dV));
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&empty[stage]);
     }
 
     // dK = scale * dS^T Q and dV through shared memory (over K and V) for coalesced stores,
