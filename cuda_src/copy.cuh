@@ -130,6 +130,33 @@ __device__ __forceinline__ void load_full_rows_by_warp(typename C::elem_t* smem,
     }
 }
 
+// The same for kThreads threads whose pass covers whole swizzle periods (kThreads / 8 rows, a
+// multiple of 8: a warpgroup's 16): each lane's swizzle never changes, so it keeps one shared
+// address and one global pointer, both advanced by a constant per pass (the forward's producer
+// warpgroup: perf log, "Forward v8.1").
+template <class C, int kRows, int kThreads>
+__device__ __forceinline__ void load_full_rows_by(typename C::elem_t* smem,
+                                                  const typename C::elem_t* gmem,
+                                                  int64_t row_stride, unsigned tid) {
+    using elem_t = typename C::elem_t;
+    constexpr int kPassRows = kThreads / 8;  // 8 threads x 16 bytes: one row of a slab
+    static_assert(kPassRows % 8 == 0 && kRows % kPassRows == 0, "whole swizzle periods");
+    constexpr int kSlabBytes = kRows * C::kSlab * int(sizeof(elem_t));
+    constexpr int kPassBytes = kPassRows * C::kSlab * int(sizeof(elem_t));
+    const int chunk = tid % 8;
+    const int row0 = tid / 8;
+    const uint32_t dst = smem_addr(smem + SmemTile<C>::template offset<kRows>(row0, chunk));
+    const elem_t* src = gmem + row0 * row_stride + chunk * 8;
+    const int64_t pass_stride = kPassRows * row_stride;
+#pragma unroll 1
+    for (int pass = 0; pass < kRows / kPassRows; ++pass) {
+#pragma unroll
+        for (int slab = 0; slab < C::kSlabs; ++slab)
+            cp_async_16(dst + pass * kPassBytes + slab * kSlabBytes, src + slab * C::kSlab, 16);
+        src += pass_stride;
+    }
+}
+
 template <class C, int kRows, int kThreads>
 __device__ __forceinline__ void store_rows_by(typename C::elem_t* gmem,
                                               const typename C::elem_t* smem, int64_t row_stride,

@@ -102,9 +102,14 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         auto load_stage = [&](elem_t* dst, const elem_t* head_base, int64_t seq_stride,
                               int block, uint64_t* empty, int reuse, uint64_t* full) {
             mbarrier_wait(empty, reuse);
-            load_rows_by<C, C::kBc, C::kCopyThreads>(
-                dst, head_base + int64_t(block) * C::kBc * seq_stride, seq_stride,
-                seq.len_k - block * C::kBc, tid);
+            const elem_t* src = head_base + int64_t(block) * C::kBc * seq_stride;
+            const int rows = seq.len_k - block * C::kBc;
+            // Only a sequence's last key block can be short: it takes the general copy.
+            if (rows >= C::kBc) {
+                load_full_rows_by<C, C::kBc, C::kCopyThreads>(dst, src, seq_stride, tid);
+            } else {
+                load_rows_by<C, C::kBc, C::kCopyThreads>(dst, src, seq_stride, rows, tid);
+            }
             cp_async_commit();
             cp_async_wait<1>();
             fence_proxy_async_shared();

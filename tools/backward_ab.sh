@@ -10,8 +10,10 @@
 # the matching ones (sm_90) from the kernel sources in DIR: an A/B of two source versions of
 # one kernel (carry DIR, e.g. `git archive HEAD cuda_src | tar -x -C .dev/ab-src`).
 #
-# Extra arguments of the backward suite in SUITE_ARGS (default: bf16, d 64 and 128,
-# S 1024..16384, cudaflash and cudnn).
+# Extra arguments of the suite in SUITE_ARGS (default: bf16, d 64 and 128, S 1024..16384,
+# cudaflash and cudnn). AB_SUITE / AB_PHASE pick another suite and the phase compared (default
+# backward / backward; a forward A/B: AB_SUITE=train AB_PHASE=forward SUITE_ARGS="... --phases
+# forward"). B_SRC rebuilds forward and backward modules alike.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cudaflash-out}
@@ -50,29 +52,31 @@ else:
 json.dump(m, open(b_dir / "manifest.json", "w"), indent=1)
 PY
 args=${SUITE_ARGS:---dtype bf16 --head-dims 64,128 --seqlens 1024,2048,4096,8192,16384 --backends cudaflash,cudnn}
+suite=${AB_SUITE:-backward}
+phase=${AB_PHASE:-backward}
 rc=0
 for r in $(seq "$rounds"); do
     for side in A B; do
         dir=$kernels; [[ $side == B ]] && dir=.dev/ab-b
         echo "== round $r, $side ($dir)"
         # shellcheck disable=SC2086  # the argument list is meant to split into words
-        CUDAFLASH_KERNEL_DIR=$dir timeout 150 python3 -m cudaflash bench --suite backward $args \
+        CUDAFLASH_KERNEL_DIR=$dir timeout 150 python3 -m cudaflash bench --suite "$suite" $args \
             --json "$OUT/ab-$side$r.json" > "$OUT/ab-$side$r.log" 2>&1 || rc=1
         grep -E "^ *(bf16|fp16) " "$OUT/ab-$side$r.log"
     done
 done
-python3 - "$OUT" "$rounds" <<'PY'
+python3 - "$OUT" "$rounds" "$phase" <<'PY'
 import json, statistics, sys
-out, rounds = sys.argv[1], int(sys.argv[2])
+out, rounds, phase = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 def rows(side):
     per = {}
     for r in range(1, rounds + 1):
         for row in json.load(open(f"{out}/ab-{side}{r}.json"))["results"]:
             key = (row["dtype"], row["d"], row["causal"], row["S"])
-            per.setdefault(key, []).append(row["phases"]["backward"]["cudaflash"]["tflops"])
+            per.setdefault(key, []).append(row["phases"][phase]["cudaflash"]["tflops"])
     return {k: statistics.median(v) for k, v in per.items()}
 a, b = rows("A"), rows("B")
-print("A/B of cudaflash backward TFLOP/s (median over rounds)")
+print(f"A/B of cudaflash {phase} TFLOP/s (median over rounds)")
 ratios = []
 for k in sorted(a):
     ratios.append(a[k] / b[k])
