@@ -9,6 +9,28 @@
 
 namespace cudaflash {
 
+// Paged K/V (Params::block_table): a tile's keys [key0, key0 + valid_rows) lie in at most 32
+// pages of 2^page_shift >= 16 positions (tiles have <= 512 rows). Lane l of each warp holds the
+// tile's l-th page (clamped into the cache), so a row's page is one shuffle away instead of a
+// dependent global load per row (tile_page, then paged_row in every lane of the warp).
+__device__ __forceinline__ int tile_page(const int32_t* pages, int key0, int valid_rows,
+                                         int page_shift, int n_pages, unsigned lane) {
+    const int first = key0 >> page_shift;
+    const int last = (key0 + valid_rows - 1) >> page_shift;
+    return first + int(lane) <= last ? min(max(pages[first + lane], 0), n_pages - 1) : 0;
+}
+
+// Where row `row` of the tile starts. A row past the tile's valid rows gets page 0 or a clamped
+// one and a row inside it: an address in the cache (its copy reads nothing: src-size 0).
+template <class T>
+__device__ __forceinline__ const T* paged_row(const T* head_base, int lane_page, int key0,
+                                              int row, int page_shift, int64_t page_stride,
+                                              int64_t row_stride) {
+    const int mask = (1 << page_shift) - 1;
+    const int page = __shfl_sync(0xffffffffu, lane_page, ((key0 & mask) + row) >> page_shift);
+    return head_base + page * page_stride + int64_t((key0 + row) & mask) * row_stride;
+}
+
 template <class C, int kRows>
 struct TileCopy {
     using elem_t = typename C::elem_t;
@@ -22,6 +44,40 @@ struct TileCopy {
             load_rows<false>(smem, gmem, row_stride, kRows);
         } else {
             load_rows<true>(smem, gmem, row_stride, valid_rows);
+        }
+    }
+
+    // Global -> shared for paged K/V: row r is key key0 + r of the table row `pages`
+    // (tile_page, paged_row), rows at or past valid_rows zero-filled. Every thread of the
+    // CTA takes part (the shuffles).
+    __device__ __forceinline__ static void load_paged(elem_t* smem, const elem_t* head_base,
+                                                      int64_t row_stride, int64_t page_stride,
+                                                      const int32_t* pages, int key0,
+                                                      int page_shift, int n_pages,
+                                                      int valid_rows) {
+        const int chunk = threadIdx.x % 8;
+        const int row0 = threadIdx.x / 8;
+        const int lane_page =
+            tile_page(pages, key0, min(valid_rows, kRows), page_shift, n_pages, threadIdx.x % 32);
+        // Rolled: unrolled, the passes' addresses made the 255-register configs spill.
+#pragma unroll 1
+        for (int pass = 0; pass < kPasses; ++pass) {
+            const int row = row0 + pass * C::kRowsPerCopyPass;
+            const bool valid = row < valid_rows;
+            // A masked row's page is one tile_page zeroed or clamped: an address in the cache.
+            const elem_t* src = paged_row(head_base, lane_page, key0, row, page_shift,
+                                          page_stride, row_stride) + chunk * 8;
+#pragma unroll
+            for (int slab = 0; slab < C::kSlabs; ++slab) {
+                elem_t* dst = smem + SmemTile<C>::template offset<kRows>(row, slab * 8 + chunk);
+                if constexpr (C::kAsyncCopy) {
+                    cp_async_16(smem_addr(dst), src + slab * C::kSlab, valid ? 16 : 0);
+                } else {
+                    uint4 v = valid ? *reinterpret_cast<const uint4*>(src + slab * C::kSlab)
+                                    : make_uint4(0, 0, 0, 0);
+                    *reinterpret_cast<uint4*>(dst) = v;
+                }
+            }
         }
     }
 
@@ -89,6 +145,30 @@ __device__ __forceinline__ void load_rows_by(typename C::elem_t* smem,
         const bool valid = row < valid_rows;
         // A masked row still needs an address; row 0 always exists.
         const typename C::elem_t* src = gmem + (valid ? row * row_stride : 0) + chunk * 8;
+#pragma unroll
+        for (int slab = 0; slab < C::kSlabs; ++slab)
+            cp_async_16(smem_addr(smem + SmemTile<C>::template offset<kRows>(row, slab * 8 + chunk)),
+                        src + slab * C::kSlab, valid ? 16 : 0);
+    }
+}
+
+// load_rows_by for paged K/V: row r is key key0 + r of the table row `pages` (tile_page,
+// paged_row); all kThreads threads take part.
+template <class C, int kRows, int kThreads>
+__device__ __forceinline__ void load_paged_rows_by(typename C::elem_t* smem,
+                                                   const typename C::elem_t* head_base,
+                                                   int64_t row_stride, int64_t page_stride,
+                                                   const int32_t* pages, int key0, int page_shift,
+                                                   int n_pages, int valid_rows, unsigned tid) {
+    static_assert(kThreads % 32 == 0 && kRows % (kThreads / 8) == 0, "whole rows per pass");
+    const int chunk = tid % 8;
+    const int lane_page =
+        tile_page(pages, key0, min(valid_rows, kRows), page_shift, n_pages, tid % 32);
+#pragma unroll 1
+    for (int row = tid / 8; row < kRows; row += kThreads / 8) {
+        const bool valid = row < valid_rows;
+        const typename C::elem_t* src = paged_row(head_base, lane_page, key0, row, page_shift,
+                                                  page_stride, row_stride) + chunk * 8;
 #pragma unroll
         for (int slab = 0; slab < C::kSlabs; ++slab)
             cp_async_16(smem_addr(smem + SmemTile<C>::template offset<kRows>(row, slab * 8 + chunk)),

@@ -34,7 +34,7 @@
 
 namespace cudaflash {
 
-template <class C, bool kSplit, bool kSoftcap>
+template <class C, bool kSplit, bool kSoftcap, bool kPaged>
 __device__ __forceinline__ void flash_fwd(const Params& p) {
     using elem_t = typename C::elem_t;
     constexpr int kM = C::kMTiles;
@@ -63,9 +63,18 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 
     using QCopy = TileCopy<C, C::kBr>;
     using KvCopy = TileCopy<C, C::kBc>;
-    auto load_kv = [&](elem_t* dst, const elem_t* head_base, int64_t seq_stride, int block) {
-        KvCopy::load(dst, head_base + int64_t(block) * C::kBc * seq_stride, seq_stride,
-                     seq.len_k - block * C::kBc);
+    auto load_kv = [&](elem_t* dst, const elem_t* head_base, int64_t seq_stride,
+                       int64_t page_stride, int block) {
+        if constexpr (kPaged) {
+            // This batch entry's row of the block table (formed here, not held across the loop:
+            // the 255-register configs have no room for it).
+            const int32_t* pages = p.block_table + int64_t(at.batch) * p.block_table_stride;
+            KvCopy::load_paged(dst, head_base, seq_stride, page_stride, pages, block * C::kBc,
+                               p.page_shift, p.n_cache_entries, seq.len_k - block * C::kBc);
+        } else {
+            KvCopy::load(dst, head_base + int64_t(block) * C::kBc * seq_stride, seq_stride,
+                         seq.len_k - block * C::kBc);
+        }
     };
 
     QCopy::load(sQ, q, p.q_seq_stride, q_rows);
@@ -79,8 +88,8 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     if constexpr (C::kEagerLoad) {
         if (n_blocks > kv_begin) {
             const int first_block = C::kKvReverse ? n_blocks - 1 : kv_begin;
-            load_kv(sK, k, p.k_seq_stride, first_block);
-            if constexpr (kPrefetchFirstV) load_kv(sV, v, p.v_seq_stride, first_block);
+            load_kv(sK, k, p.k_seq_stride, p.k_batch_stride, first_block);
+            if constexpr (kPrefetchFirstV) load_kv(sV, v, p.v_seq_stride, p.v_batch_stride, first_block);
         }
         copy_commit<C>();
     }
@@ -110,7 +119,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
             copy_wait_all<C>();
             __syncthreads();
             if constexpr (!(kPrefetchFirstV && kFirst)) {
-                load_kv(sV, v, p.v_seq_stride, block);  // overlaps QK^T
+                load_kv(sV, v, p.v_seq_stride, p.v_batch_stride, block);  // overlaps QK^T
             }
             copy_commit<C>();
             gemm.qk(S);
@@ -119,18 +128,18 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
             __syncthreads();
             // The next block's K overlaps softmax + PV.
             if constexpr (C::kKvReverse) {
-                if (block > kv_begin) load_kv(sK, k, p.k_seq_stride, block - 1);
+                if (block > kv_begin) load_kv(sK, k, p.k_seq_stride, p.k_batch_stride, block - 1);
             } else {
-                if (block + 1 < n_blocks) load_kv(sK, k, p.k_seq_stride, block + 1);
+                if (block + 1 < n_blocks) load_kv(sK, k, p.k_seq_stride, p.k_batch_stride, block + 1);
             }
             copy_commit<C>();
         } else {
-            load_kv(sK, k, p.k_seq_stride, block);
+            load_kv(sK, k, p.k_seq_stride, p.k_batch_stride, block);
             copy_commit<C>();
             copy_wait_all<C>();
             __syncthreads();
             gemm.qk(S);
-            load_kv(sV, v, p.v_seq_stride, block);
+            load_kv(sV, v, p.v_seq_stride, p.v_batch_stride, block);
             copy_commit<C>();
             copy_wait_all<C>();
             __syncthreads();
@@ -232,13 +241,49 @@ __device__ __forceinline__ void combine_splits(const Params& p) {
         p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + seq.start_q + row] = lse;
 }
 
+// cudaflash_append_kv: grid (seqlen_new, n_heads_k, batch), kAppendThreads threads; each
+// block copies one new row of k and of v (d_head elements each, 16 bytes per thread and step)
+// to its place in the caches, or nowhere when that place is outside them (AppendParams).
+constexpr int kAppendThreads = 64;
+
+template <class C>
+__device__ __forceinline__ void append_kv(const AppendParams& p) {
+    using elem_t = typename C::elem_t;
+    constexpr int kChunks = C::kDHead * int(sizeof(elem_t)) / 16;  // 16-byte pieces per row
+    const int i = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    const int position = p.cache_seqlens[batch] + i;
+    if (position < 0 || position >= p.seqlen_cache) return;
+    int64_t entry = batch, row = position;
+    if (p.block_table != nullptr) {
+        entry = p.block_table[int64_t(batch) * p.block_table_stride + position / p.page_size];
+        row = position % p.page_size;
+    } else if (p.cache_batch_idx != nullptr) {
+        entry = p.cache_batch_idx[batch];
+    }
+    if (entry < 0 || entry >= p.n_cache_entries) return;
+    const elem_t* k_src = static_cast<const elem_t*>(p.k_new) + batch * p.k_new_batch_stride +
+                          i * p.k_new_seq_stride + head * p.k_new_head_stride;
+    const elem_t* v_src = static_cast<const elem_t*>(p.v_new) + batch * p.v_new_batch_stride +
+                          i * p.v_new_seq_stride + head * p.v_new_head_stride;
+    elem_t* k_dst = static_cast<elem_t*>(p.k_cache) + entry * p.k_batch_stride +
+                    row * p.k_seq_stride + head * p.k_head_stride;
+    elem_t* v_dst = static_cast<elem_t*>(p.v_cache) + entry * p.v_batch_stride +
+                    row * p.v_seq_stride + head * p.v_head_stride;
+    for (int c = threadIdx.x; c < 2 * kChunks; c += kAppendThreads) {
+        const bool is_k = c < kChunks;
+        const int at = (is_k ? c : c - kChunks) * 8;
+        const uint4 x = *reinterpret_cast<const uint4*>((is_k ? k_src : v_src) + at);
+        *reinterpret_cast<uint4*>((is_k ? k_dst : v_dst) + at) = x;
+    }
+}
+
 // The forward entries' body: the plain or warp-specialized kernel of this module's config.
-template <bool kSplit, bool kSoftcap>
+template <bool kSplit, bool kSoftcap, bool kPaged>
 __device__ __forceinline__ void forward_entry(const Params& p) {
     if constexpr (KernelConfig::kWarpSpecialized) {
-        flash_fwd_ws<KernelConfig, kSplit, kSoftcap>(p);
+        flash_fwd_ws<KernelConfig, kSplit, kSoftcap, kPaged>(p);
     } else {
-        flash_fwd<KernelConfig, kSplit, kSoftcap>(p);
+        flash_fwd<KernelConfig, kSplit, kSoftcap, kPaged>(p);
     }
 }
 
@@ -246,20 +291,30 @@ __device__ __forceinline__ void forward_entry(const Params& p) {
 
 // Softcapping has entries of its own (the *_softcap ones), so the others carry no trace of it:
 // as a runtime branch in the KV loop it raised registers (d64 wgmma kernels by up to 56) and
-// made two shipped configs spill (docs/perf-log.md, "Softcapping").
-#define CUDAFLASH_FORWARD_ENTRY(name, split, softcap)                               \
+// made two shipped configs spill (docs/perf-log.md, "Softcapping"). Paged K/V likewise (the
+// *_paged entries: each K/V row's address goes through Params::block_table).
+#define CUDAFLASH_FORWARD_ENTRY(name, split, softcap, paged)                        \
     extern "C" __global__ void __launch_bounds__(cudaflash::KernelConfig::kThreads, \
                                                   cudaflash::KernelConfig::kMinCtasPerSm) \
         name(const __grid_constant__ cudaflash::Params p) {                         \
-        cudaflash::forward_entry<split, softcap>(p);                                \
+        cudaflash::forward_entry<split, softcap, paged>(p);                         \
     }
 
-CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd, false, false)
-CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split, true, false)
-CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_softcap, false, true)
-CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split_softcap, true, true)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd, false, false, false)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split, true, false, false)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_softcap, false, true, false)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split_softcap, true, true, false)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_paged, false, false, true)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split_paged, true, false, true)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_softcap_paged, false, true, true)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split_softcap_paged, true, true, true)
 
 extern "C" __global__ void __launch_bounds__(cudaflash::kCombineThreads)
     cudaflash_combine(const __grid_constant__ cudaflash::Params p) {
     cudaflash::combine_splits<cudaflash::KernelConfig>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(cudaflash::kAppendThreads)
+    cudaflash_append_kv(const __grid_constant__ cudaflash::AppendParams p) {
+    cudaflash::append_kv<cudaflash::KernelConfig>(p);
 }

@@ -34,12 +34,18 @@ struct Sequence {
 __device__ __forceinline__ Sequence sequence(const Params& p, int batch) {
     if (p.cu_seqlens_q == nullptr) {
         if (p.cu_seqlens_k == nullptr) return {p.seqlen_q, p.seqlen_k, 0, 0};
-        return {p.seqlen_q, min(max(p.cu_seqlens_k[batch], 0), p.seqlen_k), 0, 0};
+        const int used = min(max(p.cu_seqlens_k[batch], 0), p.seqlen_k);
+        // flash_attn_with_kvcache's cache_leftpad: the keys before it are padding.
+        const int start = p.cache_leftpad == nullptr ? 0 : min(max(p.cache_leftpad[batch], 0), used);
+        return {p.seqlen_q, used - start, 0, start};
     }
     const int q0 = min(max(p.cu_seqlens_q[batch], 0), p.total_q);
     const int q1 = min(max(p.cu_seqlens_q[batch + 1], q0), p.total_q);
     const int k0 = min(max(p.cu_seqlens_k[batch], 0), p.total_k);
     const int k1 = min(max(p.cu_seqlens_k[batch + 1], k0), p.total_k);
+    // Paged K/V: the offsets give the lengths only; the keys are in the sequence's pages,
+    // of which its table row holds paged_keys' worth.
+    if (p.block_table != nullptr) return {q1 - q0, min(k1 - k0, p.paged_keys), q0, 0};
     return {q1 - q0, k1 - k0, q0, k0};
 }
 
@@ -93,15 +99,24 @@ struct HeadTiles {
     const typename C::elem_t *q, *k, *v;
 };
 
+// (Paged K/V: k and v at their head in page 0; paged_row (copy.cuh) adds each row's page
+// and place.)
 template <class C>
 __device__ __forceinline__ HeadTiles<C> head_tiles(const Params& p, const CtaPlace& at,
                                                    const Sequence& seq, int q_row0) {
     using elem_t = typename C::elem_t;
+    // The caches' entry: the batch entry's own, cache_batch_idx's, or none (paged).
+    int64_t kv_entry = at.batch;
+    if (p.block_table != nullptr) {
+        kv_entry = 0;
+    } else if (p.cache_batch_idx != nullptr) {
+        kv_entry = min(max(p.cache_batch_idx[at.batch], 0), p.n_cache_entries - 1);
+    }
     return {static_cast<const elem_t*>(p.q) + at.batch * p.q_batch_stride +
                 at.head * p.q_head_stride + int64_t(seq.start_q + q_row0) * p.q_seq_stride,
-            static_cast<const elem_t*>(p.k) + at.batch * p.k_batch_stride +
+            static_cast<const elem_t*>(p.k) + kv_entry * p.k_batch_stride +
                 at.head_k * p.k_head_stride + int64_t(seq.start_k) * p.k_seq_stride,
-            static_cast<const elem_t*>(p.v) + at.batch * p.v_batch_stride +
+            static_cast<const elem_t*>(p.v) + kv_entry * p.v_batch_stride +
                 at.head_k * p.v_head_stride + int64_t(seq.start_k) * p.v_seq_stride};
 }
 

@@ -39,7 +39,7 @@ constexpr int kConsumerRegs = 224;
 constexpr int kTurnBarrier = 1;      // + consumer warpgroup (0 or 1)
 constexpr int kEpilogueBarrier = 3;  // + consumer warpgroup
 
-template <class C, bool kSplit, bool kSoftcap>
+template <class C, bool kSplit, bool kSoftcap, bool kPaged>
 __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     using elem_t = typename C::elem_t;
     static_assert(C::kWarpSpecialized && C::kWgmma && C::kWarps == 8 && C::kMTiles == 1,
@@ -100,12 +100,18 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         // lands the previous tile (its "full" barrier gets the arrival) while this one flies.
         uint64_t* landed = &q_full;  // the "full" barrier of the tile the previous group holds
         auto load_stage = [&](elem_t* dst, const elem_t* head_base, int64_t seq_stride,
-                              int block, uint64_t* empty, int reuse, uint64_t* full) {
+                              int64_t page_stride, int block, uint64_t* empty, int reuse,
+                              uint64_t* full) {
             mbarrier_wait(empty, reuse);
             const elem_t* src = head_base + int64_t(block) * C::kBc * seq_stride;
             const int rows = seq.len_k - block * C::kBc;
             // Only a sequence's last key block can be short: it takes the general copy.
-            if (rows >= C::kBc) {
+            if constexpr (kPaged) {
+                load_paged_rows_by<C, C::kBc, C::kCopyThreads>(
+                    dst, head_base, seq_stride, page_stride,
+                    p.block_table + int64_t(at.batch) * p.block_table_stride, block * C::kBc,
+                    p.page_shift, p.n_cache_entries, rows, tid);
+            } else if (rows >= C::kBc) {
                 load_full_rows_by<C, C::kBc, C::kCopyThreads>(dst, src, seq_stride, tid);
             } else {
                 load_rows_by<C, C::kBc, C::kCopyThreads>(dst, src, seq_stride, rows, tid);
@@ -120,10 +126,10 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
             const int stage = i % kStages;
             const int reuse = ((i / kStages) & 1) ^ 1;  // parity of the stage's last release
             const int block = block_of(i);
-            load_stage(sK + stage * C::kBc * C::kDHead, tiles.k, p.k_seq_stride, block,
-                       &k_empty[stage], reuse, &k_full[stage]);
-            load_stage(sV + stage * C::kBc * C::kDHead, tiles.v, p.v_seq_stride, block,
-                       &v_empty[stage], reuse, &v_full[stage]);
+            load_stage(sK + stage * C::kBc * C::kDHead, tiles.k, p.k_seq_stride,
+                       p.k_batch_stride, block, &k_empty[stage], reuse, &k_full[stage]);
+            load_stage(sV + stage * C::kBc * C::kDHead, tiles.v, p.v_seq_stride,
+                       p.v_batch_stride, block, &v_empty[stage], reuse, &v_full[stage]);
         }
         cp_async_wait<0>();
         fence_proxy_async_shared();

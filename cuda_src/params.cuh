@@ -71,11 +71,65 @@ struct Params {
     // combine kernel weights the splits by exp(lse_split - lse) into o and lse.
     int32_t n_splits;
     int32_t kv_blocks_per_split;
+
+    // flash_attn_with_kvcache's cache addressing, each null when unused (a padded batch only;
+    // every index is clamped, so no value can address memory outside the caches):
+    // - block_table (paged K/V, the cudaflash_fwd*_paged entries only): k and v are pages
+    //   (n_cache_entries, 2^page_shift, n_heads_k, d_head) at k/v_batch_stride, and key j of
+    //   batch entry b is row j % 2^page_shift of page block_table[b * block_table_stride +
+    //   (j >> page_shift)]. Pages hold a power of two >= 16 of positions (a tile of <= 512 keys
+    //   then spans <= 32 pages: one per lane, tile_page). A packed batch (cu_seqlens_q) takes
+    //   each sequence's key count from cu_seqlens_k, clamped to paged_keys.
+    // - cache_batch_idx: batch entry b reads the caches' entry cache_batch_idx[b] (of
+    //   n_cache_entries) instead of entry b.
+    // - cache_leftpad: batch entry b's keys start at cache position cache_leftpad[b] (clamped
+    //   into [0, its key count]); it sees keys [cache_leftpad[b], cu_seqlens_k[b]).
+    const int32_t* block_table;
+    const int32_t* cache_batch_idx;
+    const int32_t* cache_leftpad;
+    int32_t block_table_stride;
+    int32_t page_shift;
+    int32_t n_cache_entries;
+    int32_t paged_keys;  // paged: keys a table row addresses (its columns x the page size)
+
     float* o_accum;
     float* lse_accum;
 };
 
-constexpr int kParamsBytes = 248;
+constexpr int kParamsBytes = 288;
 static_assert(sizeof(Params) == kParamsBytes, "Params layout changed: update cudaflash/_params.py");
+
+// AppendParams: the argument of cudaflash_append_kv, which writes flash_attn_with_kvcache's new
+// keys and values (k_new, v_new: (batch, seqlen_new, n_heads_k, d_head)) into the caches at
+// each sequence's position cache_seqlens[b] + i, on the GPU, so that a decoding step with an
+// append reads nothing on the host (one CUDA graph). A position outside [0, seqlen_cache), or
+// a page outside the cache, is not written: no value can address memory outside the caches.
+// Cache addressing as Params' (block_table, cache_batch_idx, n_cache_entries); strides in
+// elements. Mirrored by cudaflash/_params.py.
+struct AppendParams {
+    const void* k_new;
+    const void* v_new;
+    void* k_cache;
+    void* v_cache;
+    const int32_t* cache_seqlens;
+    const int32_t* cache_batch_idx;
+    const int32_t* block_table;
+    int64_t k_new_batch_stride, k_new_seq_stride, k_new_head_stride;
+    int64_t v_new_batch_stride, v_new_seq_stride, v_new_head_stride;
+    int64_t k_batch_stride, k_seq_stride, k_head_stride;
+    int64_t v_batch_stride, v_seq_stride, v_head_stride;
+    int32_t batch;
+    int32_t seqlen_new;
+    int32_t n_heads_k;
+    int32_t seqlen_cache;  // positions per sequence (paged: pages per table row x page_size)
+    int32_t block_table_stride;
+    int32_t page_size;
+    int32_t n_cache_entries;  // the caches' batch entries, or pages
+    int32_t reserved;
+};
+
+constexpr int kAppendParamsBytes = 184;
+static_assert(sizeof(AppendParams) == kAppendParamsBytes,
+              "AppendParams layout changed: update cudaflash/_params.py");
 
 }  // namespace cudaflash

@@ -76,10 +76,12 @@ def wants_grad(q, k, v) -> bool:
                                    or getattr(v, "requires_grad", False))
 
 
-def check_qkv(q, k, v, varlen=False, names=("q", "k", "v")):
+def check_qkv(q, k, v, varlen=False, names=("q", "k", "v"), same_batch=True):
     """Raise for anything about q, k, v that the kernels cannot take. ``varlen``: packed
     (total_seqlen, nheads, headdim) tensors of flash_attn_varlen_func. ``names``: the
-    arguments' names in the caller's signature, for the messages."""
+    arguments' names in the caller's signature, for the messages. ``same_batch`` False: k and
+    v's first dim is not the batch (flash_attn_with_kvcache's paged caches, or caches
+    indexed through cache_batch_idx)."""
     dims, layout = (3, "(total_seqlen, nheads, headdim)") if varlen else (
         4, "(batch, seqlen, nheads, headdim)")
     qn, kn, vn = names
@@ -107,7 +109,7 @@ def check_qkv(q, k, v, varlen=False, names=("q", "k", "v")):
     seqlen_q, n_heads, d_head = q.shape[-3:]
     seqlen_k, n_heads_k, d_head_k = k.shape[-3:]
     batch = 1 if varlen else q.shape[0]
-    if not varlen and k.shape[0] != batch:
+    if not varlen and same_batch and k.shape[0] != batch:
         raise ValueError(f"{qn} has batch size {batch} but {kn} and {vn} have {k.shape[0]}")
     if d_head_k != d_head:
         raise ValueError(f"{qn} has head dim {d_head} but {kn} and {vn} have {d_head_k}")
@@ -266,10 +268,10 @@ def softmax_scale(softmax_scale, d_head: int) -> float:
                      f"(None means headdim ** -0.5 = {d_head ** -0.5:.6g})")
 
 
-def check_new_kv(k, v, k_cache) -> None:
-    """The new keys and values of flash_attn_with_kvcache: torch copies them into the cache,
-    so any layout will do; they must match the cache's batch, heads, head dim, dtype and
-    device, and not share its memory."""
+def check_new_kv(k, v, k_cache, batch: int) -> None:
+    """The new keys and values of flash_attn_with_kvcache: a kernel copies them into the
+    cache, so any layout with aligned rows will do; they must match q's ``batch`` and the
+    cache's heads, head dim, dtype and device, and not share its memory."""
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -282,11 +284,11 @@ def check_new_kv(k, v, k_cache) -> None:
     if k.shape != v.shape:
         raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must "
                          "be the same")
-    b, _, hk, d = k_cache.shape
-    if (k.shape[0], k.shape[2], k.shape[3]) != (b, hk, d):
+    _, _, hk, d = k_cache.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (batch, hk, d):
         raise ValueError(f"k and v have shape {tuple(k.shape)}; they must be (batch, "
-                         f"seqlen_new, nheads_k, headdim) with k_cache's batch={b}, "
-                         f"nheads_k={hk}, headdim={d}")
+                         f"seqlen_new, nheads_k, headdim) with q's batch={batch} and "
+                         f"k_cache's nheads_k={hk}, headdim={d}")
     if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
         raise NotImplementedError("k or v requires grad, but flash_attn_with_kvcache has no "
                                   "backward; call it under torch.no_grad() or "

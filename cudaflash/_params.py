@@ -59,6 +59,15 @@ class Params(ctypes.Structure):
         # split-KV (cudaflash_fwd_split, cudaflash_combine)
         ("n_splits", ctypes.c_int32),
         ("kv_blocks_per_split", ctypes.c_int32),
+        # flash_attn_with_kvcache's cache addressing (paged K/V, cache_batch_idx,
+        # cache_leftpad), each 0 when unused; packed with the fixed fields
+        ("block_table", ctypes.c_void_p),
+        ("cache_batch_idx", ctypes.c_void_p),
+        ("cache_leftpad", ctypes.c_void_p),
+        ("block_table_stride", ctypes.c_int32),
+        ("page_shift", ctypes.c_int32),  # log2 of the page size
+        ("n_cache_entries", ctypes.c_int32),
+        ("paged_keys", ctypes.c_int32),  # the keys a table row addresses
         ("o_accum", ctypes.c_void_p),
         ("lse_accum", ctypes.c_void_p),
     ]
@@ -115,15 +124,39 @@ def _runs(codes: list[str]) -> str:
 
 # The struct formats the launcher packs Params with, derived from the class above: it fills a
 # reusable buffer without building a ctypes object per call. Split in three: the pointers
-# change on every call; the middle (strides, sizes, scales, split counts) is fixed for a call
-# signature and packed once per plan; the split-KV workspace pointers at the end change per
-# call of a split launch and are 0 otherwise.
+# change on every call; the middle (strides, sizes, scales, split counts, the K/V cache
+# addressing) is fixed for a call signature and packed once per plan (a call with a block
+# table, cache_batch_idx or cache_leftpad makes no plan: it packs its own); the split-KV
+# workspace pointers at the end change per call of a split launch and are 0 otherwise.
 PARAMS_POINTERS_FORMAT = struct_format(Params, "q", "cu_seqlens_k")
-PARAMS_FIXED_FORMAT = struct_format(Params, "q_batch_stride", "kv_blocks_per_split")
+PARAMS_FIXED_FORMAT = struct_format(Params, "q_batch_stride", "paged_keys")
+# The fixed fields' tail when no cache addressing is used: block_table to paged_keys.
+NO_CACHE_ADDRESSING = (0, 0, 0, 0, 0, 0, 0)
 PARAMS_WORKSPACE_FORMAT = struct_format(Params, "o_accum", "lse_accum")
 PARAMS_POINTERS_BYTES = Params.q_batch_stride.offset
 PARAMS_WORKSPACE_OFFSET = Params.o_accum.offset
 PARAMS_STRUCT_FORMAT = struct_format(Params)
+
+
+class AppendParams(ctypes.Structure):
+    """Mirror of ``cudaflash::AppendParams`` (params.cuh): cudaflash_append_kv's argument."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in ("k_new", "v_new", "k_cache", "v_cache", "cache_seqlens",
+                     "cache_batch_idx", "block_table")
+    ] + [
+        (f"{tensor}_{dim}_stride", ctypes.c_int64)
+        for tensor in ("k_new", "v_new", "k", "v") for dim in ("batch", "seq", "head")
+    ] + [
+        (name, ctypes.c_int32)
+        for name in ("batch", "seqlen_new", "n_heads_k", "seqlen_cache", "block_table_stride",
+                     "page_size", "n_cache_entries", "reserved")
+    ]
+
+
+APPEND_PARAMS_BYTES = ctypes.sizeof(AppendParams)
+APPEND_PARAMS_FORMAT = struct_format(AppendParams)
 
 
 class Strides(ctypes.Structure):

@@ -20,7 +20,7 @@ import numbers
 
 import torch
 
-from . import _call, _checks, _driver, _padding, _plans, dispatch, manifest as _manifest
+from . import _call, _checks, _driver, _padding, _plans, dispatch, kvcache, manifest as _manifest
 from ._autograd import FlashAttnFunction, FlashAttnVarlenFunction, fwd_op, varlen_fwd_op
 from ._plans import plans as _forward_plans
 from ._torch import (current_device as _current_device, current_stream as _current_stream,
@@ -212,7 +212,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             its backward computes dq, dk, dv per sequence (head dims 64 and 128), bitwise
             reproducible; rows of no sequence get zero gradients. Under torch.compile the
             call runs eagerly (a graph break: its custom op has no autograd formula yet).
-        block_table: paged K/V is not implemented; only None.
+        block_table: None, or (batch, max_blocks_per_seq) int32 for paged K/V: k and v are
+            then pools of pages (num_blocks, page_block_size, nheads_k, headdim), page sizes
+            powers of two from 16, and sequence b's cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys
+            are in its pages (flash_attn_with_kvcache's layout). Forward only.
         Other arguments (softcap included) as in ``flash_attn_func``.
 
     Returns:
@@ -225,10 +228,22 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         window, softcap = _checks.attention_options(dropout_p, alibi_slopes, window_size, softcap)
     else:
         softcap = 0.0
-    if block_table is not None:
-        raise NotImplementedError(f"block_table is a {type(block_table).__name__}: paged K/V is "
-                                  "not implemented; pass block_table=None")
     want_lse = True if return_attn_probs else False
+    if block_table is not None:
+        # Paged K/V (flash_attn_with_kvcache's caches): forward only, no plan.
+        padded = _padding.padded_head_dim(q, k, v)
+        if padded is not None:
+            return _padding.with_padded_head_dim(
+                flash_attn_varlen_func, padded, q, k, v, softmax_scale,
+                dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
+                     window_size=window, softcap=softcap, return_attn_probs=return_attn_probs,
+                     block_table=block_table))
+        out, lse = kvcache.paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                max_seqlen_q, max_seqlen_k, block_table,
+                                                softmax_scale, causal, window, softcap,
+                                                want_lse)
+        return (out, lse, None) if want_lse else out
     # A repeat signature takes its plan, as in flash_attn_func (the key through its function
     # here: this path is not tuned for tiny calls the way flash_attn_func's is); never under
     # torch.compile, which takes the custom op.

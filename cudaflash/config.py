@@ -149,7 +149,15 @@ class KernelConfig:
              EntryRole("combine", "cudaflash_combine"),  # ... and the kernel merging them
              # with softcapping (Params.softcap_pre)
              EntryRole("forward_softcap", "cudaflash_fwd_softcap", "smem_bytes"),
-             EntryRole("split_softcap", "cudaflash_fwd_split_softcap", "smem_bytes"))
+             EntryRole("split_softcap", "cudaflash_fwd_split_softcap", "smem_bytes"),
+             # the four above for paged K/V (Params.block_table)
+             EntryRole("forward_paged", "cudaflash_fwd_paged", "smem_bytes"),
+             EntryRole("split_paged", "cudaflash_fwd_split_paged", "smem_bytes"),
+             EntryRole("forward_softcap_paged", "cudaflash_fwd_softcap_paged", "smem_bytes"),
+             EntryRole("split_softcap_paged", "cudaflash_fwd_split_softcap_paged",
+                       "smem_bytes"),
+             # flash_attn_with_kvcache's append of new keys and values (AppendParams)
+             EntryRole("append_kv", "cudaflash_append_kv"))
     ENTRIES = tuple(role.symbol for role in ROLES)
 
     # ---- derived quantities ---------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""flash_attn_with_kvcache: attention of new queries against a K/V cache, optionally
-appending the new keys and values first; inference only."""
+"""Attention against K/V caches, inference only: flash_attn_with_kvcache (new queries against
+a cache, optionally appending the new keys and values first; paged, indexed or left-padded
+caches; rotary embedding) and flash_attn_varlen_func's paged form (paged_varlen_forward)."""
 
 import numbers
+from typing import NamedTuple
 
 import torch
 
@@ -80,19 +82,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             if done is not None:
                 return done if return_softmax_lse else done[0]
 
-    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-                        ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
-                        ("block_table", block_table)):
-        if value is not None:
-            raise NotImplementedError(f"{name} is a {type(value).__name__}: not implemented in "
-                                      f"cudaflash; pass {name}=None")
     window, softcap = _checks.attention_options(0.0, alibi_slopes, window_size, softcap)
     padded = _padding.padded_head_dim(q, k_cache, v_cache)
     if padded is not None:
         return _padding.with_padded_head_dim(
             flash_attn_with_kvcache, padded, q, k, v, softmax_scale,
-            dict(cache_seqlens=cache_seqlens, causal=causal, window_size=window, softcap=softcap,
-                 num_splits=num_splits, return_softmax_lse=return_softmax_lse),
+            dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
+                 cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                 block_table=block_table, causal=causal, window_size=window, softcap=softcap,
+                 rotary_interleaved=rotary_interleaved, num_splits=num_splits,
+                 return_softmax_lse=return_softmax_lse),
             caches=(k_cache, v_cache))
     if (not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool)
             or num_splits < 0):
@@ -100,19 +99,27 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                          "chooses)")
     if return_softmax_lse not in (True, False):
         raise TypeError(f"return_softmax_lse={return_softmax_lse!r}; it must be a bool")
-    _checks.check_qkv(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
+    # Paged caches and cache_batch_idx decouple the caches' first dim from the batch.
+    _checks.check_qkv(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"),
+                      same_batch=block_table is None and cache_batch_idx is None)
+    cache = _cache_addressing(q, q.shape[0], k_cache, block_table, cache_batch_idx,
+                              cache_leftpad)
+    seqlen_cache = cache.seqlen_cache
     if (k is None) != (v is None):
         raise ValueError(f"k is {'None' if k is None else 'a tensor'} and v is "
                          f"{'None' if v is None else 'a tensor'}: give both (to append them "
                          "to the cache) or neither")
-    seqlen_cache = k_cache.shape[1]
     seqlen_new = 0
     if k is not None:
-        _checks.check_new_kv(k, v, k_cache)
+        _checks.check_new_kv(k, v, k_cache, q.shape[0])
         seqlen_new = k.shape[1]
-        if any(_checks.overlaps(new, cache) for new in (k, v) for cache in (k_cache, v_cache)):
+        if seqlen_new > seqlen_cache:
+            raise ValueError(f"k and v hold {seqlen_new} new positions; the caches hold "
+                             f"{seqlen_cache} per sequence")
+        if any(_checks.overlaps(new, c) for new in (k, v) for c in (k_cache, v_cache)):
             raise ValueError("k or v shares memory with k_cache or v_cache; the new keys "
                              "and values must be tensors of their own")
+    rotary = _check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, seqlen_cache)
     scale = _checks.softmax_scale(softmax_scale, q.shape[3])
     if causal not in (True, False):
         raise TypeError(f"causal={causal!r}; it must be a bool")
@@ -120,22 +127,43 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     want_lse = bool(return_softmax_lse)
     splits = num_splits or None
     index = q.get_device()
+    plain = (block_table is None and cache_batch_idx is None and cache_leftpad is None
+             and rotary is None)
     with torch.cuda.device(index):  # the driver calls work in the current context
-        if cache_seqlens is None:
+        if cache_seqlens is None and plain:
             if k is not None:
                 raise ValueError("k and v are written at cache_seqlens, which is None; pass "
                                  "cache_seqlens (an int or a (batch,) int32 tensor)")
             out, lse = launch.run(None, index, q, k_cache, v_cache, None, scale, bool(causal),
                                   want_lse, num_splits=splits, window=window, softcap=softcap)
-        elif isinstance(cache_seqlens, torch.Tensor):
+        elif isinstance(cache_seqlens, torch.Tensor) or not plain:
+            if cache_seqlens is None:
+                if k is not None:
+                    raise ValueError("k and v are written at cache_seqlens, which is None; "
+                                     "pass cache_seqlens (an int or a (batch,) int32 tensor)")
+                cache_seqlens = torch.full((q.shape[0],), seqlen_cache, dtype=torch.int32,
+                                           device=q.device)
+            elif not isinstance(cache_seqlens, torch.Tensor):
+                _check_int_seqlens(cache_seqlens, seqlen_cache, seqlen_new)
+                cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens),
+                                           dtype=torch.int32, device=q.device)
             # The kernel first: a call that cannot run must not have changed the cache.
-            _select_kernel(index, q, k_cache, causal, seqlen_cache, window)
+            kernel = _select_kernel(index, q, k_cache, causal, seqlen_cache, window)
             debug = dispatch.device_kernels(index).debug
-            seqused = _append(cache_seqlens, q, k_cache, v_cache, k, v, seqlen_new, debug)
-            # A plan for the decoding step (no append); none in debug mode, whose length
-            # check the plan would skip.
+            _check_seqlens_tensor(cache_seqlens, q)
+            _check_values(cache_seqlens, cache, seqlen_new, k is not None, debug)
+            if rotary is not None:
+                q, k = _apply_rotary(rotary, q, k, cache_seqlens, cache_leftpad,
+                                     bool(causal) or window != (-1, -1))
+            seqused = cache_seqlens
+            if k is not None:
+                launch.append_kv(kernel, index, _vector_rows(k), _vector_rows(v), k_cache,
+                                 v_cache, cache_seqlens, cache)
+                seqused = cache_seqlens + seqlen_new
+            # A plan for the decoding step (no append, nothing but the lengths); none in debug
+            # mode, whose length check the plan would skip.
             plan_key = None
-            if k is None and not debug:
+            if k is None and plain and not debug:
                 try:
                     plan_key = _plans.kvcache_plan_key(q, k_cache, v_cache, cache_seqlens,
                                                        softmax_scale, causal, num_splits,
@@ -146,15 +174,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             out, lse = launch.run(None, index, q, k_cache, v_cache, None, scale, bool(causal),
                                   want_lse, plan_key=plan_key, num_splits=splits,
                                   seqused_k=seqused, plans=_plans.kvcache_plans, window=window,
-                                  softcap=softcap)
+                                  softcap=softcap, cache=None if plain else cache)
         else:
-            if (not isinstance(cache_seqlens, numbers.Integral)
-                    or isinstance(cache_seqlens, bool)
-                    or not 0 <= cache_seqlens <= seqlen_cache - seqlen_new):
-                raise ValueError(f"cache_seqlens={cache_seqlens!r}; it must be None, a (batch,) "
-                                 f"int32 tensor or an int in [0, {seqlen_cache - seqlen_new}] "
-                                 f"(seqlen_cache={seqlen_cache} minus the {seqlen_new} new "
-                                 "positions)")
+            _check_int_seqlens(cache_seqlens, seqlen_cache, seqlen_new)
             used = int(cache_seqlens) + seqlen_new
             if k is not None:
                 _select_kernel(index, q, k_cache, causal, used, window)  # before the append
@@ -167,49 +189,252 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return (out, lse) if want_lse else out
 
 
-def _select_kernel(index: int, q, k_cache, causal: bool, seqlen_k: int, window) -> None:
+def _vector_rows(t):
+    """t, or a packed copy of it, with rows the append kernel reads as 16-byte vectors: a
+    16-byte aligned start, a contiguous last dim and the other strides multiples of 8
+    elements (the new k and v may have any layout)."""
+    if (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s % 8 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _check_int_seqlens(cache_seqlens, seqlen_cache: int, seqlen_new: int) -> None:
+    if (not isinstance(cache_seqlens, numbers.Integral) or isinstance(cache_seqlens, bool)
+            or not 0 <= cache_seqlens <= seqlen_cache - seqlen_new):
+        raise ValueError(f"cache_seqlens={cache_seqlens!r}; it must be None, a (batch,) "
+                         f"int32 tensor or an int in [0, {seqlen_cache - seqlen_new}] "
+                         f"(seqlen_cache={seqlen_cache} minus the {seqlen_new} new "
+                         "positions)")
+
+
+def _check_index_vector(name: str, t, q, batch: int) -> None:
+    """A (batch,) int32 tensor on q's device with stride 1, as the kernels read it."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be None or a (batch,) torch.int32 tensor, got "
+                        f"{type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} has dtype {t.dtype}; it must be torch.int32")
+    if tuple(t.shape) != (batch,):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; it must be (batch,) = ({batch},)")
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must be on "
+                         "the same device")
+    if t.stride(0) != 1 and batch > 1:
+        raise ValueError(f"{name} has stride {t.stride(0)}; it must be contiguous")
+
+
+def _cache_addressing(q, batch: int, k_cache, block_table, cache_batch_idx,
+                      cache_leftpad) -> launch.CacheAddressing:
+    """Check block_table, cache_batch_idx and cache_leftpad of a batch of ``batch``
+    sequences (shapes, dtypes, devices: their values are checked by _check_values) and return
+    the caches' addressing."""
+    if cache_batch_idx is not None:
+        _check_index_vector("cache_batch_idx", cache_batch_idx, q, batch)
+    if cache_leftpad is not None:
+        _check_index_vector("cache_leftpad", cache_leftpad, q, batch)
+    if block_table is None:
+        return launch.CacheAddressing(None, cache_batch_idx, cache_leftpad, 0,
+                                      k_cache.shape[0], k_cache.shape[1])
+    for name, other in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if other is not None:
+            raise ValueError(f"{name} is given with block_table; paged K/V takes neither "
+                             "cache_batch_idx nor cache_leftpad (as in flash-attn): pass "
+                             f"{name}=None")
+    if not isinstance(block_table, torch.Tensor):
+        raise TypeError(f"block_table must be None or a (batch, max_blocks_per_seq) "
+                        f"torch.int32 tensor, got {type(block_table).__name__}")
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table has dtype {block_table.dtype}; it must be torch.int32")
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
+        raise ValueError(f"block_table has shape {tuple(block_table.shape)}; it must be (batch, "
+                         f"max_blocks_per_seq) with batch={batch} and max_blocks_per_seq >= 1")
+    if block_table.device != q.device:
+        raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}; "
+                         "they must be on the same device")
+    if block_table.stride(1) != 1 and block_table.shape[1] > 1:
+        raise ValueError(f"block_table has strides {block_table.stride()}; its last stride "
+                         "must be 1 (block_table.contiguous() gives such a copy)")
+    n_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+    if n_pages < 1:
+        raise ValueError(f"k_cache has shape {tuple(k_cache.shape)}; with block_table it must "
+                         "be (num_blocks, page_block_size, nheads_k, headdim) with "
+                         "num_blocks >= 1")
+    # The kernels find a key's page with shifts, one page per lane of a warp (a tile of up to
+    # 512 keys spans at most 32 pages of 16 or more positions).
+    if page_size < 16 or page_size & (page_size - 1):
+        raise ValueError(f"k_cache has pages of {page_size} positions (page_block_size = "
+                         f"k_cache.shape[1]); cudaflash supports powers of two from 16 "
+                         "(16, 32, ..., 256, 512, ...)")
+    seqlen_cache = block_table.shape[1] * page_size
+    if seqlen_cache >= 2**31 or block_table.stride(0) >= 2**31:
+        raise ValueError(f"block_table {tuple(block_table.shape)} with pages of {page_size} "
+                         "positions addresses 2**31 or more positions per sequence")
+    return launch.CacheAddressing(block_table, None, None, page_size, n_pages, seqlen_cache)
+
+
+def _check_seqlens_tensor(cache_seqlens, q) -> None:
+    _check_index_vector("cache_seqlens", cache_seqlens, q, q.shape[0])
+
+
+def _check_values(cache_seqlens, cache: launch.CacheAddressing, seqlen_new: int,
+                  appends: bool, debug: bool) -> None:
+    """The values of cache_seqlens, block_table, cache_batch_idx and cache_leftpad, read on
+    the host in one device-to-host copy: for a call that appends (it must not write out of
+    place) and in debug mode, unless the stream is being captured into a CUDA graph (which
+    cannot read on the host: there the kernels bound every index instead, and an append
+    writes no position outside the caches). Raises ValueError naming the argument."""
+    batch = cache_seqlens.shape[0]
+    if not (appends or debug) or batch == 0 or torch.cuda.is_current_stream_capturing():
+        return
+    lengths = cache_seqlens.long()
+    stats = [lengths.min(), lengths.max()]
+    table = cache.block_table
+    if table is not None:
+        # Only the pages a sequence uses must exist (flash-attn's tables pad the rest).
+        used = (lengths + seqlen_new).clamp(0, cache.seqlen_cache)
+        pages = (used + cache.page_size - 1) // cache.page_size
+        in_use = torch.arange(table.shape[1], device=table.device)[None, :] < pages[:, None]
+        bad = in_use & ((table < 0) | (table >= cache.n_entries))
+        stats.append(bad.sum())
+    if cache.cache_batch_idx is not None:
+        stats += [cache.cache_batch_idx.min().long(), cache.cache_batch_idx.max().long()]
+    if cache.cache_leftpad is not None:
+        pad = cache.cache_leftpad.long()
+        stats.append(((pad < 0) | (pad > lengths)).sum())
+    values = torch.stack(stats).tolist()  # the device-to-host copy
+    lo, hi = values[0], values[1]
+    if lo < 0 or hi + seqlen_new > cache.seqlen_cache:
+        raise ValueError(f"cache_seqlens holds values in [{lo}, {hi}]; with {seqlen_new} new "
+                         f"positions they must be in [0, {cache.seqlen_cache - seqlen_new}] "
+                         f"(seqlen_cache={cache.seqlen_cache})")
+    at = 2
+    if table is not None:
+        if values[at]:
+            raise ValueError(f"block_table holds {values[at]} page indices outside [0, "
+                             f"{cache.n_entries}) (k_cache's num_blocks) among the pages the "
+                             "sequences use")
+        at += 1
+    if cache.cache_batch_idx is not None:
+        if values[at] < 0 or values[at + 1] >= cache.n_entries:
+            raise ValueError(f"cache_batch_idx holds values in [{values[at]}, "
+                             f"{values[at + 1]}]; they must be in [0, {cache.n_entries}) "
+                             "(k_cache's batch size)")
+        at += 2
+    if cache.cache_leftpad is not None and values[at]:
+        raise ValueError(f"cache_leftpad holds {values[at]} values outside [0, "
+                         "cache_seqlens[b]]: a sequence's left padding must lie within its "
+                         "filled positions")
+
+
+class _Rotary(NamedTuple):
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleaved: bool
+
+
+def _check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, seqlen_cache: int):
+    """The rotary tables, checked as flash-attn takes them, or None without rotary."""
+    if rotary_cos is None and rotary_sin is None:
+        return None
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("rotary_cos and rotary_sin go together: give both (rotary "
+                         "embedding) or neither")
+    if rotary_interleaved not in (True, False):
+        raise TypeError(f"rotary_interleaved={rotary_interleaved!r}; it must be a bool")
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; it must be (seqlen_ro, "
+                             "rotary_dim / 2)")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} is {t.dtype} on {t.device}; it must be q's {q.dtype} "
+                             f"on {q.device}")
+    if rotary_cos.shape != rotary_sin.shape:
+        raise ValueError(f"rotary_cos has shape {tuple(rotary_cos.shape)} but rotary_sin has "
+                         f"{tuple(rotary_sin.shape)}; they must be the same")
+    seqlen_ro, half = rotary_cos.shape
+    if not 1 <= 2 * half <= q.shape[3]:
+        raise ValueError(f"rotary_cos has shape {tuple(rotary_cos.shape)}: rotary_dim = "
+                         f"{2 * half} must be in [2, headdim={q.shape[3]}]")
+    if seqlen_ro < seqlen_cache:
+        raise ValueError(f"rotary_cos has {seqlen_ro} positions; it must cover the caches' "
+                         f"{seqlen_cache} (seqlen_ro >= seqlen_cache)")
+    return _Rotary(rotary_cos, rotary_sin, bool(rotary_interleaved))
+
+
+def _rotate(x, rotary: _Rotary, positions):
+    """x (batch, seqlen, nheads, headdim) with its first rotary_dim columns rotated by the
+    angles at ``positions`` (batch, seqlen), in float32 as flash-attn's rotary kernel does:
+    pairs (2i, 2i + 1) when interleaved (GPT-J), else (i, i + rotary_dim / 2) (GPT-NeoX)."""
+    half = rotary.cos.shape[1]
+    positions = positions.clamp(0, rotary.cos.shape[0] - 1)
+    cos = rotary.cos[positions].float().unsqueeze(2)  # (batch, seqlen, 1, half)
+    sin = rotary.sin[positions].float().unsqueeze(2)
+    part = x[..., :2 * half].float()
+    if rotary.interleaved:
+        x1, x2 = part[..., 0::2], part[..., 1::2]
+        turned = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    else:
+        x1, x2 = part[..., :half], part[..., half:]
+        turned = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return torch.cat((turned.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def _apply_rotary(rotary: _Rotary, q, k, cache_seqlens, cache_leftpad, per_token_q: bool):
+    """q and the new k rotated at each sequence's positions, as flash-attn does: the new
+    keys at cache_seqlens[b] (minus cache_leftpad[b]) + i; the queries at those positions
+    when causal or windowed, else all at cache_seqlens[b] (they come after the cache)."""
+    offsets = cache_seqlens.long()
+    if cache_leftpad is not None:
+        offsets = offsets - cache_leftpad.long()
+    offsets = offsets[:, None]
+    q_steps = torch.arange(q.shape[1], device=q.device)[None, :]
+    q = _rotate(q, rotary, offsets + q_steps if per_token_q else offsets.expand(-1, q.shape[1]))
+    if k is not None:
+        k = _rotate(k, rotary, offsets + torch.arange(k.shape[1], device=k.device)[None, :])
+    return q, k
+
+
+def _select_kernel(index: int, q, k_cache, causal: bool, seqlen_k: int, window):
     """Select (and load) the kernel the call will run, so that a call that cannot run raises
-    before it writes into the cache."""
+    before it writes into the cache; returns it (its module also appends)."""
     rows, _, kernel_causal, _ = heuristics.kernel_problem(q.shape[1], q.shape[2],
                                                           k_cache.shape[2], seqlen_k,
                                                           bool(causal), window)
-    dispatch.auto_kernel(_driver.current_context(index), index, q.dtype, q.shape[3],
+    return dispatch.auto_kernel(_driver.current_context(index), index, q.dtype, q.shape[3],
                          kernel_causal, rows, seqlen_k)
 
 
-def _append(cache_seqlens, q, k_cache, v_cache, k, v, seqlen_new: int, debug: bool):
-    """flash_attn_with_kvcache with a tensor cache_seqlens: check it, write k and v (if
-    given) into the caches at each sequence's own position, and return the key count each
-    sequence attends to, as the kernel reads it ((batch,) int32)."""
-    batch, seqlen_cache = q.shape[0], k_cache.shape[1]
-    if cache_seqlens.dtype != torch.int32:
-        raise TypeError(f"cache_seqlens has dtype {cache_seqlens.dtype}; it must be "
-                        "torch.int32")
-    if tuple(cache_seqlens.shape) != (batch,):
-        raise ValueError(f"cache_seqlens has shape {tuple(cache_seqlens.shape)}; it must be "
-                         f"(batch,) = ({batch},)")
-    if cache_seqlens.device != q.device:
-        raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}; "
-                         "they must be on the same device")
-    if cache_seqlens.stride(0) != 1 and batch > 1:
-        raise ValueError(f"cache_seqlens has stride {cache_seqlens.stride(0)}; it must be "
-                         "contiguous")
-    if (k is None and not debug) or batch == 0:
-        return cache_seqlens  # the kernel clamps each count into [0, seqlen_cache]
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("flash_attn_with_kvcache appends k and v at a tensor cache_seqlens "
-                           "after checking its bounds on the host, which a CUDA graph being "
-                           "captured cannot do; capture the call without k and v (write them "
-                           "into the cache with torch ops first) or pass an int cache_seqlens")
-    lo, hi = torch.stack(torch.aminmax(cache_seqlens)).tolist()  # the device-to-host copy
-    if lo < 0 or hi + seqlen_new > seqlen_cache:
-        raise ValueError(f"cache_seqlens holds values in [{lo}, {hi}]; with {seqlen_new} new "
-                         f"positions they must be in [0, {seqlen_cache - seqlen_new}] "
-                         f"(seqlen_cache={seqlen_cache})")
-    if k is None:
-        return cache_seqlens
-    positions = cache_seqlens.long()[:, None] + torch.arange(seqlen_new, device=q.device)
-    rows = torch.arange(batch, device=q.device)[:, None]
-    k_cache[rows, positions] = k
-    v_cache[rows, positions] = v
-    return cache_seqlens + seqlen_new
+@torch.compiler.disable  # launches directly: runs eagerly under torch.compile (a graph break)
+def paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, block_table, softmax_scale, causal, window, softcap,
+                         want_lse):
+    """``(out, lse)`` of flash_attn_varlen_func with a block table: q packed (total_q, nheads,
+    headdim) as usual, the keys and values in pools of pages (num_blocks, page_block_size,
+    nheads_k, headdim); sequence b has cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys, key j in
+    page block_table[b, j // page_block_size] (flash-attn's semantics). Forward only.
+    ``window``, ``softcap``: checked by the caller."""
+    if _checks.wants_grad(q, k_cache, v_cache):
+        raise NotImplementedError("flash_attn_varlen_func with block_table has no backward (as "
+                                  "in flash-attn); call it under torch.no_grad() or "
+                                  "torch.inference_mode()")
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q has shape {tuple(getattr(q, 'shape', ()))}; expected 3 dims "
+                         "(total_q, nheads, headdim)")
+    # q as one row of a batch: the rules of flash_attn_with_kvcache's q and paged caches.
+    _checks.check_qkv(q[None], k_cache, v_cache, names=("q", "k", "v"), same_batch=False)
+    _checks.check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k)
+    max_seqlen_q = _checks.check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _checks.check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    cache = _cache_addressing(q, cu_seqlens_q.numel() - 1, k_cache, block_table, None, None)
+    scale = _checks.softmax_scale(softmax_scale, q.shape[2])
+    if causal not in (True, False):
+        raise TypeError(f"causal={causal!r}; it must be a bool")
+    _checks.check_on_gpu(q)
+    index = q.get_device()
+    with torch.cuda.device(index):
+        return launch.run_varlen(index, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k,
+                                 max_seqlen_q, max_seqlen_k, scale, bool(causal), want_lse,
+                                 window=window, softcap=softcap, cache=cache)

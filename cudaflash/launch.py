@@ -8,28 +8,60 @@ calls replay.
 """
 
 import math
-from typing import Optional
+import struct
+from typing import NamedTuple, Optional
 
 import torch
 
 from . import _driver, _plans, dispatch, heuristics
-from ._params import score_scales
+from ._params import APPEND_PARAMS_FORMAT, NO_CACHE_ADDRESSING, score_scales
 from ._torch import current_stream, float32
 
 _COMBINE_ROWS = 4  # query rows per CTA of cudaflash_combine (kCombineRows, flash_fwd.cu)
 _COMBINE_THREADS = 32 * _COMBINE_ROWS  # one warp per row
+_APPEND_THREADS = 64  # kAppendThreads (flash_fwd.cu)
+_pack_append = struct.Struct(APPEND_PARAMS_FORMAT).pack
+
+
+class CacheAddressing(NamedTuple):
+    """flash_attn_with_kvcache's cache addressing, checked (kvcache.py): block_table
+    (paged K/V: the caches are (n_entries, page_size, nheads_k, headdim) pages, seqlen_cache =
+    page_size x the table's columns), cache_batch_idx and cache_leftpad, each a tensor or None.
+    n_entries: the caches' first dim (batch entries or pages)."""
+
+    block_table: Optional[torch.Tensor]
+    cache_batch_idx: Optional[torch.Tensor]
+    cache_leftpad: Optional[torch.Tensor]
+    page_size: int
+    n_entries: int
+    seqlen_cache: int
+
+    def params(self) -> tuple:
+        """The Params fields block_table to paged_keys."""
+        table = self.block_table
+        if table is None:
+            return (0, 0 if self.cache_batch_idx is None else self.cache_batch_idx.data_ptr(),
+                    0 if self.cache_leftpad is None else self.cache_leftpad.data_ptr(), 0, 0,
+                    self.n_entries, 0)
+        return (table.data_ptr(), 0, 0, table.stride(0), self.page_size.bit_length() - 1,
+                self.n_entries, self.seqlen_cache)
 
 
 def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: bool,
         plan_key=None, num_splits=None, seqused_k=None, plans=None, window=(-1, -1),
-        softcap=0.0):
+        softcap=0.0, cache: Optional[CacheAddressing] = None):
     """One forward over a padded batch. ``seqused_k``: None, or a (batch,) int32 tensor of
     each entry's key count (flash_attn_with_kvcache; the kernel clamps it into [0,
     seqlen_k]). With a ``plan_key`` the launch is recorded in ``plans`` (default
     flash_attn_func's); the plan takes the key counts' pointer per call. ``window``: the
-    sliding window (left, right), -1 unbounded; ``softcap``: the checked cap, 0.0 for none."""
+    sliding window (left, right), -1 unbounded; ``softcap``: the checked cap, 0.0 for none.
+    ``cache``: flash_attn_with_kvcache's cache addressing (no plan is recorded with it: its
+    tensors' pointers are packed with the fixed fields)."""
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
+    paged = cache is not None and cache.block_table is not None
+    if paged:
+        seqlen_k = cache.seqlen_cache
     rows, heads, causal, kernel_window = heuristics.kernel_problem(
         seqlen_q, n_heads, n_heads_k, seqlen_k, causal, window)
     ctx = _driver.current_context(index)
@@ -60,29 +92,63 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
                     *score_scales(scale, softcap))
     launch = launch_function(kernel, index, q.device, fixed_params, num_splits, rows=rows,
                              heads=heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
-                             window=kernel_window, softcap=bool(softcap))
+                             window=kernel_window, softcap=bool(softcap),
+                             cache_fields=NO_CACHE_ADDRESSING if cache is None else cache.params(),
+                             paged=paged)
     # lse 0: writes no lse; cu_seqlens_q 0: not packed; cu_seqlens_k: the key counts, if any
     launch(current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
            0 if lse is None else lse.data_ptr(), 0,
            0 if seqused_k is None else seqused_k.data_ptr())
-    if plan_key is not None:
+    if plan_key is not None and cache is None:
         _plans.record(_plans.plans if plans is None else plans, plan_key, index, launch,
                       (batch, n_heads, seqlen_q), out, lse)
     return out, lse
 
 
+def append_kv(kernel: dispatch.Kernel, index: int, k_new, v_new, k_cache, v_cache,
+              cache_seqlens, cache: CacheAddressing) -> None:
+    """Write k_new, v_new (batch, seqlen_new, nheads_k, headdim) into the caches at
+    positions cache_seqlens[b] + i, on the GPU (cudaflash_append_kv of ``kernel``'s module:
+    nothing read on the host, so a CUDA graph can capture it). Positions outside the caches
+    are not written."""
+    batch, seqlen_new, n_heads_k, _ = k_new.shape
+    if batch == 0 or seqlen_new == 0:
+        return
+    kn, vn, kc, vc = k_new.stride(), v_new.stride(), k_cache.stride(), v_cache.stride()
+    table = cache.block_table
+    args = _driver.PackedArgs(_pack_append(
+        k_new.data_ptr(), v_new.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        cache_seqlens.data_ptr(),
+        0 if cache.cache_batch_idx is None else cache.cache_batch_idx.data_ptr(),
+        0 if table is None else table.data_ptr(),
+        *kn[:3], *vn[:3], *kc[:3], *vc[:3],
+        batch, seqlen_new, n_heads_k, cache.seqlen_cache,
+        0 if table is None else table.stride(0), cache.page_size, cache.n_entries, 0))
+    _driver.launch_packed(kernel.fns.append_kv, kernel.label.replace("(", "(append_kv ", 1),
+                          (seqlen_new, n_heads_k, batch), _APPEND_THREADS, 0,
+                          current_stream(index), args, kernel.synchronize)
+
+
 def run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                max_seqlen_k: int, scale: float, causal: bool, want_lse: bool, plan_key=None,
-               window=(-1, -1), softcap=0.0):
+               window=(-1, -1), softcap=0.0, cache: Optional[CacheAddressing] = None):
     """One forward over a packed batch; with a ``plan_key`` the launch is recorded in the
-    varlen plans. Arguments as in ``run``."""
+    varlen plans. Arguments as in ``run``; ``cache``: a block table (k and v are then pools
+    of pages (num_blocks, page_size, nheads_k, headdim), cu_seqlens_k gives the lengths
+    only, and no plan is recorded)."""
     total_q, n_heads, d_head = q.shape
-    total_k, n_heads_k = k.shape[0], k.shape[1]
+    paged = cache is not None
+    if paged:  # the offsets only count keys: the clamp is the table's (paged_keys)
+        total_k, n_heads_k = 2**31 - 1, k.shape[2]
+        plan_key = None
+    else:
+        total_k, n_heads_k = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.numel() - 1
     out = torch.empty_like(q)
     lse = q.new_empty((n_heads, total_q), dtype=torch.float32) if want_lse else None
     # No sequence is longer than its packed tensor (the kernel clamps offsets into it).
-    rows, seqlen_k = min(max_seqlen_q, total_q), min(max_seqlen_k, total_k)
+    rows = min(max_seqlen_q, total_q)
+    seqlen_k = min(max_seqlen_k, cache.seqlen_cache if paged else total_k)
     if rows == 0:
         return out, lse
     if total_k == 0:  # every row sees no key
@@ -98,13 +164,18 @@ def run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     ctx = _driver.current_context(index)
     kernel = dispatch.auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k)
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
-    # Batch strides 0: a sequence's place comes from its offsets. lse: (n_heads, total_q).
-    fixed_params = (0, qs[0], qs[1], 0, ks[0], ks[1], 0, vs[0], vs[1], 0, os_[0], os_[1],
+    # Batch strides 0: a sequence's place comes from its offsets (paged K/V: page strides,
+    # the pages come from the table). lse: (n_heads, total_q).
+    k_strides = ks[:3] if paged else (0, ks[0], ks[1])
+    v_strides = vs[:3] if paged else (0, vs[0], vs[1])
+    fixed_params = (0, qs[0], qs[1], *k_strides, *v_strides, 0, os_[0], os_[1],
                     0, total_q, batch, n_heads, n_heads_k, rows, seqlen_k, int(causal),
                     total_q, total_k, *kernel_window, *score_scales(scale, softcap))
     launch = launch_function(kernel, index, q.device, fixed_params, None, rows=rows,
                              heads=n_heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
-                             window=kernel_window, softcap=bool(softcap))
+                             window=kernel_window, softcap=bool(softcap),
+                             cache_fields=cache.params() if paged else NO_CACHE_ADDRESSING,
+                             paged=paged)
     launch(current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
            0 if lse is None else lse.data_ptr(), cu_seqlens_q.data_ptr(),
            cu_seqlens_k.data_ptr())
@@ -117,13 +188,15 @@ def run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
 def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
                     fixed_params: tuple, num_splits: Optional[int], *, rows: int, heads: int,
                     batch: int, seqlen_k: int, d_head: int, window=(-1, -1),
-                    softcap: bool = False):
+                    softcap: bool = False, cache_fields: tuple = NO_CACHE_ADDRESSING,
+                    paged: bool = False):
     """The launch of a call: ``fixed_params`` (every Params field between the pointers and
     the split counts) plus the split counts, as one Launcher, or a split-KV pair (the
     *_softcap entries with ``softcap``). ``num_splits``: forward's, or None for the rule
     (heuristics.split_count). With a left window bound (``window``: the kernel's) a CTA
     visits at most its rows plus the window's keys, and its split-KV runs start at its first
-    visible block: they are sized over that span."""
+    visible block: they are sized over that span. ``cache_fields``: Params' cache addressing
+    (block_table to paged_keys); ``paged`` takes the *_paged entries."""
     q_blocks = (rows + kernel.block_rows - 1) // kernel.block_rows
     if window[0] >= 0:
         seqlen_k = min(seqlen_k, window[0] + min(rows, kernel.block_rows) + max(window[1], 0))
@@ -134,27 +207,36 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
                                      min(rows, kernel.block_rows), batch)
         num_splits = heuristics.split_count(q_blocks * heads * batch, slots, most)
     num_splits, per_split = heuristics.split_sizes(num_splits, kv_blocks, batch)
-    fixed_params = fixed_params + (num_splits, per_split)
+    fixed_params = fixed_params + (num_splits, per_split) + cache_fields
+    fns = kernel.fns
     if num_splits == 1:
+        if paged:
+            fn = fns.forward_softcap_paged if softcap else fns.forward_paged
+        else:
+            fn = fns.forward_softcap if softcap else fns.forward
         return _driver.Launcher(
-            kernel.fns.forward_softcap if softcap else kernel.fns.forward, kernel.label,
+            fn, kernel.label,
             grid=(q_blocks, heads, batch),
             threads=kernel.threads, smem=kernel.smem, synchronize=kernel.synchronize,
             fixed_params=fixed_params, device_index=index).launch
     return _split_launch(kernel, index, device, fixed_params, q_blocks=q_blocks, heads=heads,
                          batch=batch, rows=rows, d_head=d_head, num_splits=num_splits,
-                         softcap=softcap)
+                         softcap=softcap, paged=paged)
 
 
 def _split_launch(kernel: dispatch.Kernel, index: int, device: torch.device,
                   fixed_params: tuple, *,
                   q_blocks: int, heads: int, batch: int, rows: int, d_head: int,
-                  num_splits: int, softcap: bool = False):
+                  num_splits: int, softcap: bool = False, paged: bool = False):
     """The launch function of a split-KV call: allocate the float32 workspace (one tensor
     from torch's allocator, on the current stream: released once both kernels have run), run
     the split forward, then the combine kernel."""
+    if paged:
+        split = kernel.fns.split_softcap_paged if softcap else kernel.fns.split_paged
+    else:
+        split = kernel.fns.split_softcap if softcap else kernel.fns.split
     forward = _driver.Launcher(
-        kernel.fns.split_softcap if softcap else kernel.fns.split,
+        split,
         kernel.label.replace("(", "(split ", 1),
         grid=(q_blocks, heads, batch * num_splits), threads=kernel.threads, smem=kernel.smem,
         synchronize=kernel.synchronize, fixed_params=fixed_params, device_index=index)

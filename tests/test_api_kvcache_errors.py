@@ -27,13 +27,63 @@ def test_valid_cpu_call_reaches_the_device_check():
         flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=4)
 
 
-@pytest.mark.parametrize("name", ["rotary_cos", "rotary_sin", "cache_batch_idx",
-                                  "cache_leftpad", "block_table"])
-def test_unimplemented_arguments_are_named(name):
+I32 = torch.int32
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(rotary_cos=torch.zeros(16, 8, dtype=F16)), ValueError,
+     "rotary_cos and rotary_sin go together"),
+    (dict(rotary_cos=torch.zeros(16, 8), rotary_sin=torch.zeros(16, 8)), ValueError,
+     "rotary_cos is torch.float32 on cpu; it must be q's torch.float16"),
+    (dict(rotary_cos=torch.zeros(16, 8, dtype=F16), rotary_sin=torch.zeros(16, 4, dtype=F16)),
+     ValueError, r"rotary_cos has shape \(16, 8\) but rotary_sin has \(16, 4\)"),
+    (dict(rotary_cos=torch.zeros(16, 40, dtype=F16), rotary_sin=torch.zeros(16, 40, dtype=F16)),
+     ValueError, r"rotary_dim = 80 must be in \[2, headdim=64\]"),
+    (dict(rotary_cos=torch.zeros(15, 8, dtype=F16), rotary_sin=torch.zeros(15, 8, dtype=F16)),
+     ValueError, r"rotary_cos has 15 positions; it must cover the caches' 16"),
+    (dict(rotary_cos=torch.zeros(16, 8, dtype=F16), rotary_sin=torch.zeros(16, 8, dtype=F16),
+          rotary_interleaved="yes"), TypeError, "rotary_interleaved=.yes.; it must be a bool"),
+    (dict(cache_batch_idx=torch.zeros(2)), TypeError,
+     "cache_batch_idx has dtype torch.float32; it must be torch.int32"),
+    (dict(cache_batch_idx=torch.zeros(3, dtype=I32)), ValueError,
+     r"cache_batch_idx has shape \(3,\); it must be \(batch,\) = \(2,\)"),
+    (dict(cache_leftpad=[0, 1]), TypeError,
+     "cache_leftpad must be None or a \\(batch,\\) torch.int32 tensor, got list"),
+    (dict(block_table=torch.zeros(2, 4)), TypeError,
+     "block_table has dtype torch.float32; it must be torch.int32"),
+    (dict(block_table=torch.zeros(3, 4, dtype=I32)), ValueError,
+     r"block_table has shape \(3, 4\); it must be \(batch, max_blocks_per_seq\)"),
+    (dict(block_table=torch.zeros(2, 4, dtype=I32).t().contiguous().t()), ValueError,
+     "block_table has strides .*; its last stride must be 1"),
+    (dict(block_table=torch.zeros(2, 4, dtype=I32), cache_leftpad=torch.zeros(2, dtype=I32)),
+     ValueError, "cache_leftpad is given with block_table; paged K/V takes neither"),
+])
+def test_cache_and_rotary_arguments_are_checked(kwargs, error, match):
     q, kc, vc, _, _ = tensors()
-    with pytest.raises(NotImplementedError,
-                       match=f"{name} is a Tensor: not implemented in cudaflash; pass {name}=None"):
-        flash_attn_with_kvcache(q, kc, vc, **{name: torch.zeros(2)})
+    with pytest.raises(error, match=match):
+        flash_attn_with_kvcache(q, kc, vc, **kwargs)
+
+
+@pytest.mark.parametrize("page", [8, 24, 100])
+def test_unsupported_page_sizes_are_named(page):
+    q, kc, vc, _, _ = tensors()
+    pool = torch.zeros(4, page, 2, 64, dtype=F16)
+    with pytest.raises(ValueError, match=f"k_cache has pages of {page} positions .*powers of "
+                                         "two from 16"):
+        flash_attn_with_kvcache(q, pool, pool.clone(), block_table=torch.zeros(2, 2, dtype=I32))
+
+
+def test_paged_and_indexed_caches_need_not_have_the_batch():
+    """With block_table or cache_batch_idx the caches' first dim is pages or cache entries:
+    the call passes the checks (to the device check)."""
+    q, kc, vc, k, v = tensors(sc=16)
+    pages = torch.zeros(5, 16, 2, 64, dtype=F16)
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        flash_attn_with_kvcache(q, pages, pages.clone(), k, v, cache_seqlens=4,
+                                block_table=torch.zeros(2, 3, dtype=I32))
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        flash_attn_with_kvcache(q, pages, pages.clone(), k, v, cache_seqlens=4,
+                                cache_batch_idx=torch.tensor([4, 0], dtype=I32))
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -77,7 +127,7 @@ def test_new_keys_need_the_cache_heads():
     k = torch.zeros(2, 3, 4, 64, dtype=F16)  # 4 heads, the cache has 2
     with pytest.raises(ValueError, match=r"k and v have shape \(2, 3, 4, 64\); they must be "
                                          r"\(batch, seqlen_new, nheads_k, headdim\) with "
-                                         "k_cache's batch=2, nheads_k=2, headdim=64"):
+                                         "q's batch=2 and k_cache's nheads_k=2, headdim=64"):
         flash_attn_with_kvcache(q, kc, vc, k, k.clone(), cache_seqlens=4)
 
 
@@ -89,7 +139,8 @@ def test_new_keys_need_the_cache_dtype():
 
 
 def test_new_keys_may_have_any_layout():
-    """Only torch copies them: a non-contiguous k passes the checks (to the device check)."""
+    """The append packs a copy of any layout its kernel cannot read: a non-contiguous k
+    passes the checks (to the device check)."""
     q, kc, vc, k, v = tensors()
     k_strided = k.transpose(1, 3).contiguous().transpose(1, 3)  # last stride != 1
     with pytest.raises(ValueError, match=CPU_ERROR):

@@ -83,10 +83,27 @@ def test_seq_stride_not_a_multiple_of_8():
         call(a)
 
 
-def test_paged_kv_and_other_features_are_refused():
-    with pytest.raises(NotImplementedError, match="block_table is a Tensor: paged K/V is not "
-                                                  "implemented; pass block_table=None"):
-        call(args(), block_table=torch.zeros(2, 1, dtype=torch.int32))
+def test_paged_kv_arguments_are_checked():
+    a = args()
+    pool = torch.zeros(4, 16, 2, 64, dtype=F16)
+    a[1], a[2] = pool, pool.clone()
+    table = torch.zeros(2, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=CPU_ERROR):  # valid: on to the device check
+        call(a, block_table=table)
+    with pytest.raises(ValueError, match=r"block_table has shape \(3, 1\); it must be \(batch, "
+                                         r"max_blocks_per_seq\) with batch=2"):
+        call(a, block_table=torch.zeros(3, 1, dtype=torch.int32))
+    with pytest.raises(TypeError, match="block_table has dtype torch.int64"):
+        call(a, block_table=table.long())
+    b = args()
+    with pytest.raises(ValueError, match=r"k has shape \(10, 2, 64\); expected 4 dims"):
+        call(b, block_table=table)  # packed k is not a pool of pages
+    a[0].requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="with block_table has no backward"):
+        call(a, block_table=table)
+
+
+def test_bad_softcap_is_named():
     with pytest.raises(ValueError, match=r"softcap=-5.0; it must be a finite number >= 0"):
         call(args(), softcap=-5.0)
 

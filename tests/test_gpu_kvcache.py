@@ -203,23 +203,27 @@ def test_repeat_calls_take_new_lengths_and_tensors():
         flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, return_softmax_lse=True)
 
 
-@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")  # the capture raised: nothing in it
-def test_append_with_tensor_lengths_is_refused_inside_graph_capture():
+def test_append_with_tensor_lengths_is_captured_in_a_graph():
+    """The append runs on the GPU (no host read): captured once, replayed at new lengths."""
     dtype, d = _pick_combo(("bf16", 128), *COMBOS)
     q, kc, vc, k, v = cache(2, 1, 64, 2, 2, d, DTYPES[dtype], new=1, seed=9)
     seqlens = torch.tensor([3, 9], dtype=torch.int32, device="cuda")
     flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)  # load the module outside
-    kc0 = kc.clone()
+    kc0, vc0 = kc.clone(), vc.clone()
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="which a CUDA graph being captured cannot do"):
-        with torch.cuda.graph(graph):
-            flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens)
+    with torch.cuda.graph(graph):
+        out = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens)
     torch.cuda.synchronize()
-    assert torch.equal(kc, kc0)
-    out = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens)  # eagerly: fine
-    lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens + 1,
-                                  return_softmax_lse=True)[1]
-    check_each_sequence(out, lse, q, kc, vc, [4, 10], False)
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0), "capturing ran the append"
+    for lens in ([3, 9], [40, 0]):
+        seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+        kc_before, vc_before = kc.clone(), vc.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_appended(kc, vc, kc_before, vc_before, k, v, lens)
+        lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens + 1,
+                                      return_softmax_lse=True)[1]
+        check_each_sequence(out, lse, q, kc, vc, [n + 1 for n in lens], False)
 
 
 def test_a_call_that_cannot_run_leaves_the_cache(monkeypatch):

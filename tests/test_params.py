@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from cudaflash import backward, manifest
-from cudaflash._params import (BWD_PARAMS_BYTES, PARAMS_BYTES, PARAMS_FIXED_FORMAT,
+from cudaflash._params import (APPEND_PARAMS_BYTES, APPEND_PARAMS_FORMAT, AppendParams,
+                               BWD_PARAMS_BYTES, PARAMS_BYTES, PARAMS_FIXED_FORMAT,
                                PARAMS_POINTERS_BYTES, PARAMS_POINTERS_FORMAT, PARAMS_STRUCT_FORMAT,
                                PARAMS_WORKSPACE_FORMAT, PARAMS_WORKSPACE_OFFSET, BwdParams, Params,
                                Strides, struct_format)
@@ -25,7 +26,7 @@ _CUDA_TYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p,
 
 
 def test_sizes_agree():
-    assert ctypes.sizeof(Params) == PARAMS_BYTES == 248
+    assert ctypes.sizeof(Params) == PARAMS_BYTES == 288
     assert ctypes.sizeof(BwdParams) == BWD_PARAMS_BYTES == 368
     assert struct.calcsize(PARAMS_STRUCT_FORMAT) == PARAMS_BYTES
 
@@ -88,6 +89,25 @@ def test_fields_match_params_cuh():
     text = PARAMS_CUH.read_text()
     assert cuda_struct_fields(text, "Params") == Params._fields_
     assert f"constexpr int kParamsBytes = {PARAMS_BYTES};" in text
+
+
+def test_append_params_match_params_cuh():
+    """cudaflash_append_kv's argument: fields in order, size, and the launcher's format
+    fills every field."""
+    text = PARAMS_CUH.read_text()
+    assert cuda_struct_fields(text, "AppendParams") == AppendParams._fields_
+    assert f"constexpr int kAppendParamsBytes = {APPEND_PARAMS_BYTES};" in text
+    values = [1000 + i for i in range(len(AppendParams._fields_))]
+    p = AppendParams()
+    struct.pack_into(APPEND_PARAMS_FORMAT, p, 0, *values)
+    assert [getattr(p, name) for name, _ in AppendParams._fields_] == values
+
+
+def test_append_geometry_matches_the_kernel():
+    from cudaflash import launch
+
+    source = (PARAMS_CUH.parent / "flash_fwd.cu").read_text()
+    assert f"constexpr int kAppendThreads = {launch._APPEND_THREADS};" in source
 
 
 def test_manifest_records_the_same_size():
