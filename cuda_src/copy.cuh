@@ -20,6 +20,16 @@ __device__ __forceinline__ int tile_page(const int32_t* pages, int key0, int val
     return first + int(lane) <= last ? min(max(pages[first + lane], 0), n_pages - 1) : 0;
 }
 
+// A tile of kRows keys (key0 a multiple of kRows) in pages of at least kRows positions lies in
+// one page: where it starts (the caller then copies it as a contiguous tile).
+template <int kRows, class T>
+__device__ __forceinline__ const T* paged_tile(const T* head_base, const int32_t* pages, int key0,
+                                               int page_shift, int n_pages, int64_t page_stride,
+                                               int64_t row_stride) {
+    const int page = min(max(pages[key0 >> page_shift], 0), n_pages - 1);
+    return head_base + page * page_stride + int64_t(key0 & ((1 << page_shift) - 1)) * row_stride;
+}
+
 // Where row `row` of the tile starts. A row past the tile's valid rows gets page 0 or a clamped
 // one and a row inside it: an address in the cache (its copy reads nothing: src-size 0).
 template <class T>
@@ -170,9 +180,10 @@ __device__ __forceinline__ void load_paged_rows_by(typename C::elem_t* smem,
         const typename C::elem_t* src = paged_row(head_base, lane_page, key0, row, page_shift,
                                                   page_stride, row_stride) + chunk * 8;
 #pragma unroll
-        for (int slab = 0; slab < C::kSlabs; ++slab)
-            cp_async_16(smem_addr(smem + SmemTile<C>::template offset<kRows>(row, slab * 8 + chunk)),
-                        src + slab * C::kSlab, valid ? 16 : 0);
+        for (int slab = 0; slab < C::kSlabs; ++slab) {
+            const int at = SmemTile<C>::template offset<kRows>(row, slab * 8 + chunk);
+            cp_async_16(smem_addr(smem + at), src + slab * C::kSlab, valid ? 16 : 0);
+        }
     }
 }
 

@@ -34,7 +34,7 @@
 
 namespace cudaflash {
 
-template <class C, bool kSplit, bool kSoftcap, bool kPaged>
+template <class C, bool kSplit, bool kSoftcap, bool kKvcache>
 __device__ __forceinline__ void flash_fwd(const Params& p) {
     using elem_t = typename C::elem_t;
     constexpr int kM = C::kMTiles;
@@ -50,12 +50,12 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
 
-    const Sequence seq = sequence(p, at.batch);
+    const Sequence seq = sequence<kKvcache>(p, at.batch);
     const int q_row0 = at.q_block * C::kBr;
     // Only in a packed batch: this sequence is shorter than the longest (the grid's extent).
     if (q_row0 >= seq.len_q) return;
     const int q_rows = min(C::kBr, seq.len_q - q_row0);
-    const HeadTiles<C> tiles = head_tiles<C>(p, at, seq, q_row0);
+    const HeadTiles<C> tiles = head_tiles<C, kKvcache>(p, at, seq, q_row0);
     const elem_t *q = tiles.q, *k = tiles.k, *v = tiles.v;
     const KvRange range = kv_range<C, kSplit>(p, seq, q_row0, q_rows, at.split);
     const int kv_begin = range.begin, n_blocks = range.end;
@@ -65,7 +65,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     using KvCopy = TileCopy<C, C::kBc>;
     auto load_kv = [&](elem_t* dst, const elem_t* head_base, int64_t seq_stride,
                        int64_t page_stride, int block) {
-        if constexpr (kPaged) {
+        if (kKvcache && p.block_table != nullptr) {
             // This batch entry's row of the block table (formed here, not held across the loop:
             // the 255-register configs have no room for it).
             const int32_t* pages = p.block_table + int64_t(at.batch) * p.block_table_stride;
@@ -89,7 +89,9 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
         if (n_blocks > kv_begin) {
             const int first_block = C::kKvReverse ? n_blocks - 1 : kv_begin;
             load_kv(sK, k, p.k_seq_stride, p.k_batch_stride, first_block);
-            if constexpr (kPrefetchFirstV) load_kv(sV, v, p.v_seq_stride, p.v_batch_stride, first_block);
+            if constexpr (kPrefetchFirstV) {
+                load_kv(sV, v, p.v_seq_stride, p.v_batch_stride, first_block);
+            }
         }
         copy_commit<C>();
     }
@@ -128,9 +130,13 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
             __syncthreads();
             // The next block's K overlaps softmax + PV.
             if constexpr (C::kKvReverse) {
-                if (block > kv_begin) load_kv(sK, k, p.k_seq_stride, p.k_batch_stride, block - 1);
+                if (block > kv_begin) {
+                    load_kv(sK, k, p.k_seq_stride, p.k_batch_stride, block - 1);
+                }
             } else {
-                if (block + 1 < n_blocks) load_kv(sK, k, p.k_seq_stride, p.k_batch_stride, block + 1);
+                if (block + 1 < n_blocks) {
+                    load_kv(sK, k, p.k_seq_stride, p.k_batch_stride, block + 1);
+                }
             }
             copy_commit<C>();
         } else {
@@ -278,12 +284,12 @@ __device__ __forceinline__ void append_kv(const AppendParams& p) {
 }
 
 // The forward entries' body: the plain or warp-specialized kernel of this module's config.
-template <bool kSplit, bool kSoftcap, bool kPaged>
+template <bool kSplit, bool kSoftcap, bool kKvcache>
 __device__ __forceinline__ void forward_entry(const Params& p) {
     if constexpr (KernelConfig::kWarpSpecialized) {
-        flash_fwd_ws<KernelConfig, kSplit, kSoftcap, kPaged>(p);
+        flash_fwd_ws<KernelConfig, kSplit, kSoftcap, kKvcache>(p);
     } else {
-        flash_fwd<KernelConfig, kSplit, kSoftcap, kPaged>(p);
+        flash_fwd<KernelConfig, kSplit, kSoftcap, kKvcache>(p);
     }
 }
 
@@ -291,23 +297,34 @@ __device__ __forceinline__ void forward_entry(const Params& p) {
 
 // Softcapping has entries of its own (the *_softcap ones), so the others carry no trace of it:
 // as a runtime branch in the KV loop it raised registers (d64 wgmma kernels by up to 56) and
-// made two shipped configs spill (docs/perf-log.md, "Softcapping"). Paged K/V likewise (the
-// *_paged entries: each K/V row's address goes through Params::block_table).
-#define CUDAFLASH_FORWARD_ENTRY(name, split, softcap, paged)                        \
-    extern "C" __global__ void __launch_bounds__(cudaflash::KernelConfig::kThreads, \
-                                                  cudaflash::KernelConfig::kMinCtasPerSm) \
+// made two shipped configs spill (docs/perf-log.md, "Softcapping"). flash_attn_with_kvcache's
+// cache addressing likewise (the *_kvcache entries: paged K/V, cache_batch_idx, cache_leftpad,
+// Params::block_table and the fields after it; in the plain entries their checks alone made
+// a 168-register config spill).
+// The *_kvcache entries of a config compiled for 3 or more CTAs per SM are compiled for 2:
+// their paged copies need a few more registers than the 168 that 3 CTAs leave (the d128
+// ctas3 config's softcapped kvcache entries spilled 24 bytes).
+namespace cudaflash {
+constexpr int kKvcacheMinCtasPerSm =
+    KernelConfig::kMinCtasPerSm < 2 ? KernelConfig::kMinCtasPerSm : 2;
+}  // namespace cudaflash
+
+#define CUDAFLASH_FORWARD_ENTRY(name, split, softcap, kvcache)                      \
+    extern "C" __global__ void __launch_bounds__(                                   \
+        cudaflash::KernelConfig::kThreads,                                          \
+        kvcache ? cudaflash::kKvcacheMinCtasPerSm : cudaflash::KernelConfig::kMinCtasPerSm) \
         name(const __grid_constant__ cudaflash::Params p) {                         \
-        cudaflash::forward_entry<split, softcap, paged>(p);                         \
+        cudaflash::forward_entry<split, softcap, kvcache>(p);                       \
     }
 
 CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd, false, false, false)
 CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split, true, false, false)
 CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_softcap, false, true, false)
 CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split_softcap, true, true, false)
-CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_paged, false, false, true)
-CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split_paged, true, false, true)
-CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_softcap_paged, false, true, true)
-CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split_softcap_paged, true, true, true)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_kvcache, false, false, true)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split_kvcache, true, false, true)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_softcap_kvcache, false, true, true)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split_softcap_kvcache, true, true, true)
 
 extern "C" __global__ void __launch_bounds__(cudaflash::kCombineThreads)
     cudaflash_combine(const __grid_constant__ cudaflash::Params p) {

@@ -31,12 +31,29 @@ struct Sequence {
     int start_q, start_k;
 };
 
-__device__ __forceinline__ Sequence sequence(const Params& p, int batch) {
+// The *_kvcache entries also read Params' cache addressing (block_table, cache_batch_idx,
+// cache_leftpad: kvcache_sequence, head_tiles<C, true>); the other entries keep the code that
+// never looks at it (its checks alone raised the registers of the tightest configs until they
+// spilled, and changed their machine code).
+__device__ __forceinline__ Sequence plain_sequence(const Params& p, int batch) {
+    if (p.cu_seqlens_q == nullptr) {
+        if (p.cu_seqlens_k == nullptr) return {p.seqlen_q, p.seqlen_k, 0, 0};
+        return {p.seqlen_q, min(max(p.cu_seqlens_k[batch], 0), p.seqlen_k), 0, 0};
+    }
+    const int q0 = min(max(p.cu_seqlens_q[batch], 0), p.total_q);
+    const int q1 = min(max(p.cu_seqlens_q[batch + 1], q0), p.total_q);
+    const int k0 = min(max(p.cu_seqlens_k[batch], 0), p.total_k);
+    const int k1 = min(max(p.cu_seqlens_k[batch + 1], k0), p.total_k);
+    return {q1 - q0, k1 - k0, q0, k0};
+}
+
+__device__ __forceinline__ Sequence kvcache_sequence(const Params& p, int batch) {
     if (p.cu_seqlens_q == nullptr) {
         if (p.cu_seqlens_k == nullptr) return {p.seqlen_q, p.seqlen_k, 0, 0};
         const int used = min(max(p.cu_seqlens_k[batch], 0), p.seqlen_k);
         // flash_attn_with_kvcache's cache_leftpad: the keys before it are padding.
-        const int start = p.cache_leftpad == nullptr ? 0 : min(max(p.cache_leftpad[batch], 0), used);
+        const int start =
+            p.cache_leftpad == nullptr ? 0 : min(max(p.cache_leftpad[batch], 0), used);
         return {p.seqlen_q, used - start, 0, start};
     }
     const int q0 = min(max(p.cu_seqlens_q[batch], 0), p.total_q);
@@ -47,6 +64,15 @@ __device__ __forceinline__ Sequence sequence(const Params& p, int batch) {
     // of which its table row holds paged_keys' worth.
     if (p.block_table != nullptr) return {q1 - q0, min(k1 - k0, p.paged_keys), q0, 0};
     return {q1 - q0, k1 - k0, q0, k0};
+}
+
+template <bool kKvcache = false>
+__device__ __forceinline__ Sequence sequence(const Params& p, int batch) {
+    if constexpr (kKvcache) {
+        return kvcache_sequence(p, batch);
+    } else {
+        return plain_sequence(p, batch);
+    }
 }
 
 // The KV blocks one CTA (query rows [q_row0, q_row0 + q_rows) of a sequence) works on:
@@ -99,25 +125,33 @@ struct HeadTiles {
     const typename C::elem_t *q, *k, *v;
 };
 
-// (Paged K/V: k and v at their head in page 0; paged_row (copy.cuh) adds each row's page
-// and place.)
-template <class C>
+template <class C, bool kKvcache = false>
 __device__ __forceinline__ HeadTiles<C> head_tiles(const Params& p, const CtaPlace& at,
                                                    const Sequence& seq, int q_row0) {
     using elem_t = typename C::elem_t;
-    // The caches' entry: the batch entry's own, cache_batch_idx's, or none (paged).
-    int64_t kv_entry = at.batch;
-    if (p.block_table != nullptr) {
-        kv_entry = 0;
-    } else if (p.cache_batch_idx != nullptr) {
-        kv_entry = min(max(p.cache_batch_idx[at.batch], 0), p.n_cache_entries - 1);
+    if constexpr (!kKvcache) {
+        return {static_cast<const elem_t*>(p.q) + at.batch * p.q_batch_stride +
+                    at.head * p.q_head_stride + int64_t(seq.start_q + q_row0) * p.q_seq_stride,
+                static_cast<const elem_t*>(p.k) + at.batch * p.k_batch_stride +
+                    at.head_k * p.k_head_stride + int64_t(seq.start_k) * p.k_seq_stride,
+                static_cast<const elem_t*>(p.v) + at.batch * p.v_batch_stride +
+                    at.head_k * p.v_head_stride + int64_t(seq.start_k) * p.v_seq_stride};
+    } else {
+        // The caches' entry: the batch entry's own, cache_batch_idx's, or none (paged K/V:
+        // k and v at their head in page 0; paged_row (copy.cuh) adds each row's page).
+        int64_t kv_entry = at.batch;
+        if (p.block_table != nullptr) {
+            kv_entry = 0;
+        } else if (p.cache_batch_idx != nullptr) {
+            kv_entry = min(max(p.cache_batch_idx[at.batch], 0), p.n_cache_entries - 1);
+        }
+        return {static_cast<const elem_t*>(p.q) + at.batch * p.q_batch_stride +
+                    at.head * p.q_head_stride + int64_t(seq.start_q + q_row0) * p.q_seq_stride,
+                static_cast<const elem_t*>(p.k) + kv_entry * p.k_batch_stride +
+                    at.head_k * p.k_head_stride + int64_t(seq.start_k) * p.k_seq_stride,
+                static_cast<const elem_t*>(p.v) + kv_entry * p.v_batch_stride +
+                    at.head_k * p.v_head_stride + int64_t(seq.start_k) * p.v_seq_stride};
     }
-    return {static_cast<const elem_t*>(p.q) + at.batch * p.q_batch_stride +
-                at.head * p.q_head_stride + int64_t(seq.start_q + q_row0) * p.q_seq_stride,
-            static_cast<const elem_t*>(p.k) + kv_entry * p.k_batch_stride +
-                at.head_k * p.k_head_stride + int64_t(seq.start_k) * p.k_seq_stride,
-            static_cast<const elem_t*>(p.v) + kv_entry * p.v_batch_stride +
-                at.head_k * p.v_head_stride + int64_t(seq.start_k) * p.v_seq_stride};
 }
 
 }  // namespace cudaflash

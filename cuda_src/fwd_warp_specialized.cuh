@@ -39,7 +39,7 @@ constexpr int kConsumerRegs = 224;
 constexpr int kTurnBarrier = 1;      // + consumer warpgroup (0 or 1)
 constexpr int kEpilogueBarrier = 3;  // + consumer warpgroup
 
-template <class C, bool kSplit, bool kSoftcap, bool kPaged>
+template <class C, bool kSplit, bool kSoftcap, bool kKvcache>
 __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     using elem_t = typename C::elem_t;
     static_assert(C::kWarpSpecialized && C::kWgmma && C::kWarps == 8 && C::kMTiles == 1,
@@ -68,7 +68,7 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
 
-    const Sequence seq = sequence(p, at.batch);
+    const Sequence seq = sequence<kKvcache>(p, at.batch);
     const int q_row0 = at.q_block * C::kBr;
     if (q_row0 >= seq.len_q) return;  // the whole CTA, before any barrier
     const int q_rows = min(C::kBr, seq.len_q - q_row0);
@@ -93,7 +93,7 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         // ---- producer -----------------------------------------------------------------
         warpgroup_reg_dealloc<kProducerRegs>();
         const unsigned tid = threadIdx.x;
-        const HeadTiles<C> tiles = head_tiles<C>(p, at, seq, q_row0);
+        const HeadTiles<C> tiles = head_tiles<C, kKvcache>(p, at, seq, q_row0);
         load_rows_by<C, C::kBr, C::kCopyThreads>(sQ, tiles.q, p.q_seq_stride, q_rows, tid);
         cp_async_commit();
         // Each tile's copies are one cp.async group; waiting for all but the newest group
@@ -106,11 +106,18 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
             const elem_t* src = head_base + int64_t(block) * C::kBc * seq_stride;
             const int rows = seq.len_k - block * C::kBc;
             // Only a sequence's last key block can be short: it takes the general copy.
-            if constexpr (kPaged) {
-                load_paged_rows_by<C, C::kBc, C::kCopyThreads>(
-                    dst, head_base, seq_stride, page_stride,
-                    p.block_table + int64_t(at.batch) * p.block_table_stride, block * C::kBc,
-                    p.page_shift, p.n_cache_entries, rows, tid);
+            if (kKvcache && p.block_table != nullptr) {
+                const int32_t* pages = p.block_table + int64_t(at.batch) * p.block_table_stride;
+                if ((C::kBc >> p.page_shift) == 0 && rows >= C::kBc) {  // one page, full
+                    load_full_rows_by<C, C::kBc, C::kCopyThreads>(
+                        dst, paged_tile<C::kBc>(head_base, pages, block * C::kBc, p.page_shift,
+                                                p.n_cache_entries, page_stride, seq_stride),
+                        seq_stride, tid);
+                } else {
+                    load_paged_rows_by<C, C::kBc, C::kCopyThreads>(
+                        dst, head_base, seq_stride, page_stride, pages, block * C::kBc,
+                        p.page_shift, p.n_cache_entries, rows, tid);
+                }
             } else if (rows >= C::kBc) {
                 load_full_rows_by<C, C::kBc, C::kCopyThreads>(dst, src, seq_stride, tid);
             } else {

@@ -74,7 +74,8 @@ struct Params {
 
     // flash_attn_with_kvcache's cache addressing, each null when unused (a padded batch only;
     // every index is clamped, so no value can address memory outside the caches):
-    // - block_table (paged K/V, the cudaflash_fwd*_paged entries only): k and v are pages
+    // Read by the *_kvcache entries only.
+    // - block_table (paged K/V): k and v are pages
     //   (n_cache_entries, 2^page_shift, n_heads_k, d_head) at k/v_batch_stride, and key j of
     //   batch entry b is row j % 2^page_shift of page block_table[b * block_table_stride +
     //   (j >> page_shift)]. Pages hold a power of two >= 16 of positions (a tile of <= 512 keys

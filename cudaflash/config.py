@@ -150,11 +150,12 @@ class KernelConfig:
              # with softcapping (Params.softcap_pre)
              EntryRole("forward_softcap", "cudaflash_fwd_softcap", "smem_bytes"),
              EntryRole("split_softcap", "cudaflash_fwd_split_softcap", "smem_bytes"),
-             # the four above for paged K/V (Params.block_table)
-             EntryRole("forward_paged", "cudaflash_fwd_paged", "smem_bytes"),
-             EntryRole("split_paged", "cudaflash_fwd_split_paged", "smem_bytes"),
-             EntryRole("forward_softcap_paged", "cudaflash_fwd_softcap_paged", "smem_bytes"),
-             EntryRole("split_softcap_paged", "cudaflash_fwd_split_softcap_paged",
+             # the four above reading flash_attn_with_kvcache's cache addressing (paged K/V,
+             # cache_batch_idx, cache_leftpad: Params.block_table and after)
+             EntryRole("forward_kvcache", "cudaflash_fwd_kvcache", "smem_bytes"),
+             EntryRole("split_kvcache", "cudaflash_fwd_split_kvcache", "smem_bytes"),
+             EntryRole("forward_softcap_kvcache", "cudaflash_fwd_softcap_kvcache", "smem_bytes"),
+             EntryRole("split_softcap_kvcache", "cudaflash_fwd_split_softcap_kvcache",
                        "smem_bytes"),
              # flash_attn_with_kvcache's append of new keys and values (AppendParams)
              EntryRole("append_kv", "cudaflash_append_kv"))

@@ -94,7 +94,7 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
                              heads=heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
                              window=kernel_window, softcap=bool(softcap),
                              cache_fields=NO_CACHE_ADDRESSING if cache is None else cache.params(),
-                             paged=paged)
+                             kvcache=cache is not None)
     # lse 0: writes no lse; cu_seqlens_q 0: not packed; cu_seqlens_k: the key counts, if any
     launch(current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
            0 if lse is None else lse.data_ptr(), 0,
@@ -175,7 +175,7 @@ def run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                              heads=n_heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
                              window=kernel_window, softcap=bool(softcap),
                              cache_fields=cache.params() if paged else NO_CACHE_ADDRESSING,
-                             paged=paged)
+                             kvcache=paged)
     launch(current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
            0 if lse is None else lse.data_ptr(), cu_seqlens_q.data_ptr(),
            cu_seqlens_k.data_ptr())
@@ -189,14 +189,14 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
                     fixed_params: tuple, num_splits: Optional[int], *, rows: int, heads: int,
                     batch: int, seqlen_k: int, d_head: int, window=(-1, -1),
                     softcap: bool = False, cache_fields: tuple = NO_CACHE_ADDRESSING,
-                    paged: bool = False):
+                    kvcache: bool = False):
     """The launch of a call: ``fixed_params`` (every Params field between the pointers and
     the split counts) plus the split counts, as one Launcher, or a split-KV pair (the
     *_softcap entries with ``softcap``). ``num_splits``: forward's, or None for the rule
     (heuristics.split_count). With a left window bound (``window``: the kernel's) a CTA
     visits at most its rows plus the window's keys, and its split-KV runs start at its first
     visible block: they are sized over that span. ``cache_fields``: Params' cache addressing
-    (block_table to paged_keys); ``paged`` takes the *_paged entries."""
+    (block_table to paged_keys); ``kvcache`` takes the *_kvcache entries, which read them."""
     q_blocks = (rows + kernel.block_rows - 1) // kernel.block_rows
     if window[0] >= 0:
         seqlen_k = min(seqlen_k, window[0] + min(rows, kernel.block_rows) + max(window[1], 0))
@@ -210,8 +210,8 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
     fixed_params = fixed_params + (num_splits, per_split) + cache_fields
     fns = kernel.fns
     if num_splits == 1:
-        if paged:
-            fn = fns.forward_softcap_paged if softcap else fns.forward_paged
+        if kvcache:
+            fn = fns.forward_softcap_kvcache if softcap else fns.forward_kvcache
         else:
             fn = fns.forward_softcap if softcap else fns.forward
         return _driver.Launcher(
@@ -221,18 +221,18 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
             fixed_params=fixed_params, device_index=index).launch
     return _split_launch(kernel, index, device, fixed_params, q_blocks=q_blocks, heads=heads,
                          batch=batch, rows=rows, d_head=d_head, num_splits=num_splits,
-                         softcap=softcap, paged=paged)
+                         softcap=softcap, kvcache=kvcache)
 
 
 def _split_launch(kernel: dispatch.Kernel, index: int, device: torch.device,
                   fixed_params: tuple, *,
                   q_blocks: int, heads: int, batch: int, rows: int, d_head: int,
-                  num_splits: int, softcap: bool = False, paged: bool = False):
+                  num_splits: int, softcap: bool = False, kvcache: bool = False):
     """The launch function of a split-KV call: allocate the float32 workspace (one tensor
     from torch's allocator, on the current stream: released once both kernels have run), run
     the split forward, then the combine kernel."""
-    if paged:
-        split = kernel.fns.split_softcap_paged if softcap else kernel.fns.split_paged
+    if kvcache:
+        split = kernel.fns.split_softcap_kvcache if softcap else kernel.fns.split_kvcache
     else:
         split = kernel.fns.split_softcap if softcap else kernel.fns.split
     forward = _driver.Launcher(

@@ -149,20 +149,20 @@ ptxas info    : Function properties for cudaflash_fwd_split_softcap
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 252 registers, used 1 barriers, 1024 bytes smem
 ptxas info    : Compile time = 150.0 ms
-ptxas info    : Compiling entry function 'cudaflash_fwd_paged' for 'sm_90'
-ptxas info    : Function properties for cudaflash_fwd_paged
+ptxas info    : Compiling entry function 'cudaflash_fwd_kvcache' for 'sm_90'
+ptxas info    : Function properties for cudaflash_fwd_kvcache
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 250 registers, used 1 barriers, 1024 bytes smem
-ptxas info    : Compiling entry function 'cudaflash_fwd_split_paged' for 'sm_90'
-ptxas info    : Function properties for cudaflash_fwd_split_paged
+ptxas info    : Compiling entry function 'cudaflash_fwd_split_kvcache' for 'sm_90'
+ptxas info    : Function properties for cudaflash_fwd_split_kvcache
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 251 registers, used 1 barriers, 1024 bytes smem
-ptxas info    : Compiling entry function 'cudaflash_fwd_softcap_paged' for 'sm_90'
-ptxas info    : Function properties for cudaflash_fwd_softcap_paged
+ptxas info    : Compiling entry function 'cudaflash_fwd_softcap_kvcache' for 'sm_90'
+ptxas info    : Function properties for cudaflash_fwd_softcap_kvcache
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 252 registers, used 1 barriers, 1024 bytes smem
-ptxas info    : Compiling entry function 'cudaflash_fwd_split_softcap_paged' for 'sm_90'
-ptxas info    : Function properties for cudaflash_fwd_split_softcap_paged
+ptxas info    : Compiling entry function 'cudaflash_fwd_split_softcap_kvcache' for 'sm_90'
+ptxas info    : Function properties for cudaflash_fwd_split_softcap_kvcache
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 253 registers, used 1 barriers, 1024 bytes smem
 ptxas info    : Compiling entry function 'cudaflash_append_kv' for 'sm_90'
@@ -420,8 +420,8 @@ KERNEL_KEYS = {"name", "config", "arch", "kind", "file", "entries", "threads", "
                "spill_bytes", "sha256", "nvcc_version", "ptxas_version", "ptx_isa",
                "min_driver", "source_hash"}
 ENTRIES = ["cudaflash_fwd", "cudaflash_fwd_split", "cudaflash_combine", "cudaflash_fwd_softcap",
-           "cudaflash_fwd_split_softcap", "cudaflash_fwd_paged", "cudaflash_fwd_split_paged",
-           "cudaflash_fwd_softcap_paged", "cudaflash_fwd_split_softcap_paged",
+           "cudaflash_fwd_split_softcap", "cudaflash_fwd_kvcache", "cudaflash_fwd_split_kvcache",
+           "cudaflash_fwd_softcap_kvcache", "cudaflash_fwd_split_softcap_kvcache",
            "cudaflash_append_kv"]
 
 
@@ -566,14 +566,14 @@ extern "C" __global__ void cudaflash_fwd_split_softcap(
         const __grid_constant__ cudaflash::Params p) {
     p.lse_accum[threadIdx.x] = p.softcap_pre;
 }
-#define PAGED_STAND_IN(name, field)                                           \
+#define KVCACHE_STAND_IN(name, field)                                           \
     extern "C" __global__ void name(const __grid_constant__ cudaflash::Params p) { \
         p.o_accum[threadIdx.x] = float(p.field);                              \
     }
-PAGED_STAND_IN(cudaflash_fwd_paged, page_shift)
-PAGED_STAND_IN(cudaflash_fwd_split_paged, n_cache_entries)
-PAGED_STAND_IN(cudaflash_fwd_softcap_paged, block_table_stride)
-PAGED_STAND_IN(cudaflash_fwd_split_softcap_paged, paged_keys)
+KVCACHE_STAND_IN(cudaflash_fwd_kvcache, page_shift)
+KVCACHE_STAND_IN(cudaflash_fwd_split_kvcache, n_cache_entries)
+KVCACHE_STAND_IN(cudaflash_fwd_softcap_kvcache, block_table_stride)
+KVCACHE_STAND_IN(cudaflash_fwd_split_softcap_kvcache, paged_keys)
 extern "C" __global__ void cudaflash_append_kv(const __grid_constant__ cudaflash::AppendParams p) {
     static_cast<int*>(p.k_cache)[threadIdx.x] = p.seqlen_new;
 }

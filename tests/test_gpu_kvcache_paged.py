@@ -334,7 +334,8 @@ def test_append_out_of_range_inside_a_graph_writes_nothing_outside():
     g = torch.Generator(device="cuda").manual_seed(8)
     q, k, v = randn(g, dtype, 2, 1, 2, d), randn(g, dtype, 2, 2, 2, d), randn(g, dtype, 2, 2, 2, d)
     big = randn(g, dtype, 2, 80, 2, d)
-    kc, vc = big[:, :64], big[:, 64:].clone()  # kc is followed by memory the call must not touch
+    kc = big[:, :64]  # each entry followed by 16 positions the call must not touch
+    vc = randn(g, dtype, 2, 64, 2, d)
     seqlens = torch.tensor([63, 10], dtype=I32, device="cuda")
     flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)  # load the module outside
     big0 = big.clone()

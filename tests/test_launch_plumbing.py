@@ -283,13 +283,15 @@ def test_module_loaded_once_with_its_smem_attribute(fake, fake_kernel_dir):
     entry = manifest.load_manifest().usable(80, 166912)[D64["fp16"].name]
     assert (entry.kind, entry.arch) == ("cubin", 80)
     assert fake.loaded == [entry.path.read_bytes()]
-    # The eight forwards (plain and softcapped, whole and split, contiguous and paged K/V)
+    # The eight forwards (plain and softcapped, whole and split, with and without the
+    # kvcache's cache addressing)
     # opt into their dynamic smem; the combine and append kernels use none.
     assert sorted(fn for fn, _, _ in fake.attributes) == sorted(
         ("module1", name.encode()) for name in (
             "cudaflash_fwd", "cudaflash_fwd_softcap", "cudaflash_fwd_split",
-            "cudaflash_fwd_split_softcap", "cudaflash_fwd_paged", "cudaflash_fwd_softcap_paged",
-            "cudaflash_fwd_split_paged", "cudaflash_fwd_split_softcap_paged"))
+            "cudaflash_fwd_split_softcap", "cudaflash_fwd_kvcache",
+            "cudaflash_fwd_softcap_kvcache", "cudaflash_fwd_split_kvcache",
+            "cudaflash_fwd_split_softcap_kvcache"))
     for _, attribute, value in fake.attributes:
         assert attribute.name == "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES"
         assert value == entry.smem_bytes
