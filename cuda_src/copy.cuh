@@ -187,6 +187,40 @@ __device__ __forceinline__ void load_paged_rows_by(typename C::elem_t* smem,
     }
 }
 
+// load_paged_rows_by for a full tile, as load_full_rows_by: a pass of kThreads / 8 rows (16
+// for a warpgroup) lies in one page (pages hold >= 16 rows, aligned), so each lane keeps one
+// shared address advanced by a constant and forms its global address from the pass's page
+// (a shuffle with a warp-uniform index) and a row offset.
+template <class C, int kRows, int kThreads>
+__device__ __forceinline__ void load_full_paged_rows_by(typename C::elem_t* smem,
+                                                        const typename C::elem_t* head_base,
+                                                        int64_t row_stride, int64_t page_stride,
+                                                        const int32_t* pages, int key0,
+                                                        int page_shift, int n_pages,
+                                                        unsigned tid) {
+    using elem_t = typename C::elem_t;
+    constexpr int kPassRows = kThreads / 8;
+    static_assert(kPassRows % 16 == 0 && kRows % kPassRows == 0, "passes inside one page");
+    constexpr int kSlabBytes = kRows * C::kSlab * int(sizeof(elem_t));
+    constexpr int kPassBytes = kPassRows * C::kSlab * int(sizeof(elem_t));
+    const int chunk = tid % 8;
+    const int row0 = tid / 8;
+    const int lane_page = tile_page(pages, key0, kRows, page_shift, n_pages, tid % 32);
+    const uint32_t dst = smem_addr(smem + SmemTile<C>::template offset<kRows>(row0, chunk));
+    const int mask = (1 << page_shift) - 1;
+    const elem_t* lane_base = head_base + chunk * 8;
+#pragma unroll 1
+    for (int pass = 0; pass < kRows / kPassRows; ++pass) {
+        const int first = (key0 & mask) + pass * kPassRows;  // the pass's first row, in pages
+        const int page = __shfl_sync(0xffffffffu, lane_page, first >> page_shift);
+        const elem_t* src = lane_base + page * page_stride +
+                            int64_t(((key0 + pass * kPassRows) & mask) + row0) * row_stride;
+#pragma unroll
+        for (int slab = 0; slab < C::kSlabs; ++slab)
+            cp_async_16(dst + pass * kPassBytes + slab * kSlabBytes, src + slab * C::kSlab, 16);
+    }
+}
+
 // load_rows_by for a full tile (every row valid) by one warp, with few instructions per copy:
 // the warp's rows repeat their swizzle every 8 rows (two passes of 4), so each lane keeps two
 // shared addresses and one global pointer, advanced by constants, instead of recomputing the

@@ -113,6 +113,10 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
                         dst, paged_tile<C::kBc>(head_base, pages, block * C::kBc, p.page_shift,
                                                 p.n_cache_entries, page_stride, seq_stride),
                         seq_stride, tid);
+                } else if (rows >= C::kBc) {  // full, over several pages
+                    load_full_paged_rows_by<C, C::kBc, C::kCopyThreads>(
+                        dst, head_base, seq_stride, page_stride, pages, block * C::kBc,
+                        p.page_shift, p.n_cache_entries, tid);
                 } else {
                     load_paged_rows_by<C, C::kBc, C::kCopyThreads>(
                         dst, head_base, seq_stride, page_stride, pages, block * C::kBc,
