@@ -3,11 +3,10 @@ a cache, optionally appending the new keys and values first; paged, indexed or l
 caches; rotary embedding) and flash_attn_varlen_func's paged form (paged_varlen_forward)."""
 
 import numbers
-from typing import NamedTuple
 
 import torch
 
-from . import _checks, _driver, _padding, _plans, dispatch, heuristics, launch
+from . import _checks, _driver, _padding, _plans, dispatch, heuristics, launch, rotary_embedding
 
 
 @torch.compiler.disable  # mutates the cache and reads tensors on the host: runs eagerly
@@ -119,7 +118,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if any(_checks.overlaps(new, c) for new in (k, v) for c in (k_cache, v_cache)):
             raise ValueError("k or v shares memory with k_cache or v_cache; the new keys "
                              "and values must be tensors of their own")
-    rotary = _check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, seqlen_cache)
+    rotary = rotary_embedding.check(rotary_cos, rotary_sin, rotary_interleaved, q,
+                                    seqlen_cache)
     scale = _checks.softmax_scale(softmax_scale, q.shape[3])
     if causal not in (True, False):
         raise TypeError(f"causal={causal!r}; it must be a bool")
@@ -153,8 +153,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             _check_seqlens_tensor(cache_seqlens, q)
             _check_values(cache_seqlens, cache, seqlen_new, k is not None, debug)
             if rotary is not None:
-                q, k = _apply_rotary(rotary, q, k, cache_seqlens, cache_leftpad,
-                                     bool(causal) or window != (-1, -1))
+                q, k = rotary_embedding.apply(rotary, q, k, cache_seqlens, cache_leftpad,
+                                              bool(causal) or window != (-1, -1))
             seqused = cache_seqlens
             if k is not None:
                 launch.append_kv(kernel, index, _vector_rows(k), _vector_rows(v), k_cache,
@@ -325,76 +325,6 @@ def _check_values(cache_seqlens, cache: launch.CacheAddressing, seqlen_new: int,
         raise ValueError(f"cache_leftpad holds {values[at]} values outside [0, "
                          "cache_seqlens[b]]: a sequence's left padding must lie within its "
                          "filled positions")
-
-
-class _Rotary(NamedTuple):
-    cos: torch.Tensor
-    sin: torch.Tensor
-    interleaved: bool
-
-
-def _check_rotary(rotary_cos, rotary_sin, rotary_interleaved, q, seqlen_cache: int):
-    """The rotary tables, checked as flash-attn takes them, or None without rotary."""
-    if rotary_cos is None and rotary_sin is None:
-        return None
-    if rotary_cos is None or rotary_sin is None:
-        raise ValueError("rotary_cos and rotary_sin go together: give both (rotary "
-                         "embedding) or neither")
-    if rotary_interleaved not in (True, False):
-        raise TypeError(f"rotary_interleaved={rotary_interleaved!r}; it must be a bool")
-    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 2:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}; it must be (seqlen_ro, "
-                             "rotary_dim / 2)")
-        if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name} is {t.dtype} on {t.device}; it must be q's {q.dtype} "
-                             f"on {q.device}")
-    if rotary_cos.shape != rotary_sin.shape:
-        raise ValueError(f"rotary_cos has shape {tuple(rotary_cos.shape)} but rotary_sin has "
-                         f"{tuple(rotary_sin.shape)}; they must be the same")
-    seqlen_ro, half = rotary_cos.shape
-    if not 1 <= 2 * half <= q.shape[3]:
-        raise ValueError(f"rotary_cos has shape {tuple(rotary_cos.shape)}: rotary_dim = "
-                         f"{2 * half} must be in [2, headdim={q.shape[3]}]")
-    if seqlen_ro < seqlen_cache:
-        raise ValueError(f"rotary_cos has {seqlen_ro} positions; it must cover the caches' "
-                         f"{seqlen_cache} (seqlen_ro >= seqlen_cache)")
-    return _Rotary(rotary_cos, rotary_sin, bool(rotary_interleaved))
-
-
-def _rotate(x, rotary: _Rotary, positions):
-    """x (batch, seqlen, nheads, headdim) with its first rotary_dim columns rotated by the
-    angles at ``positions`` (batch, seqlen), in float32 as flash-attn's rotary kernel does:
-    pairs (2i, 2i + 1) when interleaved (GPT-J), else (i, i + rotary_dim / 2) (GPT-NeoX)."""
-    half = rotary.cos.shape[1]
-    positions = positions.clamp(0, rotary.cos.shape[0] - 1)
-    cos = rotary.cos[positions].float().unsqueeze(2)  # (batch, seqlen, 1, half)
-    sin = rotary.sin[positions].float().unsqueeze(2)
-    part = x[..., :2 * half].float()
-    if rotary.interleaved:
-        x1, x2 = part[..., 0::2], part[..., 1::2]
-        turned = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    else:
-        x1, x2 = part[..., :half], part[..., half:]
-        turned = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return torch.cat((turned.to(x.dtype), x[..., 2 * half:]), dim=-1)
-
-
-def _apply_rotary(rotary: _Rotary, q, k, cache_seqlens, cache_leftpad, per_token_q: bool):
-    """q and the new k rotated at each sequence's positions, as flash-attn does: the new
-    keys at cache_seqlens[b] (minus cache_leftpad[b]) + i; the queries at those positions
-    when causal or windowed, else all at cache_seqlens[b] (they come after the cache)."""
-    offsets = cache_seqlens.long()
-    if cache_leftpad is not None:
-        offsets = offsets - cache_leftpad.long()
-    offsets = offsets[:, None]
-    q_steps = torch.arange(q.shape[1], device=q.device)[None, :]
-    q = _rotate(q, rotary, offsets + q_steps if per_token_q else offsets.expand(-1, q.shape[1]))
-    if k is not None:
-        k = _rotate(k, rotary, offsets + torch.arange(k.shape[1], device=k.device)[None, :])
-    return q, k
 
 
 def _select_kernel(index: int, q, k_cache, causal: bool, seqlen_k: int, window):
