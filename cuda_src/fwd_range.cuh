@@ -129,29 +129,23 @@ template <class C, bool kKvcache = false>
 __device__ __forceinline__ HeadTiles<C> head_tiles(const Params& p, const CtaPlace& at,
                                                    const Sequence& seq, int q_row0) {
     using elem_t = typename C::elem_t;
-    if constexpr (!kKvcache) {
-        return {static_cast<const elem_t*>(p.q) + at.batch * p.q_batch_stride +
-                    at.head * p.q_head_stride + int64_t(seq.start_q + q_row0) * p.q_seq_stride,
-                static_cast<const elem_t*>(p.k) + at.batch * p.k_batch_stride +
-                    at.head_k * p.k_head_stride + int64_t(seq.start_k) * p.k_seq_stride,
-                static_cast<const elem_t*>(p.v) + at.batch * p.v_batch_stride +
-                    at.head_k * p.v_head_stride + int64_t(seq.start_k) * p.v_seq_stride};
-    } else {
-        // The caches' entry: the batch entry's own, cache_batch_idx's, or none (paged K/V:
-        // k and v at their head in page 0; paged_row (copy.cuh) adds each row's page).
-        int64_t kv_entry = at.batch;
+    // The caches' entry: the batch entry's own, or (kvcache entries) cache_batch_idx's, or
+    // none (paged K/V: k and v at their head in page 0; paged_row (copy.cuh) adds each
+    // row's page).
+    int64_t kv_entry = at.batch;
+    if constexpr (kKvcache) {
         if (p.block_table != nullptr) {
             kv_entry = 0;
         } else if (p.cache_batch_idx != nullptr) {
             kv_entry = min(max(p.cache_batch_idx[at.batch], 0), p.n_cache_entries - 1);
         }
-        return {static_cast<const elem_t*>(p.q) + at.batch * p.q_batch_stride +
-                    at.head * p.q_head_stride + int64_t(seq.start_q + q_row0) * p.q_seq_stride,
-                static_cast<const elem_t*>(p.k) + kv_entry * p.k_batch_stride +
-                    at.head_k * p.k_head_stride + int64_t(seq.start_k) * p.k_seq_stride,
-                static_cast<const elem_t*>(p.v) + kv_entry * p.v_batch_stride +
-                    at.head_k * p.v_head_stride + int64_t(seq.start_k) * p.v_seq_stride};
     }
+    return {static_cast<const elem_t*>(p.q) + at.batch * p.q_batch_stride +
+                at.head * p.q_head_stride + int64_t(seq.start_q + q_row0) * p.q_seq_stride,
+            static_cast<const elem_t*>(p.k) + kv_entry * p.k_batch_stride +
+                at.head_k * p.k_head_stride + int64_t(seq.start_k) * p.k_seq_stride,
+            static_cast<const elem_t*>(p.v) + kv_entry * p.v_batch_stride +
+                at.head_k * p.v_head_stride + int64_t(seq.start_k) * p.v_seq_stride};
 }
 
 }  // namespace cudaflash
