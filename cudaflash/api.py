@@ -229,25 +229,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     else:
         softcap = 0.0
     want_lse = True if return_attn_probs else False
-    if block_table is not None:
-        # Paged K/V (flash_attn_with_kvcache's caches): forward only, no plan.
-        padded = _padding.padded_head_dim(q, k, v)
-        if padded is not None:
-            return _padding.with_padded_head_dim(
-                flash_attn_varlen_func, padded, q, k, v, softmax_scale,
-                dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
-                     window_size=window, softcap=softcap, return_attn_probs=return_attn_probs,
-                     block_table=block_table))
-        out, lse = kvcache.paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                max_seqlen_q, max_seqlen_k, block_table,
-                                                softmax_scale, causal, window, softcap,
-                                                want_lse)
-        return (out, lse, None) if want_lse else out
     # A repeat signature takes its plan, as in flash_attn_func (the key through its function
     # here: this path is not tuned for tiny calls the way flash_attn_func's is); never under
-    # torch.compile, which takes the custom op.
-    if not _is_compiling():
+    # torch.compile, which takes the custom op, nor with paged K/V, which records none.
+    if block_table is None and not _is_compiling():
         done = _call.replayed_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                              max_seqlen_k, softmax_scale, causal, want_lse,
                                              window, softcap)
@@ -262,7 +247,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
                  window_size=window, softcap=softcap, deterministic=deterministic,
-                 return_attn_probs=return_attn_probs))
+                 return_attn_probs=return_attn_probs, block_table=block_table))
+    if block_table is not None:
+        # Paged K/V (flash_attn_with_kvcache's caches): forward only, no plan, eagerly.
+        out, lse = kvcache.paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                max_seqlen_q, max_seqlen_k, block_table,
+                                                softmax_scale, causal, window, softcap,
+                                                want_lse)
+        return (out, lse, None) if want_lse else out
     if _is_compiling():
         # The custom op has no autograd formula: calls with gradients run eagerly (a graph
         # break).

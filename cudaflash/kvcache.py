@@ -127,20 +127,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     want_lse = bool(return_softmax_lse)
     splits = num_splits or None
     index = q.get_device()
+    if k is not None and cache_seqlens is None:
+        raise ValueError("k and v are written at cache_seqlens, which is None; pass "
+                         "cache_seqlens (an int or a (batch,) int32 tensor)")
     plain = (block_table is None and cache_batch_idx is None and cache_leftpad is None
              and rotary is None)
     with torch.cuda.device(index):  # the driver calls work in the current context
         if cache_seqlens is None and plain:
-            if k is not None:
-                raise ValueError("k and v are written at cache_seqlens, which is None; pass "
-                                 "cache_seqlens (an int or a (batch,) int32 tensor)")
             out, lse = launch.run(None, index, q, k_cache, v_cache, None, scale, bool(causal),
                                   want_lse, num_splits=splits, window=window, softcap=softcap)
         elif isinstance(cache_seqlens, torch.Tensor) or not plain:
-            if cache_seqlens is None:
-                if k is not None:
-                    raise ValueError("k and v are written at cache_seqlens, which is None; "
-                                     "pass cache_seqlens (an int or a (batch,) int32 tensor)")
+            if cache_seqlens is None:  # every position of every sequence
                 cache_seqlens = torch.full((q.shape[0],), seqlen_cache, dtype=torch.int32,
                                            device=q.device)
             elif not isinstance(cache_seqlens, torch.Tensor):
@@ -150,7 +147,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             # The kernel first: a call that cannot run must not have changed the cache.
             kernel = _select_kernel(index, q, k_cache, causal, seqlen_cache, window)
             debug = dispatch.device_kernels(index).debug
-            _check_seqlens_tensor(cache_seqlens, q)
+            _check_index_vector("cache_seqlens", cache_seqlens, q, q.shape[0])
             _check_values(cache_seqlens, cache, seqlen_new, k is not None, debug)
             if rotary is not None:
                 q, k = rotary_embedding.apply(rotary, q, k, cache_seqlens, cache_leftpad,
@@ -271,10 +268,6 @@ def _cache_addressing(q, batch: int, k_cache, block_table, cache_batch_idx,
         raise ValueError(f"block_table {tuple(block_table.shape)} with pages of {page_size} "
                          "positions addresses 2**31 or more positions per sequence")
     return launch.CacheAddressing(block_table, None, None, page_size, n_pages, seqlen_cache)
-
-
-def _check_seqlens_tensor(cache_seqlens, q) -> None:
-    _check_index_vector("cache_seqlens", cache_seqlens, q, q.shape[0])
 
 
 def _check_values(cache_seqlens, cache: launch.CacheAddressing, seqlen_new: int,

@@ -58,10 +58,9 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
     ``cache``: flash_attn_with_kvcache's cache addressing (no plan is recorded with it: its
     tensors' pointers are packed with the fixed fields)."""
     batch, seqlen_q, n_heads, d_head = q.shape
-    seqlen_k, n_heads_k = k.shape[1], k.shape[2]
-    paged = cache is not None and cache.block_table is not None
-    if paged:
-        seqlen_k = cache.seqlen_cache
+    n_heads_k = k.shape[2]
+    # A cache's positions per sequence (paged: the table's, not a page's).
+    seqlen_k = k.shape[1] if cache is None else cache.seqlen_cache
     rows, heads, causal, kernel_window = heuristics.kernel_problem(
         seqlen_q, n_heads, n_heads_k, seqlen_k, causal, window)
     ctx = _driver.current_context(index)
@@ -92,9 +91,7 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
                     *score_scales(scale, softcap))
     launch = launch_function(kernel, index, q.device, fixed_params, num_splits, rows=rows,
                              heads=heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
-                             window=kernel_window, softcap=bool(softcap),
-                             cache_fields=NO_CACHE_ADDRESSING if cache is None else cache.params(),
-                             kvcache=cache is not None)
+                             window=kernel_window, softcap=bool(softcap), cache=cache)
     # lse 0: writes no lse; cu_seqlens_q 0: not packed; cu_seqlens_k: the key counts, if any
     launch(current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
            0 if lse is None else lse.data_ptr(), 0,
@@ -173,9 +170,7 @@ def run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                     total_q, total_k, *kernel_window, *score_scales(scale, softcap))
     launch = launch_function(kernel, index, q.device, fixed_params, None, rows=rows,
                              heads=n_heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
-                             window=kernel_window, softcap=bool(softcap),
-                             cache_fields=cache.params() if paged else NO_CACHE_ADDRESSING,
-                             kvcache=paged)
+                             window=kernel_window, softcap=bool(softcap), cache=cache)
     launch(current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
            0 if lse is None else lse.data_ptr(), cu_seqlens_q.data_ptr(),
            cu_seqlens_k.data_ptr())
@@ -188,15 +183,14 @@ def run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
 def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
                     fixed_params: tuple, num_splits: Optional[int], *, rows: int, heads: int,
                     batch: int, seqlen_k: int, d_head: int, window=(-1, -1),
-                    softcap: bool = False, cache_fields: tuple = NO_CACHE_ADDRESSING,
-                    kvcache: bool = False):
+                    softcap: bool = False, cache: Optional[CacheAddressing] = None):
     """The launch of a call: ``fixed_params`` (every Params field between the pointers and
     the split counts) plus the split counts, as one Launcher, or a split-KV pair (the
     *_softcap entries with ``softcap``). ``num_splits``: forward's, or None for the rule
     (heuristics.split_count). With a left window bound (``window``: the kernel's) a CTA
     visits at most its rows plus the window's keys, and its split-KV runs start at its first
-    visible block: they are sized over that span. ``cache_fields``: Params' cache addressing
-    (block_table to paged_keys); ``kvcache`` takes the *_kvcache entries, which read them."""
+    visible block: they are sized over that span. With a ``cache`` (its Params fields packed
+    with the fixed ones) the *_kvcache entries run."""
     q_blocks = (rows + kernel.block_rows - 1) // kernel.block_rows
     if window[0] >= 0:
         seqlen_k = min(seqlen_k, window[0] + min(rows, kernel.block_rows) + max(window[1], 0))
@@ -207,37 +201,35 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
                                      min(rows, kernel.block_rows), batch)
         num_splits = heuristics.split_count(q_blocks * heads * batch, slots, most)
     num_splits, per_split = heuristics.split_sizes(num_splits, kv_blocks, batch)
-    fixed_params = fixed_params + (num_splits, per_split) + cache_fields
-    fns = kernel.fns
+    fixed_params = (fixed_params + (num_splits, per_split)
+                    + (NO_CACHE_ADDRESSING if cache is None else cache.params()))
     if num_splits == 1:
-        if kvcache:
-            fn = fns.forward_softcap_kvcache if softcap else fns.forward_kvcache
-        else:
-            fn = fns.forward_softcap if softcap else fns.forward
         return _driver.Launcher(
-            fn, kernel.label,
+            _entry(kernel, "forward", softcap, cache), kernel.label,
             grid=(q_blocks, heads, batch),
             threads=kernel.threads, smem=kernel.smem, synchronize=kernel.synchronize,
             fixed_params=fixed_params, device_index=index).launch
     return _split_launch(kernel, index, device, fixed_params, q_blocks=q_blocks, heads=heads,
                          batch=batch, rows=rows, d_head=d_head, num_splits=num_splits,
-                         softcap=softcap, kvcache=kvcache)
+                         softcap=softcap, cache=cache)
+
+
+def _entry(kernel: dispatch.Kernel, role: str, softcap: bool, cache):
+    """The function of ``role`` (forward or split) for a call with or without softcapping
+    and cache addressing: the role names of config.KernelConfig.ROLES."""
+    return getattr(kernel.fns, role + ("_softcap" if softcap else "")
+                   + ("" if cache is None else "_kvcache"))
 
 
 def _split_launch(kernel: dispatch.Kernel, index: int, device: torch.device,
                   fixed_params: tuple, *,
                   q_blocks: int, heads: int, batch: int, rows: int, d_head: int,
-                  num_splits: int, softcap: bool = False, kvcache: bool = False):
+                  num_splits: int, softcap: bool = False, cache=None):
     """The launch function of a split-KV call: allocate the float32 workspace (one tensor
     from torch's allocator, on the current stream: released once both kernels have run), run
     the split forward, then the combine kernel."""
-    if kvcache:
-        split = kernel.fns.split_softcap_kvcache if softcap else kernel.fns.split_kvcache
-    else:
-        split = kernel.fns.split_softcap if softcap else kernel.fns.split
     forward = _driver.Launcher(
-        split,
-        kernel.label.replace("(", "(split ", 1),
+        _entry(kernel, "split", softcap, cache), kernel.label.replace("(", "(split ", 1),
         grid=(q_blocks, heads, batch * num_splits), threads=kernel.threads, smem=kernel.smem,
         synchronize=kernel.synchronize, fixed_params=fixed_params, device_index=index)
     combine = _driver.Launcher(

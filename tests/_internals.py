@@ -27,6 +27,7 @@ fast_allocator = _plans.fast_allocator
 checked_forward = _call.checked_forward  # (config, q, k, v, out, softmax_scale, causal, ...)
 run = launch.run  # a padded batch past the checks: (config, index, q, k, v, out, scale, ...)
 COMBINE_ROWS, COMBINE_THREADS = launch._COMBINE_ROWS, launch._COMBINE_THREADS
+entry_function = launch._entry  # (kernel, role, softcap, cache) -> the entry's function
 selected_config = dispatch.selected_config
 split_count = heuristics.split_count
 max_splits = heuristics.max_splits

@@ -659,3 +659,20 @@ def test_selected_config_sees_the_packed_problem(fake, monkeypatch):
     internals.selected_config(0, "fp16", 64, True, 1, 5000, n_heads=8, n_heads_k=2)
     internals.selected_config(0, "fp16", 64, True, 1, 5000)  # MHA: unchanged
     assert [(c["seqlen_q"], c["causal"]) for c in picked] == [(4, False), (1, True)]
+
+
+@pytest.mark.parametrize("role", ["forward", "split"])
+@pytest.mark.parametrize("softcap", [False, True])
+@pytest.mark.parametrize("cache", [None, "addressing"])
+def test_each_call_kind_launches_its_own_entry(role, softcap, cache):
+    """Softcapping and flash_attn_with_kvcache's cache addressing each pick the entries built
+    for them (config.KernelConfig.ROLES); a plain call never runs a *_kvcache entry."""
+    from cudaflash.config import KernelConfig
+
+    symbols = {r.name: r.symbol for r in KernelConfig.ROLES}
+    kernel = SimpleNamespace(fns=SimpleNamespace(**symbols))
+    symbol = internals.entry_function(kernel, role, softcap, cache)
+    assert symbol == {(r, s, c): f"cudaflash_fwd{'_split' if r == 'split' else ''}"
+                      f"{'_softcap' if s else ''}{'' if c is None else '_kvcache'}"
+                      for r in ("forward", "split") for s in (False, True)
+                      for c in (None, "addressing")}[(role, softcap, cache)]

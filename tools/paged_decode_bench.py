@@ -47,8 +47,9 @@ def main() -> int:
         kc = torch.randn(batch, length, args.heads_k, args.d, dtype=dtype, device="cuda")
         vc = torch.randn_like(kc)
         seqlens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-        calls = {"contiguous": (lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens),
-                                torch.no_grad)}
+        calls = {"contiguous": (lambda kc=kc, vc=vc: flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=seqlens), torch.no_grad)}
+        ref = calls["contiguous"][0]()
         for page in pages:
             n = batch * length // page
             perm = torch.randperm(n, device="cuda")
@@ -60,7 +61,6 @@ def main() -> int:
             calls[f"page {page}"] = (
                 lambda kp=kp, vp=vp, table=table: flash_attn_with_kvcache(
                     q, kp, vp, cache_seqlens=seqlens, block_table=table), torch.no_grad)
-            ref = calls["contiguous"][0]()
             got = calls[f"page {page}"][0]()
             if not torch.equal(ref, got):
                 print(f"WARNING: page {page}: max |paged - contiguous| = "
