@@ -70,14 +70,20 @@ struct BwdParams {
     int32_t window_right;
 
     // Softcapping, as Params::softcap_pre (params.cuh): softmax_scale / cap, with scale_log2 =
-    // cap * log2(e); read only by the *_softcap entries. The gradient of cap * tanh(s *
+    // cap * log2(e); read only by the *_scoremod entries. The gradient of cap * tanh(s *
     // softcap_pre) by s is softmax_scale * (1 - tanh^2): dS carries the (1 - tanh^2),
     // softmax_scale is applied where it always is (dQ and dK at the end).
     float softcap_pre;
-    float reserved;  // the struct's size a multiple of 8 without implicit padding
+    // ALiBi, as Params' alibi_scale, alibi_slopes and alibi_batch_stride (params.cuh): the
+    // *_scoremod entries add the same bias to the recomputed scores (the slopes get no
+    // gradient, as in flash-attn).
+    float alibi_scale;
+    const float* alibi_slopes;
+    int32_t alibi_batch_stride;
+    int32_t reserved;  // the struct's size a multiple of 8 without implicit padding
 };
 
-constexpr int kBwdParamsBytes = 368;
+constexpr int kBwdParamsBytes = 384;
 static_assert(sizeof(BwdParams) == kBwdParamsBytes,
               "BwdParams layout changed: update cudaflash/_params.py");
 

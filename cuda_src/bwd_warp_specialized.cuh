@@ -256,7 +256,7 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
         wgmma_wait<1>();  // S^T
         wgmma_fence_operands(wg::flat(P[0]));
         step_probabilities<kQ, kWindow, false, true>(P[0], p, lse, mask, window, key0 + row0,
-                                                     q0, shift);
+                                                     q0, shift, 0.f);
         uint32_t a[1][kQ / 16][4];
         pack_a_fragments<C::kBf16>(a, P);
         wgmma_fence_operands(wg::flat(dV));
@@ -268,7 +268,7 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
         if constexpr (kQ == 128) {
             step_score_grads_packed<kQ>(dS[0], a, delta);
         } else {
-            step_score_grads<kQ, false>(dS[0], P[0], p, lse, delta);
+            step_score_grads<kQ, false>(dS[0], P[0], p, lse, delta, 0, 0, 0, 0.f);
         }
         uint32_t ds_a[1][kQ / 16][4];
         pack_a_fragments<C::kBf16>(ds_a, dS);

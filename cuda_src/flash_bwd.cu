@@ -31,6 +31,7 @@
 #include "bwd_params.cuh"
 #include "copy.cuh"
 #include "ptx.cuh"
+#include "score_mods.cuh"
 #include "smem_layout.cuh"
 #include "wgmma.cuh"
 
@@ -168,11 +169,13 @@ __device__ __forceinline__ float lse_log2(const BwdParams& p, int64_t row_index,
 // Accumulators (16 x d_head per warp, times `scale`) -> the warp's rows of a shared tile, as
 // 16-bit values, for a coalesced copy to global memory.
 // Softcapping's slope (bwd_params.cuh): 1 - t^2 for the tanh value t of a score whose
-// probability is P. t * scale_log2 = log2(P) + lse (lse in log2 units), so t comes back from P
-// with one MUFU.LG2 instead of a second register array kept from the probabilities. A P of 0
-// (masked, or underflowed) has no gradient whatever its slope: 0, not lg2(0)'s -inf.
-__device__ __forceinline__ float softcap_slope(float P, float lse_log2, float scale_log2) {
-    const float t = __fdividef(lg2(P) + lse_log2, scale_log2);
+// probability is P. (t + bias) * scale_log2 = log2(P) + lse (lse in log2 units; bias: the
+// score's ALiBi bias, 0 without), so t comes back from P with one MUFU.LG2 instead of a second
+// register array kept from the probabilities. A P of 0 (masked, or underflowed) has no
+// gradient whatever its slope: 0, not lg2(0)'s -inf.
+__device__ __forceinline__ float softcap_slope(float P, float lse_log2, float scale_log2,
+                                               float bias) {
+    const float t = __fdividef(lg2(P) + lse_log2, scale_log2) - bias;
     return P > 0.f ? 1.f - t * t : 0.f;
 }
 
@@ -514,6 +517,16 @@ __device__ __forceinline__ QueryTiles query_tiles(const BwdParams& p, int key0, 
     return t;
 }
 
+// The offset key - (query + shift) of element (nj, e) of a warp's transposed tile (16 keys
+// from warp_key0 down the rows, query columns from q0), as a float for ALiBi's bias.
+__device__ __forceinline__ float transposed_offset(int warp_key0, int q0, int shift, int nj,
+                                                   int e) {
+    const int lane = threadIdx.x % 32;
+    const int key = warp_key0 + lane / 4 + 8 * (e / 2);
+    const int query = q0 + nj * 8 + 2 * (lane % 4) + e % 2;
+    return float(key - query - shift);
+}
+
 // P^T = exp(scale * K Q^T - lse), in place of the scores: a warp's 16 keys x kQ query columns
 // in the m16n8 accumulator layout (the warp's first key is warp_key0); lse and columns in log2
 // units as sLse holds them. Then, only where `mask` says the step's tile is cut by the window's
@@ -527,19 +540,35 @@ __device__ __forceinline__ QueryTiles query_tiles(const BwdParams& p, int key0, 
 // in 16 bits much sooner): inf * K's zero row is NaN in dQ. The other kernels never store a
 // tail key's gradient. With kKeyTail `mask` may be set in a non-causal call, so the diagonal's
 // test asks is_causal itself (without it, mask implies is_causal).
-template <int kQ, bool kWindow, bool kSoftcap, bool kKeyTail = false>
+// kScoreMods: the scores pass through softcapping and ALiBi first (score_mods.cuh; `alibi`:
+// the step's query head's coefficient, 0 without), as in the forward.
+template <int kQ, bool kWindow, bool kScoreMods, bool kKeyTail = false>
 __device__ __forceinline__ void step_probabilities(float (&P)[kQ / 8][4], const BwdParams& p,
                                                    const float* lse, bool mask,
                                                    const WindowBounds& window, int warp_key0,
-                                                   int q0, int shift) {
+                                                   int q0, int shift, float alibi) {
     const int lane = threadIdx.x % 32;
+    if constexpr (kScoreMods) {
+        if (p.softcap_pre != 0.f) {
+#pragma unroll
+            for (int nj = 0; nj < kQ / 8; ++nj)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) P[nj][e] = tanh_approx(P[nj][e] * p.softcap_pre);
+        }
+        if (alibi != 0.f) {
+#pragma unroll
+            for (int nj = 0; nj < kQ / 8; ++nj)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    P[nj][e] += alibi_bias(alibi, transposed_offset(warp_key0, q0, shift, nj, e));
+        }
+    }
 #pragma unroll
     for (int nj = 0; nj < kQ / 8; ++nj)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int col = nj * 8 + 2 * (lane % 4) + e % 2;
-            const float score = kSoftcap ? tanh_approx(P[nj][e] * p.softcap_pre) : P[nj][e];
-            P[nj][e] = ex2(fmaf(score, p.scale_log2, -lse[col]));
+            P[nj][e] = ex2(fmaf(P[nj][e], p.scale_log2, -lse[col]));
         }
     if (!mask) return;
 #pragma unroll
@@ -558,11 +587,13 @@ __device__ __forceinline__ void step_probabilities(float (&P)[kQ / 8][4], const 
     }
 }
 
-// dS^T = P^T * (dP^T - delta), in place of dP^T = V dO^T (times the softcap's slope).
-template <int kQ, bool kSoftcap>
+// dS^T = P^T * (dP^T - delta), in place of dP^T = V dO^T (times the softcap's slope, whose
+// tanh value comes back from P less the ALiBi bias: step_probabilities' arguments).
+template <int kQ, bool kScoreMods>
 __device__ __forceinline__ void step_score_grads(float (&dS)[kQ / 8][4],
                                                  const float (&P)[kQ / 8][4], const BwdParams& p,
-                                                 const float* lse, const float* delta) {
+                                                 const float* lse, const float* delta,
+                                                 int warp_key0, int q0, int shift, float alibi) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int nj = 0; nj < kQ / 8; ++nj)
@@ -570,8 +601,20 @@ __device__ __forceinline__ void step_score_grads(float (&dS)[kQ / 8][4],
         for (int e = 0; e < 4; ++e) {
             const int col = nj * 8 + 2 * (lane % 4) + e % 2;
             dS[nj][e] = P[nj][e] * (dS[nj][e] - delta[col]);
-            if constexpr (kSoftcap) dS[nj][e] *= softcap_slope(P[nj][e], lse[col], p.scale_log2);
         }
+    if constexpr (kScoreMods) {
+        if (p.softcap_pre != 0.f) {
+#pragma unroll
+            for (int nj = 0; nj < kQ / 8; ++nj)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = nj * 8 + 2 * (lane % 4) + e % 2;
+                    const float bias =
+                        alibi_bias(alibi, transposed_offset(warp_key0, q0, shift, nj, e));
+                    dS[nj][e] *= softcap_slope(P[nj][e], lse[col], p.scale_log2, bias);
+                }
+        }
+    }
 }
 
 // ---- dK, dV ---------------------------------------------------------------------------------
@@ -582,7 +625,7 @@ __device__ __forceinline__ void step_score_grads(float (&dS)[kQ / 8][4],
 // each: at 252-255 registers, the window's bounds and second comparison cost its causal and
 // full calls 2-5% (perf log "Sliding window backward"). The deterministic kernels measured
 // no such cost and always take the window.
-template <bool kFuseDq, bool kWindow, bool kSoftcap = false>
+template <bool kFuseDq, bool kWindow, bool kScoreMods = false>
 __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
     constexpr int kKeys = C::kCtaRows;
     constexpr int kQ = C::kBr;
@@ -704,14 +747,16 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
             (kWindow ? window.cuts(key0 - (q0 + kQ - 1) - shift, key0 + kKeys - 1 - q0 - shift)
                      : p.is_causal && q0 + shift < key0 + kKeys - 1) ||
             (kFuseDq && key_rows < kKeys);
+        const int head = head_k * group + step / tiles_per_head;
+        const float alibi = kScoreMods ? alibi_coefficient(p, batch, head) : 0.f;
         auto probabilities = [&](float (&P)[kQ / 8][4]) {
-            step_probabilities<kQ, kWindow, kSoftcap, kFuseDq>(P, p, lse, mask, window,
-                                                               key0 + row0, q0, shift);
+            step_probabilities<kQ, kWindow, kScoreMods, kFuseDq>(P, p, lse, mask, window,
+                                                                 key0 + row0, q0, shift, alibi);
         };
         auto score_grads = [&](float (&dS)[kQ / 8][4], const float (&P)[kQ / 8][4]) {
-            step_score_grads<kQ, kSoftcap>(dS, P, p, lse, delta);
+            step_score_grads<kQ, kScoreMods>(dS, P, p, lse, delta, key0 + row0, q0, shift,
+                                             alibi);
         };
-        const int head = head_k * group + step / tiles_per_head;
 
         if constexpr (C::kWgmma) {
             // S^T and dP^T issued together; the softmax runs while dP^T is computed, dS^T while
@@ -837,7 +882,7 @@ __device__ __forceinline__ void bwd_dkdv_dq(const BwdParams& p) {
 
 // ---- dQ -------------------------------------------------------------------------------------
 
-template <bool kSoftcap = false>
+template <bool kScoreMods = false>
 __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
     constexpr int kRows = C::kCtaRows;
     constexpr int kKv = C::kBc;
@@ -859,6 +904,7 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
     if (q0 >= p.seqlen_q) return;  // only in a packed batch: a sequence shorter than the grid
     const int q_rows = min(kRows, p.seqlen_q - q0);
     const int shift = p.seqlen_k - p.seqlen_q;
+    const float alibi = kScoreMods ? alibi_coefficient(p, batch, head) : 0.f;
 
     // KV tiles [first_tile, end_tile) are visible to some row; tiles >= mask_from hold a key
     // some row must not see (the seqlen_k tail, or keys right of the first row's window), as
@@ -929,13 +975,31 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
         float P[1][kKv / 8][4];
         gemm_rows_rows<kRows, kKv>(P, lo, q_tile, row0, k_tile);
         const bool mask = tile >= mask_from || tile < mask_below;
+        // The offset key - (row + shift) of element (nj, e): ALiBi's distance.
+        auto offset = [&](int nj, int e) {
+            return float(tile * kKv + nj * 8 + 2 * (lane % 4) + e % 2 -
+                         (q0 + row0 + lane / 4 + 8 * (e / 2)) - shift);
+        };
+        if constexpr (kScoreMods) {
+            if (p.softcap_pre != 0.f) {
+#pragma unroll
+                for (int nj = 0; nj < kKv / 8; ++nj)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        P[0][nj][e] = tanh_approx(P[0][nj][e] * p.softcap_pre);
+            }
+            if (alibi != 0.f) {
+#pragma unroll
+                for (int nj = 0; nj < kKv / 8; ++nj)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) P[0][nj][e] += alibi_bias(alibi, offset(nj, e));
+            }
+        }
 #pragma unroll
         for (int nj = 0; nj < kKv / 8; ++nj)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float score =
-                    kSoftcap ? tanh_approx(P[0][nj][e] * p.softcap_pre) : P[0][nj][e];
-                float x = ex2(fmaf(score, p.scale_log2, -lse[e / 2]));
+                float x = ex2(fmaf(P[0][nj][e], p.scale_log2, -lse[e / 2]));
                 if (mask) {
                     const int key = tile * kKv + nj * 8 + 2 * (lane % 4) + e % 2;
                     const int row = q0 + row0 + lane / 4 + 8 * (e / 2);
@@ -949,11 +1013,18 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
 #pragma unroll
         for (int nj = 0; nj < kKv / 8; ++nj)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
+            for (int e = 0; e < 4; ++e)
                 dS[0][nj][e] = P[0][nj][e] * (dS[0][nj][e] - delta[e / 2]);
-                if constexpr (kSoftcap)
-                    dS[0][nj][e] *= softcap_slope(P[0][nj][e], lse[e / 2], p.scale_log2);
+        if constexpr (kScoreMods) {
+            if (p.softcap_pre != 0.f) {
+#pragma unroll
+                for (int nj = 0; nj < kKv / 8; ++nj)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        dS[0][nj][e] *= softcap_slope(P[0][nj][e], lse[e / 2], p.scale_log2,
+                                                      alibi_bias(alibi, offset(nj, e)));
             }
+        }
         gemm_regs_tile<kKv, kKv / 16>(dQ, dS, lo, k_tile);
     }
 
@@ -1027,26 +1098,28 @@ extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash::bwd_dq(cudaflash::sequence_view(p, blockIdx.z));
 }
 
-// Softcapping (BwdParams::softcap_pre): the deterministic scheme's GEMM kernels again, as
-// entries of their own so the ones above keep their registers (a runtime branch made the
-// d128 wgmma dK/dV kernel spill). The atomic scheme's fused kernel has none: with the tanh it
-// spilled at d128 on wgmma, so softcapped calls take the deterministic scheme.
+// The score modifiers (score_mods.cuh: softcapping, BwdParams::softcap_pre, and ALiBi,
+// BwdParams::alibi_slopes, each a warp-uniform branch): the deterministic scheme's GEMM
+// kernels again, as entries of their own so the ones above keep their registers (a runtime
+// softcap branch made the d128 wgmma dK/dV kernel spill). The atomic scheme's fused kernel has
+// none: with the tanh it spilled at d128 on wgmma, so such calls take the deterministic
+// scheme.
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
-    cudaflash_bwd_dkdv_softcap(const __grid_constant__ cudaflash::BwdParams p) {
+    cudaflash_bwd_dkdv_scoremod(const __grid_constant__ cudaflash::BwdParams p) {
     cudaflash::bwd_dkdv<false, true, true>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
-    cudaflash_bwd_dq_softcap(const __grid_constant__ cudaflash::BwdParams p) {
+    cudaflash_bwd_dq_scoremod(const __grid_constant__ cudaflash::BwdParams p) {
     cudaflash::bwd_dq<true>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
-    cudaflash_bwd_dkdv_varlen_softcap(const __grid_constant__ cudaflash::BwdParams p) {
+    cudaflash_bwd_dkdv_varlen_scoremod(const __grid_constant__ cudaflash::BwdParams p) {
     cudaflash::bwd_dkdv<false, true, true>(cudaflash::sequence_view(p, blockIdx.z));
 }
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
-    cudaflash_bwd_dq_varlen_softcap(const __grid_constant__ cudaflash::BwdParams p) {
+    cudaflash_bwd_dq_varlen_scoremod(const __grid_constant__ cudaflash::BwdParams p) {
     cudaflash::bwd_dq<true>(cudaflash::sequence_view(p, blockIdx.z));
 }

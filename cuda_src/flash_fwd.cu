@@ -15,8 +15,10 @@
 // exports cudaflash_fwd_split, the same kernel over one run of a query block's KV blocks per
 // CTA (grid.z = batch * n_splits), writing float32 partial results, and cudaflash_combine,
 // which merges them (params.cuh). Separate entries, so the plain kernel pays nothing for it.
-// Likewise softcapping (flash-attn's softcap: scores squashed to cap * tanh(score / cap)):
-// cudaflash_fwd_softcap and cudaflash_fwd_split_softcap.
+// Likewise the score modifiers (score_mods.cuh): flash-attn's softcap, scores squashed to
+// cap * tanh(score / cap) (cudaflash_fwd_softcap and cudaflash_fwd_split_softcap, which also
+// add ALiBi's distance bias when Params::alibi_slopes is set), and ALiBi alone
+// (cudaflash_fwd_alibi, cudaflash_fwd_split_alibi).
 //
 // The config (tile sizes, copy/load strategies) comes from -D macros: kernel_config.cuh. A
 // warp_specialized config runs fwd_warp_specialized.cuh's kernel in both forward entries.
@@ -34,7 +36,7 @@
 
 namespace cudaflash {
 
-template <class C, bool kSplit, bool kSoftcap, bool kKvcache>
+template <class C, bool kSplit, bool kSoftcap, bool kAlibi, bool kKvcache>
 __device__ __forceinline__ void flash_fwd(const Params& p) {
     using elem_t = typename C::elem_t;
     constexpr int kM = C::kMTiles;
@@ -60,6 +62,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     const KvRange range = kv_range<C, kSplit>(p, seq, q_row0, q_rows, at.split);
     const int kv_begin = range.begin, n_blocks = range.end;
     const int mask_from = range.mask_from, below_keys = range.below_keys;
+    const float alibi = kAlibi ? alibi_coefficient(p, at.batch, at.head) : 0.f;
 
     using QCopy = TileCopy<C, C::kBr>;
     using KvCopy = TileCopy<C, C::kBc>;
@@ -151,6 +154,11 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
             __syncthreads();
         }
         if constexpr (kSoftcap) OnlineSoftmax<C>::softcap(S, p.softcap_pre);
+        if constexpr (kAlibi) {
+            if (!kSoftcap || alibi != 0.f)  // the *_alibi entries always; softcap's if given
+                OnlineSoftmax<C>::alibi(S, alibi, block * C::kBc, q_row0 + warp * C::kRowsPerWarp,
+                                        seq.len_k - seq.len_q, lane);
+        }
         if (block >= mask_from || block * C::kBc < below_keys)
             OnlineSoftmax<C>::mask(S, block * C::kBc, q_row0 + warp * C::kRowsPerWarp,
                                    seq.len_q, seq.len_k, p.window_left, p.window_right, lane);
@@ -284,47 +292,67 @@ __device__ __forceinline__ void append_kv(const AppendParams& p) {
 }
 
 // The forward entries' body: the plain or warp-specialized kernel of this module's config.
-template <bool kSplit, bool kSoftcap, bool kKvcache>
-__device__ __forceinline__ void forward_entry(const Params& p) {
+template <bool kSplit, bool kSoftcap, bool kAlibi, bool kKvcache>
+__device__ __forceinline__ void forward_body(const Params& p) {
     if constexpr (KernelConfig::kWarpSpecialized) {
-        flash_fwd_ws<KernelConfig, kSplit, kSoftcap, kKvcache>(p);
+        flash_fwd_ws<KernelConfig, kSplit, kSoftcap, kAlibi, kKvcache>(p);
     } else {
-        flash_fwd<KernelConfig, kSplit, kSoftcap, kKvcache>(p);
+        flash_fwd<KernelConfig, kSplit, kSoftcap, kAlibi, kKvcache>(p);
     }
+}
+
+// The score modifiers each entry applies: kSoftcap (the *_softcap entries: the tanh, and
+// ALiBi when alibi_slopes is given, a warp-uniform branch) or kAlibi alone (the *_alibi
+// entries, whose calls always have slopes: no branch). Each is a compile-time choice: as
+// runtime branches in the KV loop they made the 255-register kvcache entries spill (8-128
+// bytes, also with both bodies behind one branch at the top).
+enum class Mods { kNone, kSoftcap, kAlibi };
+
+template <bool kSplit, Mods kMods, bool kKvcache>
+__device__ __forceinline__ void forward_entry(const Params& p) {
+    forward_body<kSplit, kMods == Mods::kSoftcap, kMods != Mods::kNone, kKvcache>(p);
 }
 
 }  // namespace cudaflash
 
-// Softcapping has entries of its own (the *_softcap ones), so the others carry no trace of it:
-// as a runtime branch in the KV loop it raised registers (d64 wgmma kernels by up to 56) and
-// made two shipped configs spill (docs/perf-log.md, "Softcapping"). flash_attn_with_kvcache's
+// The score modifiers (softcapping, ALiBi) have entries of their own (the *_softcap and
+// *_alibi ones), so the others carry no trace of them: softcapping as a runtime branch in the
+// plain KV loop raised registers (d64 wgmma kernels by up to 56) and made two shipped configs
+// spill (docs/perf-log.md, "Softcapping"). flash_attn_with_kvcache's
 // cache addressing likewise (the *_kvcache entries: paged K/V, cache_batch_idx, cache_leftpad,
 // Params::block_table and the fields after it; in the plain entries their checks alone made
 // a 168-register config spill).
-// The *_kvcache entries of a config compiled for 3 or more CTAs per SM are compiled for 2:
-// their paged copies need a few more registers than the 168 that 3 CTAs leave (the d128
-// ctas3 config's softcapped kvcache entries spilled 24 bytes).
+// The *_kvcache, *_softcap and *_alibi entries of a config compiled for 3 or more CTAs per
+// SM are compiled for 2: their paged copies and score modifiers need a few more registers
+// than the 168 that 3 CTAs leave (the d128 ctas3 config's softcapped kvcache entries spilled
+// 24 bytes, its softcap entries with ALiBi 8-24).
 namespace cudaflash {
-constexpr int kKvcacheMinCtasPerSm =
+constexpr int kRoomyMinCtasPerSm =
     KernelConfig::kMinCtasPerSm < 2 ? KernelConfig::kMinCtasPerSm : 2;
 }  // namespace cudaflash
 
-#define CUDAFLASH_FORWARD_ENTRY(name, split, softcap, kvcache)                      \
+#define CUDAFLASH_FORWARD_ENTRY(name, split, mods, kvcache)                          \
     extern "C" __global__ void __launch_bounds__(                                   \
         cudaflash::KernelConfig::kThreads,                                          \
-        kvcache ? cudaflash::kKvcacheMinCtasPerSm : cudaflash::KernelConfig::kMinCtasPerSm) \
+        kvcache || cudaflash::Mods::mods != cudaflash::Mods::kNone                  \
+            ? cudaflash::kRoomyMinCtasPerSm                                         \
+            : cudaflash::KernelConfig::kMinCtasPerSm)                               \
         name(const __grid_constant__ cudaflash::Params p) {                         \
-        cudaflash::forward_entry<split, softcap, kvcache>(p);                       \
+        cudaflash::forward_entry<split, cudaflash::Mods::mods, kvcache>(p);          \
     }
 
-CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd, false, false, false)
-CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split, true, false, false)
-CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_softcap, false, true, false)
-CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split_softcap, true, true, false)
-CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_kvcache, false, false, true)
-CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split_kvcache, true, false, true)
-CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_softcap_kvcache, false, true, true)
-CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split_softcap_kvcache, true, true, true)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd, false, kNone, false)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split, true, kNone, false)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_softcap, false, kSoftcap, false)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split_softcap, true, kSoftcap, false)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_alibi, false, kAlibi, false)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split_alibi, true, kAlibi, false)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_kvcache, false, kNone, true)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split_kvcache, true, kNone, true)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_softcap_kvcache, false, kSoftcap, true)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split_softcap_kvcache, true, kSoftcap, true)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_alibi_kvcache, false, kAlibi, true)
+CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split_alibi_kvcache, true, kAlibi, true)
 
 extern "C" __global__ void __launch_bounds__(cudaflash::kCombineThreads)
     cudaflash_combine(const __grid_constant__ cudaflash::Params p) {

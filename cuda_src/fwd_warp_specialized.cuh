@@ -39,7 +39,7 @@ constexpr int kConsumerRegs = 224;
 constexpr int kTurnBarrier = 1;      // + consumer warpgroup (0 or 1)
 constexpr int kEpilogueBarrier = 3;  // + consumer warpgroup
 
-template <class C, bool kSplit, bool kSoftcap, bool kKvcache>
+template <class C, bool kSplit, bool kSoftcap, bool kAlibi, bool kKvcache>
 __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     using elem_t = typename C::elem_t;
     static_assert(C::kWarpSpecialized && C::kWgmma && C::kWarps == 8 && C::kMTiles == 1,
@@ -166,6 +166,7 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     float(&o_acc)[C::kOTiles * 4] = reinterpret_cast<float(&)[C::kOTiles * 4]>(O);
     OnlineSoftmax<C> softmax;
     const float scale = OnlineSoftmax<C>::score_scale(p.scale_log2);
+    const float alibi = kAlibi ? alibi_coefficient(p, at.batch, at.head) : 0.f;
 
     mbarrier_wait(&q_full, 0);
     // Consumer warpgroup 0 issues first: warpgroup 1 lets it through once. Each turn then
@@ -201,6 +202,11 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         if (lane == 0) mbarrier_arrive(&k_empty[stage]);
         const int block = block_of(i);
         if constexpr (kSoftcap) OnlineSoftmax<C>::softcap(S, p.softcap_pre);
+        if constexpr (kAlibi) {
+            if (!kSoftcap || alibi != 0.f)  // the *_alibi entries always; softcap's if given
+                OnlineSoftmax<C>::alibi(S, alibi, block * C::kBc, q_row0 + row0,
+                                        seq.len_k - seq.len_q, lane);
+        }
         if (block >= range.mask_from || block * C::kBc < range.below_keys)
             OnlineSoftmax<C>::mask(S, block * C::kBc, q_row0 + row0, seq.len_q, seq.len_k,
                                    p.window_left, p.window_right, lane);

@@ -61,7 +61,9 @@ struct Params {
     // scale_log2 = cap * log2(e), the factor of those tanh values in the exponent.
     // Read only by the *_softcap entries (flash_fwd.cu).
     float softcap_pre;
-    float reserved;  // keeps the fields before the 8-byte workspace pointers packed
+    // ALiBi's factor: log2(e) / scale_log2 (1 / softmax_scale, or 1 / cap when softcapping),
+    // which turns a slope into the units of the scores the kernel holds (alibi_slopes below).
+    float alibi_scale;
 
     // Split-KV (cudaflash_fwd_split + cudaflash_combine; ignored by cudaflash_fwd): the KV
     // blocks of a query block are cut into n_splits runs of kv_blocks_per_split blocks, one
@@ -93,11 +95,19 @@ struct Params {
     int32_t n_cache_entries;
     int32_t paged_keys;  // paged: keys a table row addresses (its columns x the page size)
 
+    // ALiBi (flash-attn's alibi_slopes), else null: float32 slopes at
+    // alibi_slopes[batch * alibi_batch_stride + head] (stride 0 for one slope per head). Query
+    // row i of a sequence adds -slope * |i + len_k - len_q - j| to its scaled score of key j
+    // (after softcapping). Read by the *_alibi and *_softcap entries only.
+    const float* alibi_slopes;
+    int32_t alibi_batch_stride;
+    int32_t reserved;
+
     float* o_accum;
     float* lse_accum;
 };
 
-constexpr int kParamsBytes = 288;
+constexpr int kParamsBytes = 304;
 static_assert(sizeof(Params) == kParamsBytes, "Params layout changed: update cudaflash/_params.py");
 
 // AppendParams: the argument of cudaflash_append_kv, which writes flash_attn_with_kvcache's new

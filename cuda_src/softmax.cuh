@@ -9,6 +9,7 @@
 #include "kernel_config.cuh"
 #include "params.cuh"
 #include "ptx.cuh"
+#include "score_mods.cuh"
 
 namespace cudaflash {
 
@@ -118,6 +119,26 @@ struct OnlineSoftmax {
             for (int nj = 0; nj < C::kSTiles; ++nj)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) S[mi][nj][e] = tanh_approx(S[mi][nj][e] * pre);
+    }
+
+    // ALiBi (score_mods.cuh): S += -coefficient * |key - (row + shift)|, shift = len_k - len_q;
+    // `row0` is the warp's first query row, `kv0` the tile's first key. After softcap, before
+    // the mask (a masked -inf stays -inf).
+    __device__ __forceinline__ static void alibi(float (&S)[kM][C::kSTiles][4], float coefficient,
+                                                 int kv0, int row0, int shift, int lane) {
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                // The offset of the thread's first column of the tile; the others add constants.
+                const float offset0 =
+                    float(kv0 + 2 * (lane % 4) - (row0 + mi * 16 + lane / 4 + 8 * r + shift));
+#pragma unroll
+                for (int nj = 0; nj < C::kSTiles; ++nj)
+#pragma unroll
+                    for (int e = 2 * r; e < 2 * r + 2; ++e)
+                        S[mi][nj][e] += alibi_bias(coefficient, offset0 + float(nj * 8 + e % 2));
+            }
     }
 
     // Turns S into P = exp_units(S * scale - ref_max), raising ref_max (and rescaling O and the

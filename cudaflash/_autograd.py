@@ -11,14 +11,16 @@ from . import _call, _checks, backward, dispatch, heuristics
 
 
 def _keep_call(ctx, softmax_scale, d_head: int, causal, window, seqlen_k: int, softcap,
-               lse) -> None:
+               alibi_slopes, lse) -> None:
     """What both autograd functions' backward reads of the call: the scale, causal, the
-    window as the forward's kernel took it (clamped by ``seqlen_k``, causal as right 0) and
-    the cap; lse is an output without a gradient."""
+    window as the forward's kernel took it (clamped by ``seqlen_k``, causal as right 0), the
+    cap and the ALiBi slopes (checked by the forward; they get no gradient, as in
+    flash-attn); lse is an output without a gradient."""
     ctx.scale = _checks.softmax_scale(softmax_scale, d_head)
     ctx.causal = bool(causal)
     ctx.kernel_window = heuristics.kernel_window(window, seqlen_k, ctx.causal)
     ctx.softcap = softcap
+    ctx.alibi_slopes = alibi_slopes
     ctx.mark_non_differentiable(lse)
 
 
@@ -29,16 +31,19 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, deterministic, window=(-1, -1),
-                softcap=0.0):
+                softcap=0.0, alibi_slopes=None):
         _checks.check_deterministic(deterministic)
         out, lse = _call.checked_forward(None, q, k, v, None, softmax_scale, causal, True,
-                                         window=window, softcap=softcap)
+                                         window=window, softcap=softcap,
+                                         alibi_slopes=alibi_slopes)
         # Fail now, not in the backward after a whole forward pass of work.
-        dispatch.check_backward_supported(q.get_device(), q.dtype, q.shape[3],
-                                          backward.scheme(deterministic, softcap))
+        dispatch.check_backward_supported(
+            q.get_device(), q.dtype, q.shape[3],
+            backward.scheme(deterministic, softcap, alibi_slopes is not None))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.deterministic = deterministic
-        _keep_call(ctx, softmax_scale, q.shape[3], causal, window, k.shape[1], softcap, lse)
+        _keep_call(ctx, softmax_scale, q.shape[3], causal, window, k.shape[1], softcap,
+                   alibi_slopes, lse)
         return out, lse
 
     @staticmethod
@@ -46,23 +51,25 @@ class FlashAttnFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = run_backward(dout, q, k, v, out, lse, ctx.scale, ctx.causal,
-                                  ctx.deterministic, ctx.kernel_window, ctx.softcap)
-        return dq, dk, dv, None, None, None, None, None
+                                  ctx.deterministic, ctx.kernel_window, ctx.softcap,
+                                  ctx.alibi_slopes)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def run_backward(dout, q, k, v, out, lse, scale: float, causal: bool, deterministic: bool,
-                 kernel_window: tuple[int, int], softcap: float = 0.0):
+                 kernel_window: tuple[int, int], softcap: float = 0.0, alibi_slopes=None):
     """backward.run on q's device; ``kernel_window`` as the forward's kernel took it
-    (heuristics.kernel_window: the kernels mask by it, causal included); ``softcap`` the
-    forward's."""
-    # torch's global switch counts here too; a cap takes the deterministic scheme
-    scheme = backward.scheme(deterministic, softcap)
+    (heuristics.kernel_window: the kernels mask by it, causal included); ``softcap`` and
+    ``alibi_slopes`` the forward's."""
+    # torch's global switch counts here too; a cap or ALiBi takes the deterministic scheme
+    scheme = backward.scheme(deterministic, softcap, alibi_slopes is not None)
     index = q.get_device()
     if index != torch.cuda.current_device():
         with torch.cuda.device(index):
             return backward.run(dout, q, k, v, out, lse, scale, causal, scheme, kernel_window,
-                                softcap)
-    return backward.run(dout, q, k, v, out, lse, scale, causal, scheme, kernel_window, softcap)
+                                softcap, alibi_slopes)
+    return backward.run(dout, q, k, v, out, lse, scale, causal, scheme, kernel_window, softcap,
+                        alibi_slopes)
 
 
 class FlashAttnVarlenFunction(torch.autograd.Function):
@@ -71,18 +78,19 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale, causal, deterministic, window=(-1, -1), softcap=0.0):
+                softmax_scale, causal, deterministic, window=(-1, -1), softcap=0.0,
+                alibi_slopes=None):
         _checks.check_deterministic(deterministic)
         out, lse = _call.planned_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                 max_seqlen_q, max_seqlen_k, softmax_scale,
-                                                causal, True, window, softcap)
+                                                causal, True, window, softcap, alibi_slopes)
         # Fail now, not in the backward after a whole forward pass of work.
         dispatch.check_backward_supported(q.get_device(), q.dtype, q.shape[2], "deterministic")
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.max_seqlens = (int(max_seqlen_q), int(max_seqlen_k))
         # The window clamped by max_seqlen_k (flash-attn's rule for packed batches).
         _keep_call(ctx, softmax_scale, q.shape[2], causal, window, ctx.max_seqlens[1], softcap,
-                   lse)
+                   alibi_slopes, lse)
         return out, lse
 
     @staticmethod
@@ -92,8 +100,9 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         with torch.cuda.device(q.get_device()):
             dq, dk, dv = backward.run_varlen(dout, q, k, v, out, lse, cu_seqlens_q,
                                              cu_seqlens_k, *ctx.max_seqlens, ctx.scale,
-                                             ctx.causal, ctx.kernel_window, ctx.softcap)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+                                             ctx.causal, ctx.kernel_window, ctx.softcap,
+                                             ctx.alibi_slopes)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 # ---- torch.compile ---------------------------------------------------------------------------
@@ -104,21 +113,23 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
 @torch.library.custom_op("cudaflash::fwd", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, float? softmax_scale, "
                                 "bool causal, bool deterministic=False, int window_left=-1, "
-                                "int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)")
+                                "int window_right=-1, float softcap=0.0, "
+                                "Tensor? alibi_slopes=None) -> (Tensor, Tensor)")
 def fwd_op(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1,
-           window_right=-1, softcap=0.0):
+           window_right=-1, softcap=0.0, alibi_slopes=None):
     # The compiled graph runs this body eagerly (is_compiling() is False here), so the call
     # takes flash_attn_func's plans like any eager call instead of re-checking every time.
     # Gradients are the op's registered autograd (below), not FlashAttnFunction.
     window = _checks.check_window((window_left, window_right))
     softcap = _checks.check_softcap(softcap)
     with torch.no_grad():
-        return _call.planned_forward(q, k, v, softmax_scale, causal, True, window, softcap)
+        return _call.planned_forward(q, k, v, softmax_scale, causal, True, window, softcap,
+                                     alibi_slopes)
 
 
 @fwd_op.register_fake
 def _(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1,
-      softcap=0.0):
+      softcap=0.0, alibi_slopes=None):
     batch, seqlen_q, n_heads, _ = q.shape
     return torch.empty_like(q), q.new_empty((batch, n_heads, seqlen_q), dtype=torch.float32)
 
@@ -127,36 +138,41 @@ def _(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, windo
                          schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
                                 "Tensor lse, float? softmax_scale, bool causal, "
                                 "bool deterministic, int window_left=-1, int window_right=-1, "
-                                "float softcap=0.0) -> (Tensor, Tensor, Tensor)")
+                                "float softcap=0.0, Tensor? alibi_slopes=None) "
+                                "-> (Tensor, Tensor, Tensor)")
 def bwd_op(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1,
-           window_right=-1, softcap=0.0):
+           window_right=-1, softcap=0.0, alibi_slopes=None):
+    # Called directly, the op checks the slopes itself (from the forward op they are checked).
+    alibi_slopes = _checks.check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
     return run_backward(dout, q, k, v, out, lse,
                         _checks.softmax_scale(softmax_scale, q.shape[3]), causal, deterministic,
                         heuristics.kernel_window((window_left, window_right), k.shape[1],
                                                  causal),
-                        softcap)
+                        softcap, alibi_slopes)
 
 
 @bwd_op.register_fake
 def _(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1,
-      window_right=-1, softcap=0.0):
+      window_right=-1, softcap=0.0, alibi_slopes=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _fwd_op_setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap = inputs
+    (q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap,
+     alibi_slopes) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
     ctx.window = (window_left, window_right)
     ctx.softcap = softcap
+    ctx.alibi_slopes = alibi_slopes
 
 
 def _fwd_op_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = bwd_op(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                        ctx.deterministic, *ctx.window, ctx.softcap)
-    return dq, dk, dv, None, None, None, None, None, None
+                        ctx.deterministic, *ctx.window, ctx.softcap, ctx.alibi_slopes)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup_context)
@@ -166,17 +182,19 @@ fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup_context)
                          schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
                                 "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
                                 "float? softmax_scale, bool causal, int window_left=-1, "
-                                "int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)")
+                                "int window_right=-1, float softcap=0.0, "
+                                "Tensor? alibi_slopes=None) -> (Tensor, Tensor)")
 def varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                  softmax_scale, causal, window_left=-1, window_right=-1, softcap=0.0):
+                  softmax_scale, causal, window_left=-1, window_right=-1, softcap=0.0,
+                  alibi_slopes=None):
     window = _checks.check_window((window_left, window_right))
     softcap = _checks.check_softcap(softcap)
     return _call.planned_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                         max_seqlen_k, softmax_scale, causal, True, window,
-                                        softcap)
+                                        softcap, alibi_slopes)
 
 
 @varlen_fwd_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-      window_left=-1, window_right=-1, softcap=0.0):
+      window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)

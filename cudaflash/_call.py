@@ -16,19 +16,22 @@ from .config import KernelConfig
 
 
 def checked_forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal,
-                    want_lse=True, num_splits=None, window=(-1, -1), softcap=0.0):
+                    want_lse=True, num_splits=None, window=(-1, -1), softcap=0.0,
+                    alibi_slopes=None):
     """``(out, lse)`` of one forward over a padded batch, every tensor argument checked;
     ``config`` None: the selection rules choose, and the call records a plan for its
-    signature (if it is hashable). ``window``, ``softcap``: checked by the caller."""
+    signature (if it is hashable). ``window``, ``softcap``: checked by the caller;
+    ``alibi_slopes``: checked here."""
     _checks.check_qkv(q, k, v)
-    # flash_attn_func records a plan for the signature; a windowed or softcapped call's key
-    # is the signature's, the window and the cap (planned_forward looks it up).
+    alibi_slopes = _checks.check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
+    # flash_attn_func records a plan for the signature; a windowed, softcapped or ALiBi
+    # call's key holds those options too (planned_forward looks it up).
     plan_key = None
     if config is None and out is None:
         try:
-            plan_key = _plans.plan_key(q, k, v, softmax_scale, causal, want_lse)
-            if window != (-1, -1) or softcap:
-                plan_key = (plan_key, window, softcap)
+            plan_key = _plans.options_key(_plans.plan_key(q, k, v, softmax_scale, causal,
+                                                          want_lse),
+                                          window, softcap, alibi_slopes)
             hash(plan_key)
         except TypeError:
             plan_key = None
@@ -47,37 +50,39 @@ def checked_forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale,
         # The driver calls work in the current context: make q's device current.
         with torch.cuda.device(index):
             return launch.run(config, index, q, k, v, out, scale, bool(causal), want_lse,
-                              plan_key, num_splits, window=window, softcap=softcap)
+                              plan_key, num_splits, window=window, softcap=softcap,
+                              alibi=alibi_slopes)
     return launch.run(config, index, q, k, v, out, scale, bool(causal), want_lse, plan_key,
-                      num_splits, window=window, softcap=softcap)
+                      num_splits, window=window, softcap=softcap, alibi=alibi_slopes)
 
 
-def planned_forward(q, k, v, softmax_scale, causal, want_lse, window=(-1, -1), softcap=0.0):
+def planned_forward(q, k, v, softmax_scale, causal, want_lse, window=(-1, -1), softcap=0.0,
+                    alibi_slopes=None):
     """``(out, lse)`` of flash_attn_func without gradients: the signature's plan (keyed with
-    the window and the cap where they are not the defaults), else checked_forward, which
-    records one. flash_attn_func's own fast path does the default case inline."""
+    the window, the cap and the ALiBi slopes where they are not the defaults), else
+    checked_forward, which records one. flash_attn_func's own fast path does the default
+    case inline."""
     try:
-        key = _plans.plan_key(q, k, v, softmax_scale, causal, want_lse)
-        if window != (-1, -1) or softcap:
-            key = (key, window, softcap)
-        plan = _plans.plans.get(key)
+        plan = _plans.plans.get(_plans.options_key(
+            _plans.plan_key(q, k, v, softmax_scale, causal, want_lse), window, softcap,
+            alibi_slopes))
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks explain
         plan = None
     done = None if plan is None else _plans.replay(plan, q, k, v, want_lse, 0, 0)
     if done is None:
         done = checked_forward(None, q, k, v, None, softmax_scale, causal, want_lse,
-                               window=window, softcap=softcap)
+                               window=window, softcap=softcap, alibi_slopes=alibi_slopes)
     return done
 
 
 def replayed_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            softmax_scale, causal, want_lse, window, softcap):
+                            softmax_scale, causal, want_lse, window, softcap, alibi_slopes=None):
     """``(out, lse)`` of a packed batch from its signature's plan, or None (no plan, or one
     that cannot serve this call)."""
     try:
         plan = _plans.varlen_plans.get(_plans.varlen_plan_key(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-            causal, want_lse, window, softcap))
+            causal, want_lse, window, softcap, alibi_slopes))
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks explain
         return None
     if plan is None:
@@ -87,11 +92,14 @@ def replayed_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 
 
 def checked_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           softmax_scale, causal, want_lse, window, softcap):
+                           softmax_scale, causal, want_lse, window, softcap, alibi_slopes=None):
     """``(out, lse)`` of one forward over a packed batch, every tensor argument checked; records
-    a plan (outside CUDAFLASH_DEBUG). ``window``, ``softcap``: checked by the caller."""
+    a plan (outside CUDAFLASH_DEBUG). ``window``, ``softcap``: checked by the caller;
+    ``alibi_slopes``: checked here ((nheads,) or (batch, nheads): a slope per sequence)."""
     _checks.check_qkv(q, k, v, varlen=True)
     _checks.check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k)
+    alibi_slopes = _checks.check_alibi_slopes(alibi_slopes, cu_seqlens_q.numel() - 1,
+                                              q.shape[1], q.device)
     max_seqlen_q = _checks.check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _checks.check_max_seqlen("max_seqlen_k", max_seqlen_k)
     scale = _checks.softmax_scale(softmax_scale, q.shape[2])
@@ -107,17 +115,18 @@ def checked_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         # Plans skip the offset check, so none are recorded while CUDAFLASH_DEBUG is on.
         plan_key = None if debug else _plans.varlen_plan_key(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-            causal, want_lse, window, softcap)
+            causal, want_lse, window, softcap, alibi_slopes)
         return launch.run_varlen(index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, scale, bool(causal), want_lse, plan_key, window,
-                                 softcap)
+                                 softcap, alibi=alibi_slopes)
 
 
 def planned_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           softmax_scale, causal, want_lse, window=(-1, -1), softcap=0.0):
+                           softmax_scale, causal, want_lse, window=(-1, -1), softcap=0.0,
+                           alibi_slopes=None):
     """``(out, lse)`` of flash_attn_varlen_func without gradients: the plan, else the checks
     and a launch that records one."""
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-            causal, want_lse, window, softcap)
+            causal, want_lse, window, softcap, alibi_slopes)
     done = replayed_varlen_forward(*args)
     return checked_varlen_forward(*args) if done is None else done

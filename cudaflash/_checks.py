@@ -17,21 +17,47 @@ INT32_MAX = 2**31 - 1  # Params sizes are int32
 _DIMS = ("batch", "seqlen", "head")
 
 
-def attention_options(dropout_p, alibi_slopes, window_size,
-                      softcap) -> tuple[tuple[int, int], float]:
-    """The options every attention entry checks alike: dropout and ALiBi refused, the window
-    as checked (left, right) ints, the softcap as a checked float."""
-    reject_unsupported(dropout_p, alibi_slopes)
+def attention_options(dropout_p, window_size, softcap) -> tuple[tuple[int, int], float]:
+    """The options every attention entry checks alike before q, k, v: dropout refused, the
+    window as checked (left, right) ints, the softcap as a checked float. (alibi_slopes
+    needs q's shape: check_alibi_slopes, after check_qkv.)"""
+    reject_unsupported(dropout_p)
     return check_window(window_size), check_softcap(softcap)
 
 
-def reject_unsupported(dropout_p, alibi_slopes) -> None:
+def reject_unsupported(dropout_p) -> None:
     if dropout_p != 0.0:
         raise NotImplementedError(f"dropout_p={dropout_p!r}: cudaflash has no dropout; pass "
                                   "dropout_p=0.0")
-    if alibi_slopes is not None:
-        raise NotImplementedError(f"alibi_slopes is a {type(alibi_slopes).__name__}: ALiBi is "
-                                  "not implemented; pass alibi_slopes=None")
+
+
+def check_alibi_slopes(alibi_slopes, batch: int, n_heads: int, device: torch.device):
+    """flash-attn's alibi_slopes: None, or float32 slopes of shape (nheads,) or (batch,
+    nheads) with a unit last stride on q's ``device`` (the kernels read them there, at
+    batch * stride(0) + head). Returns it unchanged."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a float32 tensor of shape (nheads,) or (batch, "
+                        f"nheads), or None; got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise ValueError(f"alibi_slopes has dtype {alibi_slopes.dtype}; it must be "
+                         "torch.float32")
+    shape = tuple(alibi_slopes.shape)
+    if shape not in ((n_heads,), (batch, n_heads)):
+        raise ValueError(f"alibi_slopes has shape {shape}; it must be (nheads,) = ({n_heads},) "
+                         f"or (batch, nheads) = ({batch}, {n_heads})")
+    strides = alibi_slopes.stride()
+    if n_heads > 1 and strides[-1] != 1:
+        raise ValueError(f"alibi_slopes has strides {strides}; it must have a unit last stride "
+                         "(alibi_slopes.contiguous() gives such a copy)")
+    if len(shape) == 2 and batch > 1 and not 0 <= strides[0] <= INT32_MAX:
+        raise ValueError(f"alibi_slopes has strides {strides}; its batch stride must be in "
+                         f"[0, 2**31) (alibi_slopes.contiguous() gives such a copy)")
+    if alibi_slopes.device != device:
+        raise ValueError(f"alibi_slopes is on {alibi_slopes.device}; it must be on q's device "
+                         f"{device}")
+    return alibi_slopes
 
 
 def check_softcap(softcap) -> float:

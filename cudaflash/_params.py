@@ -55,7 +55,7 @@ class Params(ctypes.Structure):
         ("softmax_scale", ctypes.c_float),
         ("scale_log2", ctypes.c_float),  # softcap * log2(e) when softcapping
         ("softcap_pre", ctypes.c_float),  # softmax_scale / softcap; 0: no softcapping
-        ("reserved", ctypes.c_float),
+        ("alibi_scale", ctypes.c_float),  # log2(e) / scale_log2: a slope in score units
         # split-KV (cudaflash_fwd_split, cudaflash_combine)
         ("n_splits", ctypes.c_int32),
         ("kv_blocks_per_split", ctypes.c_int32),
@@ -68,6 +68,11 @@ class Params(ctypes.Structure):
         ("page_shift", ctypes.c_int32),  # log2 of the page size
         ("n_cache_entries", ctypes.c_int32),
         ("paged_keys", ctypes.c_int32),  # the keys a table row addresses
+        # ALiBi (the *_scoremod entries): float32 slopes, 0 when unused; packed with the
+        # fixed fields
+        ("alibi_slopes", ctypes.c_void_p),
+        ("alibi_batch_stride", ctypes.c_int32),  # 0: one slope per head for every batch entry
+        ("reserved", ctypes.c_int32),
         ("o_accum", ctypes.c_void_p),
         ("lse_accum", ctypes.c_void_p),
     ]
@@ -129,9 +134,11 @@ def _runs(codes: list[str]) -> str:
 # table, cache_batch_idx or cache_leftpad makes no plan: it packs its own); the split-KV
 # workspace pointers at the end change per call of a split launch and are 0 otherwise.
 PARAMS_POINTERS_FORMAT = struct_format(Params, "q", "cu_seqlens_k")
-PARAMS_FIXED_FORMAT = struct_format(Params, "q_batch_stride", "paged_keys")
+PARAMS_FIXED_FORMAT = struct_format(Params, "q_batch_stride", "reserved")
 # The fixed fields' tail when no cache addressing is used: block_table to paged_keys.
 NO_CACHE_ADDRESSING = (0, 0, 0, 0, 0, 0, 0)
+# ... and when no ALiBi is: alibi_slopes to reserved.
+NO_ALIBI = (0, 0, 0)
 PARAMS_WORKSPACE_FORMAT = struct_format(Params, "o_accum", "lse_accum")
 PARAMS_POINTERS_BYTES = Params.q_batch_stride.offset
 PARAMS_WORKSPACE_OFFSET = Params.o_accum.offset
@@ -191,22 +198,37 @@ class BwdParams(ctypes.Structure):
         ("window_left", ctypes.c_int32),  # -1: unbounded; causal is window_right = 0
         ("window_right", ctypes.c_int32),
         ("softcap_pre", ctypes.c_float),  # as Params.softcap_pre; scale_log2 then carries the cap
-        ("reserved", ctypes.c_float),
+        ("alibi_scale", ctypes.c_float),  # as Params.alibi_scale
+        ("alibi_slopes", ctypes.c_void_p),  # as Params.alibi_slopes: 0 without ALiBi
+        ("alibi_batch_stride", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
     ]
 
 
 BWD_PARAMS_BYTES = ctypes.sizeof(BwdParams)
 # backward.run packs all of BwdParams at once: 11 pointers, 8 x 3 tensor strides + 2 lse
 # strides, 6 sizes, 2 scales, the packed batch's 2 offset pointers and 2 totals, the window's
-# 2 sides, softcap_pre and the reserved float.
+# 2 sides, softcap_pre, alibi_scale, ALiBi's slopes and batch stride, the reserved int.
 BWD_PARAMS_FORMAT = struct_format(BwdParams)
 
 
 def score_scales(scale: float, softcap: float) -> tuple[float, float, float, float]:
-    """softmax_scale, scale_log2, softcap_pre and reserved, the four floats Params and
+    """softmax_scale, scale_log2, softcap_pre and alibi_scale, the four floats Params and
     BwdParams share, so that the backward recomputes P exactly as the forward's softmax
     took it. exp(s * scale) = exp2(s * scale * log2(e)); with a cap (softcap > 0) the
-    kernels take t = tanh(s * scale / cap) and exp(cap * t) = exp2(t * cap * log2(e))."""
+    kernels take t = tanh(s * scale / cap) and exp(cap * t) = exp2(t * cap * log2(e)).
+    ALiBi's bias b on the scaled score is b * log2(e) / scale_log2 on the kernels' s (or t):
+    alibi_scale = 1 / scale, or 1 / cap."""
     if softcap:
-        return scale, softcap * _LOG2E, scale / softcap, 0.0
-    return scale, scale * _LOG2E, 0.0, 0.0
+        return scale, softcap * _LOG2E, scale / softcap, 1.0 / softcap
+    return scale, scale * _LOG2E, 0.0, 1.0 / scale
+
+
+def alibi_params(alibi_slopes) -> tuple[int, int, int]:
+    """Params' (and BwdParams') alibi_slopes, alibi_batch_stride and reserved fields for
+    checked slopes (_checks.check_alibi_slopes) or None: one slope per head for every batch
+    entry is a batch stride of 0."""
+    if alibi_slopes is None:
+        return NO_ALIBI
+    batched = alibi_slopes.dim() == 2 and alibi_slopes.shape[0] > 1
+    return alibi_slopes.data_ptr(), alibi_slopes.stride(0) if batched else 0, 0

@@ -2,7 +2,8 @@
 
 Repeated calls are the common case (every layer of every step has the same shapes), so the
 public functions remember a ``Plan`` per argument signature (shapes, strides, dtypes,
-devices, scale, causal, and the window and cap where they are not the defaults): the kernel,
+devices, scale, causal, and the window, cap and ALiBi slopes where they are not the
+defaults): the kernel,
 the grid and the Params fields that do not change, bound into one launch. A repeat call then
 only checks what the signature does not fix (data alignment, autograd, the current device),
 allocates out (and lse) and launches. flash_attn_func does those steps inline (its per-call
@@ -62,17 +63,39 @@ def plan_key(q, k, v, softmax_scale, causal, want_lse):
             q.get_device(), k.get_device(), v.get_device(), softmax_scale, causal, want_lse)
 
 
+def alibi_key(alibi_slopes):
+    """ALiBi's part of a plan key: None, or the slopes' address, shape, strides, dtype and
+    device. A plan packs the slopes' pointer with its fixed Params fields (the kernels read
+    the values there at each launch), so a call with slopes elsewhere needs a plan of its
+    own, and new values at the same address are seen."""
+    if alibi_slopes is None:
+        return None
+    return (alibi_slopes.data_ptr(), alibi_slopes.shape, alibi_slopes.stride(),
+            alibi_slopes.dtype, alibi_slopes.get_device())
+
+
+def options_key(key, window, softcap, alibi_slopes):
+    """flash_attn_func's plan key for a call with a window, a cap or ALiBi slopes: the
+    signature's ``key`` and those options (the signature's alone when all are defaults)."""
+    if window == (-1, -1) and not softcap and alibi_slopes is None:
+        return key
+    return (key, window, softcap, alibi_key(alibi_slopes))
+
+
 def varlen_plan_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    softmax_scale, causal, want_lse, window=(-1, -1), softcap=0.0):
+                    softmax_scale, causal, want_lse, window=(-1, -1), softcap=0.0,
+                    alibi_slopes=None):
     """The argument signature a varlen Plan is valid for (see plan_key). The offsets'
     values are data (the kernel reads them): only their tensors' shape, layout, dtype and
-    device are in it. ``window``: the checked window_size; ``softcap``: the checked cap."""
+    device are in it. ``window``: the checked window_size; ``softcap``: the checked cap;
+    ``alibi_slopes``: alibi_key's part."""
     return (q.shape, q.is_contiguous() or q.stride(), k.shape, k.is_contiguous() or k.stride(),
             v.shape, v.is_contiguous() or v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
             k.get_device(), v.get_device(), cu_seqlens_q.shape, cu_seqlens_k.shape,
             cu_seqlens_q.is_contiguous(), cu_seqlens_k.is_contiguous(), cu_seqlens_q.dtype,
             cu_seqlens_k.dtype, cu_seqlens_q.get_device(), cu_seqlens_k.get_device(),
-            max_seqlen_q, max_seqlen_k, softmax_scale, causal, want_lse, window, softcap)
+            max_seqlen_q, max_seqlen_k, softmax_scale, causal, want_lse, window, softcap,
+            alibi_key(alibi_slopes))
 
 
 def kvcache_plan_key(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, num_splits,

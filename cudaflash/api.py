@@ -85,8 +85,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             deterministic scheme (whatever ``deterministic`` says). Repeat calls take a plan
             keyed with the cap, as for a window; under torch.compile the cap reaches the
             custom ops.
-        dropout_p, alibi_slopes: only their defaults (no dropout, no ALiBi); anything else
-            raises NotImplementedError.
+        alibi_slopes: None, or ALiBi's float32 slopes, (nheads,) or (batch, nheads), on q's
+            device with a unit last stride: query head h of batch entry b adds
+            -slope * |i + seqlen_k - seqlen_q - j| to its scaled score of key j (after the
+            softcap), as in flash-attn (whose kernels add a per-row constant less when causal:
+            the same out, cudaflash's lse is the formula's). Gradients too (none for the
+            slopes), always in the deterministic scheme. Repeat calls take a plan keyed with
+            the slopes' address (the kernel reads their values at each call).
+        dropout_p: only 0.0; anything else raises NotImplementedError (no dropout yet).
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype, laid out like q (torch.empty_like,
@@ -146,19 +152,20 @@ def _attention_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, s
     """flash_attn_func past its plan: every argument checked; head dims without a kernel
     padded; torch.compile's custom op, a sliding window, gradients or a plain forward (which
     records a plan for the next call)."""
-    window, softcap = _checks.attention_options(dropout_p, alibi_slopes, window_size, softcap)
+    window, softcap = _checks.attention_options(dropout_p, window_size, softcap)
     padded = _padding.padded_head_dim(q, k, v)
     if padded is not None:
         return _padding.with_padded_head_dim(
             flash_attn_func, padded, q, k, v, softmax_scale,
-            dict(causal=causal, window_size=window, softcap=softcap,
+            dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi_slopes,
                  deterministic=deterministic, return_attn_probs=return_attn_probs))
     if _is_compiling():
-        out, lse = fwd_op(q, k, v, softmax_scale, causal, deterministic, *window, softcap)
+        out, lse = fwd_op(q, k, v, softmax_scale, causal, deterministic, *window, softcap,
+                          alibi_slopes)
         return (out, lse, None) if return_attn_probs else out
-    if window != (-1, -1) or softcap:
-        return _windowed_or_capped_attention(q, k, v, softmax_scale, causal, window, softcap,
-                                             deterministic, return_attn_probs)
+    if window != (-1, -1) or softcap or alibi_slopes is not None:
+        return _attention_with_options(q, k, v, softmax_scale, causal, window, softcap,
+                                       alibi_slopes, deterministic, return_attn_probs)
     want_lse = True if return_attn_probs else False
     if _checks.wants_grad(q, k, v):
         out, lse = FlashAttnFunction.apply(q, k, v, softmax_scale, causal, deterministic)
@@ -167,21 +174,23 @@ def _attention_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, s
     return (out, lse, None) if want_lse else out
 
 
-def _windowed_or_capped_attention(q, k, v, softmax_scale, causal, window, softcap,
-                                  deterministic, return_attn_probs):
-    """flash_attn_func with a sliding window or softcapping (``window``: checked (left,
-    right) ints; ``softcap``: the checked cap, 0.0 for none): a plan keyed by the signature,
-    the window and the cap for repeat calls, as flash_attn_func's own path (one function
-    call and a key lookup more); with gradients through FlashAttnFunction."""
+def _attention_with_options(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes,
+                            deterministic, return_attn_probs):
+    """flash_attn_func with a sliding window, softcapping or ALiBi (``window``: checked
+    (left, right) ints; ``softcap``: the checked cap, 0.0 for none; ``alibi_slopes``: None or
+    the slopes, checked by the checked forward): a plan keyed by the signature and those
+    options for repeat calls, as flash_attn_func's own path (one function call and a key
+    lookup more); with gradients through FlashAttnFunction."""
     _checks.check_deterministic(deterministic)
     want_lse = True if return_attn_probs else False
     if _checks.wants_grad(q, k, v):
         out, lse = FlashAttnFunction.apply(q, k, v, softmax_scale, causal, deterministic,
-                                           window, softcap)
+                                           window, softcap, alibi_slopes)
         return (out, lse, None) if want_lse else out
-    # A repeat signature takes its plan, keyed with the window and cap (the checked forward
-    # records it).
-    out, lse = _call.planned_forward(q, k, v, softmax_scale, causal, want_lse, window, softcap)
+    # A repeat signature takes its plan, keyed with the options (the checked forward records
+    # it).
+    out, lse = _call.planned_forward(q, k, v, softmax_scale, causal, want_lse, window, softcap,
+                                     alibi_slopes)
     return (out, lse, None) if want_lse else out
 
 
@@ -216,6 +225,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             then pools of pages (num_blocks, page_block_size, nheads_k, headdim), page sizes
             powers of two from 16, and sequence b's cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys
             are in its pages (flash_attn_with_kvcache's layout). Forward only.
+        alibi_slopes: as in ``flash_attn_func``; (batch, nheads) gives each sequence its own,
+            and each sequence's bias uses its own lengths.
         Other arguments (softcap included) as in ``flash_attn_func``.
 
     Returns:
@@ -225,7 +236,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     window = (-1, -1)
     if not (dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
             and (window_size is NO_WINDOW or _no_window(window_size))):
-        window, softcap = _checks.attention_options(dropout_p, alibi_slopes, window_size, softcap)
+        window, softcap = _checks.attention_options(dropout_p, window_size, softcap)
     else:
         softcap = 0.0
     want_lse = True if return_attn_probs else False
@@ -235,7 +246,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if block_table is None and not _is_compiling():
         done = _call.replayed_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                              max_seqlen_k, softmax_scale, causal, want_lse,
-                                             window, softcap)
+                                             window, softcap, alibi_slopes)
         if done is not None:
             out, lse = done
             return (out, lse, None) if want_lse else out
@@ -246,14 +257,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             flash_attn_varlen_func, padded, q, k, v, softmax_scale,
             dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
-                 window_size=window, softcap=softcap, deterministic=deterministic,
-                 return_attn_probs=return_attn_probs, block_table=block_table))
+                 window_size=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                 deterministic=deterministic, return_attn_probs=return_attn_probs,
+                 block_table=block_table))
     if block_table is not None:
         # Paged K/V (flash_attn_with_kvcache's caches): forward only, no plan, eagerly.
         out, lse = kvcache.paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                 max_seqlen_q, max_seqlen_k, block_table,
                                                 softmax_scale, causal, window, softcap,
-                                                want_lse)
+                                                want_lse, alibi_slopes)
         return (out, lse, None) if want_lse else out
     if _is_compiling():
         # The custom op has no autograd formula: calls with gradients run eagerly (a graph
@@ -261,20 +273,22 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if _checks.wants_grad(q, k, v):
             out, lse = _varlen_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, softmax_scale, causal, window,
-                                       deterministic, softcap)
+                                       deterministic, softcap, alibi_slopes)
             return (out, lse, None) if return_attn_probs else out
         out, lse = varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                  max_seqlen_k, softmax_scale, causal, *window, softcap)
+                                  max_seqlen_k, softmax_scale, causal, *window, softcap,
+                                  alibi_slopes)
         return (out, lse, None) if return_attn_probs else out
 
     if _checks.wants_grad(q, k, v):
         out, lse = FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                  max_seqlen_q, max_seqlen_k, softmax_scale,
-                                                 causal, deterministic, window, softcap)
+                                                 causal, deterministic, window, softcap,
+                                                 alibi_slopes)
         return (out, lse, None) if want_lse else out
     out, lse = _call.checked_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                             max_seqlen_k, softmax_scale, causal, want_lse,
-                                            window, softcap)
+                                            window, softcap, alibi_slopes)
     return (out, lse, None) if want_lse else out
 
 
@@ -334,16 +348,17 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 
 @torch.compiler.disable  # outside the graph: flash_attn_varlen_func's eager path
 def _varlen_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    softmax_scale, causal, window, deterministic, softcap):
+                    softmax_scale, causal, window, deterministic, softcap, alibi_slopes):
     """(out, lse) of flash_attn_varlen_func run eagerly, gradients included."""
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
                                   window_size=window, softcap=softcap,
-                                  deterministic=deterministic, return_attn_probs=True)[:2]
+                                  alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                  return_attn_probs=True)[:2]
 
 
 def forward(config, q, k, v, out=None, softmax_scale=None, causal=False, num_splits=None,
-            window_size=NO_WINDOW, softcap=0.0):
+            window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None):
     """Run one explicit kernel config; returns ``(out, lse)``.
 
     ``config`` is a KernelConfig or its canonical name (``list_kernels(device)`` lists the
@@ -352,8 +367,9 @@ def forward(config, q, k, v, out=None, softmax_scale=None, causal=False, num_spl
     q, k or v. ``num_splits``: how many runs each query block's keys are cut into (split-KV,
     then a second kernel combines them); None chooses as flash_attn_func does (split only
     grids too small to fill the GPU), 1 never splits, n splits into at most n runs of at
-    least one KV block. ``window_size``: the sliding window, ``softcap`` the softcapping, as in
-    ``flash_attn_func`` (no gradients here). Other arguments as in ``flash_attn_func``.
+    least one KV block. ``window_size``: the sliding window, ``softcap`` the softcapping,
+    ``alibi_slopes`` ALiBi, as in ``flash_attn_func`` (no gradients here). Other arguments as
+    in ``flash_attn_func``.
     """
     if isinstance(config, str):
         config = KernelConfig.from_name(config)
@@ -366,7 +382,8 @@ def forward(config, q, k, v, out=None, softmax_scale=None, causal=False, num_spl
     window = _checks.check_window(window_size)
     return _call.checked_forward(config, q, k, v, out, softmax_scale, causal,
                                  num_splits=num_splits, window=window,
-                                 softcap=_checks.check_softcap(softcap))
+                                 softcap=_checks.check_softcap(softcap),
+                                 alibi_slopes=alibi_slopes)
 
 
 def list_kernels(device=None) -> list[KernelEntry]:

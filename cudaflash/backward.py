@@ -20,9 +20,9 @@ first backward config the manifest has for the GPU, dtype, head dim and scheme
 it serves).
 
 Packed (varlen) batches (run_varlen) always take the deterministic kernels, each CTA on its
-own sequence (flash_bwd.cu, sequence_view). So do softcapped calls (``softcap`` > 0), through
-the modules' *_softcap entries: the atomic scheme's fused kernel has no softcapped form (with
-the tanh it spilled at d128 on wgmma).
+own sequence (flash_bwd.cu, sequence_view). So do softcapped calls (``softcap`` > 0) and
+ALiBi calls, through the modules' *_scoremod entries: the atomic scheme's fused kernel has
+no such form (with the tanh it spilled at d128 on wgmma).
 
 Only the autograd functions and the custom ops (_autograd.py) call this;
 they have already checked q, k, v (the forward's checks) and made q's device current.
@@ -36,18 +36,18 @@ from dataclasses import dataclass
 import torch
 
 from . import _driver, dispatch, heuristics
-from ._params import BWD_PARAMS_FORMAT, score_scales
+from ._params import BWD_PARAMS_FORMAT, alibi_params, score_scales
 from ._torch import current_stream
 
 _PACK = struct.Struct(BWD_PARAMS_FORMAT)  # all of BwdParams (_params.BwdParams), in one pack
 DQ_ACCUM_ROW_ALIGN = 128  # flash_bwd.cu kDqAccumRowAlign: dq_accum's rows per head, rounded up
 
 
-def scheme(deterministic: bool, softcap: float = 0.0) -> str:
+def scheme(deterministic: bool, softcap: float = 0.0, alibi: bool = False) -> str:
     """The scheme of a call: deterministic when asked for, when torch's global switch
     (torch.use_deterministic_algorithms) asks every op for reproducible results, or with
-    softcapping (the only scheme with softcap kernels)."""
-    if deterministic or softcap or torch.are_deterministic_algorithms_enabled():
+    softcapping or ALiBi (the only scheme with score-modifier kernels)."""
+    if deterministic or softcap or alibi or torch.are_deterministic_algorithms_enabled():
         return "deterministic"
     return "atomic"
 
@@ -117,24 +117,26 @@ class _Launches:
 
     def dkdv_then_dq(self, suffix: str) -> None:
         """The deterministic scheme's GEMM kernels: dkdv per key tile, then dq per query tile
-        (their padded, varlen or softcap roles: ``suffix`` names which)."""
+        (their padded, varlen or score-modifier roles: ``suffix`` names which)."""
         self.per_key_tile("dkdv" + suffix)
         self.per_query_tile("dq" + suffix)
 
 
 def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, scheme: str,
-        window: tuple[int, int], softcap: float = 0.0
+        window: tuple[int, int], softcap: float = 0.0, alibi_slopes=None
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) laid out like q, k, v. ``lse`` is the forward's (batch, nheads, seqlen_q)
     float32 log-sum-exp; q's device must be current. ``scheme``: "atomic" or
     "deterministic" (see the module docstring). ``window``: (left, right) exactly as the
     forward's kernel took them (heuristics.kernel_window: -1 unbounded, causal as right = 0); the
     kernels mask by it, so a causal call must pass right = 0 (``causal`` only orders CTAs
-    and picks the scheme). ``softcap``: the forward's cap (0.0: none); a cap needs the
-    deterministic scheme (scheme())."""
-    if softcap and scheme != "deterministic":
-        raise ValueError(f"softcap={softcap} runs in the deterministic scheme, not {scheme!r}")
+    and picks the scheme). ``softcap``: the forward's cap (0.0: none); ``alibi_slopes``: the
+    forward's checked slopes (None: none); either needs the deterministic scheme (scheme())."""
+    scoremod = bool(softcap) or alibi_slopes is not None
+    if scoremod and scheme != "deterministic":
+        raise ValueError(f"softcap={softcap} and ALiBi ({alibi_slopes is not None}) run in the "
+                         f"deterministic scheme, not {scheme!r}")
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
     dout = _kernel_dout(dout, q)
@@ -167,7 +169,7 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         0 if dq_accum is None else dq_accum.data_ptr(), *strides, n_heads * seqlen_q, seqlen_q,
         batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal), *scales[:2],
         0, 0, 0, 0,  # not a packed batch
-        *window, *scales[2:]))
+        *window, *scales[2:], *alibi_params(alibi_slopes)))
 
     go = _Launches(kernel, current_stream(index), args, seqlen_q,
                    seqlen_k, n_heads, n_heads_k, batch)
@@ -178,21 +180,21 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         go.per_key_tile("dkdv_dq" if window == (-1, 0 if causal else -1) else "dkdv_dq_window")
         go.per_row("dq_convert")
     else:
-        go.dkdv_then_dq("_softcap" if softcap else "")
+        go.dkdv_then_dq("_scoremod" if scoremod else "")
     return dq, dk, dv
 
 
 def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
-               causal: bool, window: tuple[int, int], softcap: float = 0.0
+               causal: bool, window: tuple[int, int], softcap: float = 0.0, alibi_slopes=None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of flash_attn_varlen_func, laid out like q, k, v ((total, nheads,
     headdim)); ``lse`` is its forward's (nheads, total_q). Rows of no sequence get zero
     gradients. The maxima must be at least the real lengths (flash-attn's contract): a
     sequence longer than them has undefined gradients (the forward did not compute all of
     its rows). The deterministic kernels run whatever was asked: bitwise reproducible.
-    ``window`` and ``softcap`` as in run."""
+    ``window``, ``softcap`` and ``alibi_slopes`` as in run."""
     total_q, n_heads, d_head = q.shape
     total_k, n_heads_k = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.numel() - 1
@@ -215,10 +217,11 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0,
         *strides, 0, total_q, batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal),
         *scales[:2], cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), total_q, total_k,
-        *window, *scales[2:]))
+        *window, *scales[2:], *alibi_params(alibi_slopes)))
 
     go = _Launches(kernel, current_stream(index), args, seqlen_q,
                    seqlen_k, n_heads, n_heads_k, batch)
     go.per_row("preprocess_varlen")
-    go.dkdv_then_dq("_varlen_softcap" if softcap else "_varlen")
+    scoremod = bool(softcap) or alibi_slopes is not None
+    go.dkdv_then_dq("_varlen_scoremod" if scoremod else "_varlen")
     return dq, dk, dv

@@ -68,12 +68,14 @@ class BackwardConfig:
              EntryRole("preprocess_varlen", "cudaflash_bwd_preprocess_varlen"),
              EntryRole("dkdv_varlen", "cudaflash_bwd_dkdv_varlen", "dkdv_smem_bytes"),
              EntryRole("dq_varlen", "cudaflash_bwd_dq_varlen", "dq_smem_bytes"),
-             # with softcapping: the deterministic scheme's dkdv and dq (preprocess sees no score)
-             EntryRole("dkdv_softcap", "cudaflash_bwd_dkdv_softcap", "dkdv_smem_bytes"),
-             EntryRole("dq_softcap", "cudaflash_bwd_dq_softcap", "dq_smem_bytes"),
-             EntryRole("dkdv_varlen_softcap", "cudaflash_bwd_dkdv_varlen_softcap",
+             # with the score modifiers (softcapping, ALiBi): the deterministic scheme's dkdv
+             # and dq (preprocess sees no score)
+             EntryRole("dkdv_scoremod", "cudaflash_bwd_dkdv_scoremod", "dkdv_smem_bytes"),
+             EntryRole("dq_scoremod", "cudaflash_bwd_dq_scoremod", "dq_smem_bytes"),
+             EntryRole("dkdv_varlen_scoremod", "cudaflash_bwd_dkdv_varlen_scoremod",
                        "dkdv_smem_bytes"),
-             EntryRole("dq_varlen_softcap", "cudaflash_bwd_dq_varlen_softcap", "dq_smem_bytes"))
+             EntryRole("dq_varlen_scoremod", "cudaflash_bwd_dq_varlen_scoremod",
+                       "dq_smem_bytes"))
     ENTRIES = tuple(role.symbol for role in ROLES)
     PREPROCESS_THREADS = 128  # kPreprocessThreads: one warp per query row, 4 rows per CTA
     PREPROCESS_ROWS = 4

@@ -147,15 +147,21 @@ class KernelConfig:
              # the forward over one run of KV blocks per CTA (float32 partials) ...
              EntryRole("split", "cudaflash_fwd_split", "smem_bytes"),
              EntryRole("combine", "cudaflash_combine"),  # ... and the kernel merging them
-             # with softcapping (Params.softcap_pre)
+             # with softcapping (Params.softcap_pre), and ALiBi when alibi_slopes is set ...
              EntryRole("forward_softcap", "cudaflash_fwd_softcap", "smem_bytes"),
              EntryRole("split_softcap", "cudaflash_fwd_split_softcap", "smem_bytes"),
-             # the four above reading flash_attn_with_kvcache's cache addressing (paged K/V,
+             # ... and with ALiBi alone (Params.alibi_slopes)
+             EntryRole("forward_alibi", "cudaflash_fwd_alibi", "smem_bytes"),
+             EntryRole("split_alibi", "cudaflash_fwd_split_alibi", "smem_bytes"),
+             # the six above reading flash_attn_with_kvcache's cache addressing (paged K/V,
              # cache_batch_idx, cache_leftpad: Params.block_table and after)
              EntryRole("forward_kvcache", "cudaflash_fwd_kvcache", "smem_bytes"),
              EntryRole("split_kvcache", "cudaflash_fwd_split_kvcache", "smem_bytes"),
              EntryRole("forward_softcap_kvcache", "cudaflash_fwd_softcap_kvcache", "smem_bytes"),
              EntryRole("split_softcap_kvcache", "cudaflash_fwd_split_softcap_kvcache",
+                       "smem_bytes"),
+             EntryRole("forward_alibi_kvcache", "cudaflash_fwd_alibi_kvcache", "smem_bytes"),
+             EntryRole("split_alibi_kvcache", "cudaflash_fwd_split_alibi_kvcache",
                        "smem_bytes"),
              # flash_attn_with_kvcache's append of new keys and values (AppendParams)
              EntryRole("append_kv", "cudaflash_append_kv"))

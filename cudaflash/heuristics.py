@@ -27,19 +27,23 @@ def kernel_window(window: tuple[int, int], seqlen_k: int, causal: bool) -> tuple
 
 
 def kernel_problem(seqlen_q: int, n_heads: int, n_heads_k: int, seqlen_k: int, causal: bool,
-                   window: tuple[int, int] = (-1, -1)) -> tuple[int, int, bool, tuple[int, int]]:
+                   window: tuple[int, int] = (-1, -1), alibi: bool = False
+                   ) -> tuple[int, int, bool, tuple[int, int]]:
     """(query rows per head, heads, causal, kernel window) of the problem the forward kernel
-    runs for a call; ``window``: flash-attn's checked (left, right).
+    runs for a call; ``window``: flash-attn's checked (left, right); ``alibi``: whether the
+    call has ALiBi slopes.
 
     Decoding with GQA/MQA (one query row, several query heads per K/V head): the query heads
     that share a K/V head become rows of one head (their data are consecutive heads of q and
     out), so each K/V block is read once for all of them instead of once per query head. One
     query row sees every key under the bottom-right causal mask, so the rows are not causal.
     Not with a sliding window (one that clamping by seqlen_k leaves bounded), whose bounds the
-    kernel would apply to each of those rows as if it were another query position.
+    kernel would apply to each of those rows as if it were another query position, nor with
+    ALiBi, whose slope is per query head and whose bias depends on the query position.
     """
     group = n_heads // n_heads_k
-    if seqlen_q == 1 and group > 1 and kernel_window(window, seqlen_k, False) == (-1, -1):
+    if (seqlen_q == 1 and group > 1 and not alibi
+            and kernel_window(window, seqlen_k, False) == (-1, -1)):
         return group, n_heads_k, False, (-1, -1)
     return seqlen_q, n_heads, causal, kernel_window(window, seqlen_k, causal)
 

@@ -81,7 +81,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             if done is not None:
                 return done if return_softmax_lse else done[0]
 
-    window, softcap = _checks.attention_options(0.0, alibi_slopes, window_size, softcap)
+    window, softcap = _checks.attention_options(0.0, window_size, softcap)
     padded = _padding.padded_head_dim(q, k_cache, v_cache)
     if padded is not None:
         return _padding.with_padded_head_dim(
@@ -89,7 +89,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
                  cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                  block_table=block_table, causal=causal, window_size=window, softcap=softcap,
-                 rotary_interleaved=rotary_interleaved, num_splits=num_splits,
+                 rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
+                 num_splits=num_splits,
                  return_softmax_lse=return_softmax_lse),
             caches=(k_cache, v_cache))
     if (not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool)
@@ -103,6 +104,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                       same_batch=block_table is None and cache_batch_idx is None)
     cache = _cache_addressing(q, q.shape[0], k_cache, block_table, cache_batch_idx,
                               cache_leftpad)
+    alibi_slopes = _checks.check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
     seqlen_cache = cache.seqlen_cache
     if (k is None) != (v is None):
         raise ValueError(f"k is {'None' if k is None else 'a tensor'} and v is "
@@ -135,7 +137,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     with torch.cuda.device(index):  # the driver calls work in the current context
         if cache_seqlens is None and plain:
             out, lse = launch.run(None, index, q, k_cache, v_cache, None, scale, bool(causal),
-                                  want_lse, num_splits=splits, window=window, softcap=softcap)
+                                  want_lse, num_splits=splits, window=window, softcap=softcap,
+                                  alibi=alibi_slopes)
         elif isinstance(cache_seqlens, torch.Tensor) or not plain:
             if cache_seqlens is None:  # every position of every sequence
                 cache_seqlens = torch.full((q.shape[0],), seqlen_cache, dtype=torch.int32,
@@ -145,7 +148,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens),
                                            dtype=torch.int32, device=q.device)
             # The kernel first: a call that cannot run must not have changed the cache.
-            kernel = _select_kernel(index, q, k_cache, causal, seqlen_cache, window)
+            kernel = _select_kernel(index, q, k_cache, causal, seqlen_cache, window,
+                                    alibi_slopes is not None)
             debug = dispatch.device_kernels(index).debug
             _check_index_vector("cache_seqlens", cache_seqlens, q, q.shape[0])
             _check_values(cache_seqlens, cache, seqlen_new, k is not None, debug)
@@ -157,10 +161,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 launch.append_kv(kernel, index, _vector_rows(k), _vector_rows(v), k_cache,
                                  v_cache, cache_seqlens, cache)
                 seqused = cache_seqlens + seqlen_new
-            # A plan for the decoding step (no append, nothing but the lengths); none in debug
-            # mode, whose length check the plan would skip.
+            # A plan for the decoding step (no append, nothing but the lengths, no ALiBi: the
+            # step's fast path serves calls without); none in debug mode, whose length check
+            # the plan would skip.
             plan_key = None
-            if k is None and plain and not debug:
+            if k is None and plain and alibi_slopes is None and not debug:
                 try:
                     plan_key = _plans.kvcache_plan_key(q, k_cache, v_cache, cache_seqlens,
                                                        softmax_scale, causal, num_splits,
@@ -171,18 +176,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             out, lse = launch.run(None, index, q, k_cache, v_cache, None, scale, bool(causal),
                                   want_lse, plan_key=plan_key, num_splits=splits,
                                   seqused_k=seqused, plans=_plans.kvcache_plans, window=window,
-                                  softcap=softcap, cache=None if plain else cache)
+                                  softcap=softcap, cache=None if plain else cache,
+                                  alibi=alibi_slopes)
         else:
             _check_int_seqlens(cache_seqlens, seqlen_cache, seqlen_new)
             used = int(cache_seqlens) + seqlen_new
             if k is not None:
-                _select_kernel(index, q, k_cache, causal, used, window)  # before the append
+                _select_kernel(index, q, k_cache, causal, used, window,  # before the append
+                               alibi_slopes is not None)
                 k_cache[:, cache_seqlens:used] = k
                 v_cache[:, cache_seqlens:used] = v
             # Every sequence uses the same prefix: a view of it is a plain padded batch.
             out, lse = launch.run(None, index, q, k_cache[:, :used], v_cache[:, :used], None,
                                   scale, bool(causal), want_lse, num_splits=splits,
-                                  window=window, softcap=softcap)
+                                  window=window, softcap=softcap, alibi=alibi_slopes)
     return (out, lse) if want_lse else out
 
 
@@ -320,12 +327,13 @@ def _check_values(cache_seqlens, cache: launch.CacheAddressing, seqlen_new: int,
                          "filled positions")
 
 
-def _select_kernel(index: int, q, k_cache, causal: bool, seqlen_k: int, window):
+def _select_kernel(index: int, q, k_cache, causal: bool, seqlen_k: int, window,
+                   alibi: bool):
     """Select (and load) the kernel the call will run, so that a call that cannot run raises
     before it writes into the cache; returns it (its module also appends)."""
     rows, _, kernel_causal, _ = heuristics.kernel_problem(q.shape[1], q.shape[2],
                                                           k_cache.shape[2], seqlen_k,
-                                                          bool(causal), window)
+                                                          bool(causal), window, alibi)
     return dispatch.auto_kernel(_driver.current_context(index), index, q.dtype, q.shape[3],
                          kernel_causal, rows, seqlen_k)
 
@@ -333,7 +341,7 @@ def _select_kernel(index: int, q, k_cache, causal: bool, seqlen_k: int, window):
 @torch.compiler.disable  # launches directly: runs eagerly under torch.compile (a graph break)
 def paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          max_seqlen_k, block_table, softmax_scale, causal, window, softcap,
-                         want_lse):
+                         want_lse, alibi_slopes=None):
     """``(out, lse)`` of flash_attn_varlen_func with a block table: q packed (total_q, nheads,
     headdim) as usual, the keys and values in pools of pages (num_blocks, page_block_size,
     nheads_k, headdim); sequence b has cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys, key j in
@@ -352,6 +360,8 @@ def paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_se
     max_seqlen_q = _checks.check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _checks.check_max_seqlen("max_seqlen_k", max_seqlen_k)
     cache = _cache_addressing(q, cu_seqlens_q.numel() - 1, k_cache, block_table, None, None)
+    alibi_slopes = _checks.check_alibi_slopes(alibi_slopes, cu_seqlens_q.numel() - 1,
+                                              q.shape[1], q.device)
     scale = _checks.softmax_scale(softmax_scale, q.shape[2])
     if causal not in (True, False):
         raise TypeError(f"causal={causal!r}; it must be a bool")
@@ -360,4 +370,5 @@ def paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_se
     with torch.cuda.device(index):
         return launch.run_varlen(index, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k,
                                  max_seqlen_q, max_seqlen_k, scale, bool(causal), want_lse,
-                                 window=window, softcap=softcap, cache=cache)
+                                 window=window, softcap=softcap, cache=cache,
+                                 alibi=alibi_slopes)

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _driver, _plans, dispatch, heuristics
-from ._params import APPEND_PARAMS_FORMAT, NO_CACHE_ADDRESSING, score_scales
+from ._params import APPEND_PARAMS_FORMAT, NO_CACHE_ADDRESSING, alibi_params, score_scales
 from ._torch import current_stream, float32
 
 _COMBINE_ROWS = 4  # query rows per CTA of cudaflash_combine (kCombineRows, flash_fwd.cu)
@@ -49,20 +49,22 @@ class CacheAddressing(NamedTuple):
 
 def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: bool,
         plan_key=None, num_splits=None, seqused_k=None, plans=None, window=(-1, -1),
-        softcap=0.0, cache: Optional[CacheAddressing] = None):
+        softcap=0.0, cache: Optional[CacheAddressing] = None, alibi=None):
     """One forward over a padded batch. ``seqused_k``: None, or a (batch,) int32 tensor of
     each entry's key count (flash_attn_with_kvcache; the kernel clamps it into [0,
     seqlen_k]). With a ``plan_key`` the launch is recorded in ``plans`` (default
     flash_attn_func's); the plan takes the key counts' pointer per call. ``window``: the
     sliding window (left, right), -1 unbounded; ``softcap``: the checked cap, 0.0 for none.
     ``cache``: flash_attn_with_kvcache's cache addressing (no plan is recorded with it: its
-    tensors' pointers are packed with the fixed fields)."""
+    tensors' pointers are packed with the fixed fields). ``alibi``: the checked ALiBi slopes
+    or None; their pointer is packed with the fixed fields too (a plan key must hold it:
+    _plans.alibi_key)."""
     batch, seqlen_q, n_heads, d_head = q.shape
     n_heads_k = k.shape[2]
     # A cache's positions per sequence (paged: the table's, not a page's).
     seqlen_k = k.shape[1] if cache is None else cache.seqlen_cache
     rows, heads, causal, kernel_window = heuristics.kernel_problem(
-        seqlen_q, n_heads, n_heads_k, seqlen_k, causal, window)
+        seqlen_q, n_heads, n_heads_k, seqlen_k, causal, window, alibi is not None)
     ctx = _driver.current_context(index)
     if config is None:
         kernel = dispatch.auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k)
@@ -91,7 +93,8 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
                     *score_scales(scale, softcap))
     launch = launch_function(kernel, index, q.device, fixed_params, num_splits, rows=rows,
                              heads=heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
-                             window=kernel_window, softcap=bool(softcap), cache=cache)
+                             window=kernel_window, softcap=bool(softcap), cache=cache,
+                             alibi=alibi)
     # lse 0: writes no lse; cu_seqlens_q 0: not packed; cu_seqlens_k: the key counts, if any
     launch(current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
            0 if lse is None else lse.data_ptr(), 0,
@@ -128,7 +131,8 @@ def append_kv(kernel: dispatch.Kernel, index: int, k_new, v_new, k_cache, v_cach
 
 def run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                max_seqlen_k: int, scale: float, causal: bool, want_lse: bool, plan_key=None,
-               window=(-1, -1), softcap=0.0, cache: Optional[CacheAddressing] = None):
+               window=(-1, -1), softcap=0.0, cache: Optional[CacheAddressing] = None,
+               alibi=None):
     """One forward over a packed batch; with a ``plan_key`` the launch is recorded in the
     varlen plans. Arguments as in ``run``; ``cache``: a block table (k and v are then pools
     of pages (num_blocks, page_size, nheads_k, headdim), cu_seqlens_k gives the lengths
@@ -170,7 +174,8 @@ def run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                     total_q, total_k, *kernel_window, *score_scales(scale, softcap))
     launch = launch_function(kernel, index, q.device, fixed_params, None, rows=rows,
                              heads=n_heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
-                             window=kernel_window, softcap=bool(softcap), cache=cache)
+                             window=kernel_window, softcap=bool(softcap), cache=cache,
+                             alibi=alibi)
     launch(current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
            0 if lse is None else lse.data_ptr(), cu_seqlens_q.data_ptr(),
            cu_seqlens_k.data_ptr())
@@ -183,10 +188,13 @@ def run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
 def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
                     fixed_params: tuple, num_splits: Optional[int], *, rows: int, heads: int,
                     batch: int, seqlen_k: int, d_head: int, window=(-1, -1),
-                    softcap: bool = False, cache: Optional[CacheAddressing] = None):
+                    softcap: bool = False, cache: Optional[CacheAddressing] = None,
+                    alibi=None):
     """The launch of a call: ``fixed_params`` (every Params field between the pointers and
-    the split counts) plus the split counts, as one Launcher, or a split-KV pair (the
-    *_softcap entries with ``softcap``). ``num_splits``: forward's, or None for the rule
+    the split counts) plus the split counts, the cache addressing and ALiBi's fields, as one
+    Launcher, or a split-KV pair (the *_softcap entries with ``softcap``, the *_alibi ones
+    with ``alibi`` alone: the checked slopes). ``num_splits``: forward's, or None for the
+    rule
     (heuristics.split_count). With a left window bound (``window``: the kernel's) a CTA
     visits at most its rows plus the window's keys, and its split-KV runs start at its first
     visible block: they are sized over that span. With a ``cache`` (its Params fields packed
@@ -202,34 +210,37 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
         num_splits = heuristics.split_count(q_blocks * heads * batch, slots, most)
     num_splits, per_split = heuristics.split_sizes(num_splits, kv_blocks, batch)
     fixed_params = (fixed_params + (num_splits, per_split)
-                    + (NO_CACHE_ADDRESSING if cache is None else cache.params()))
+                    + (NO_CACHE_ADDRESSING if cache is None else cache.params())
+                    + alibi_params(alibi))
+    mods = "_softcap" if softcap else "" if alibi is None else "_alibi"
     if num_splits == 1:
         return _driver.Launcher(
-            _entry(kernel, "forward", softcap, cache), kernel.label,
+            _entry(kernel, "forward", mods, cache), kernel.label,
             grid=(q_blocks, heads, batch),
             threads=kernel.threads, smem=kernel.smem, synchronize=kernel.synchronize,
             fixed_params=fixed_params, device_index=index).launch
     return _split_launch(kernel, index, device, fixed_params, q_blocks=q_blocks, heads=heads,
                          batch=batch, rows=rows, d_head=d_head, num_splits=num_splits,
-                         softcap=softcap, cache=cache)
+                         mods=mods, cache=cache)
 
 
-def _entry(kernel: dispatch.Kernel, role: str, softcap: bool, cache):
-    """The function of ``role`` (forward or split) for a call with or without softcapping
-    and cache addressing: the role names of config.KernelConfig.ROLES."""
-    return getattr(kernel.fns, role + ("_softcap" if softcap else "")
-                   + ("" if cache is None else "_kvcache"))
+def _entry(kernel: dispatch.Kernel, role: str, mods: str, cache):
+    """The function of ``role`` (forward or split) for a call with the score modifiers
+    ``mods`` ("": none; "_softcap": softcapping, with or without ALiBi; "_alibi": ALiBi
+    alone) and with or without cache addressing: the role names of
+    config.KernelConfig.ROLES."""
+    return getattr(kernel.fns, role + mods + ("" if cache is None else "_kvcache"))
 
 
 def _split_launch(kernel: dispatch.Kernel, index: int, device: torch.device,
                   fixed_params: tuple, *,
                   q_blocks: int, heads: int, batch: int, rows: int, d_head: int,
-                  num_splits: int, softcap: bool = False, cache=None):
+                  num_splits: int, mods: str = "", cache=None):
     """The launch function of a split-KV call: allocate the float32 workspace (one tensor
     from torch's allocator, on the current stream: released once both kernels have run), run
     the split forward, then the combine kernel."""
     forward = _driver.Launcher(
-        _entry(kernel, "split", softcap, cache), kernel.label.replace("(", "(split ", 1),
+        _entry(kernel, "split", mods, cache), kernel.label.replace("(", "(split ", 1),
         grid=(q_blocks, heads, batch * num_splits), threads=kernel.threads, smem=kernel.smem,
         synchronize=kernel.synchronize, fixed_params=fixed_params, device_index=index)
     combine = _driver.Launcher(

@@ -40,7 +40,11 @@ from .selection import Rule, parse_rules
 # 10: each backward module records fused_threads, the block size of its fused dK/dV + dQ
 # entries (384 where warp-specialized: BackwardConfig.warp_specialized), and the atomic
 # scheme's dQ accumulator holds seqlen_q rounded up to 64 rows per head.
-SCHEMA = 10
+# 11: Params and BwdParams carry ALiBi (alibi_scale, alibi_slopes, alibi_batch_stride: 304
+# and 384 bytes); each forward module adds the *_alibi roles (forward_alibi, split_alibi and
+# their _kvcache forms), its *_softcap entries also apply ALiBi, and the backward's
+# *_softcap roles are *_scoremod (softcapping and ALiBi: dkdv_scoremod, ...).
+SCHEMA = 11
 KINDS = ("cubin", "ptx")
 MANIFEST_NAME = "manifest.json"
 

@@ -9,15 +9,42 @@ from __future__ import annotations
 import torch
 
 
-def attention(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
+def alibi_bias(alibi_slopes, batch, heads, seqlen_q, seqlen_k, rows=None):
+    """flash-attn's ALiBi bias, float32 (batch, heads, len(rows), seqlen_k): query row i and
+    key j of head h in batch entry b get -slope * |i + seqlen_k - seqlen_q - j|, slope =
+    alibi_slopes[h] ((heads,) slopes) or alibi_slopes[b, h] ((batch, heads)). ``rows``: the
+    query rows' indices in the sequence of seqlen_q rows (default: all of them)."""
+    device = alibi_slopes.device
+    rows = torch.arange(seqlen_q, device=device) if rows is None else rows.to(device)
+    cols = torch.arange(seqlen_k, device=device)
+    distance = (rows[:, None] + (seqlen_k - seqlen_q) - cols[None, :]).abs().float()
+    slopes = alibi_slopes.float().expand(batch, heads)
+    return -slopes[:, :, None, None] * distance
+
+
+def check_alibi_slopes(alibi_slopes, batch, heads):
+    """The forms cudaflash's checks insist on: None or float32 (heads,) or (batch, heads)."""
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be a float32 tensor, got {alibi_slopes!r}")
+    if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes has shape {tuple(alibi_slopes.shape)}; it must be "
+                         f"({heads},) or ({batch}, {heads})")
+
+
+def attention(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+              alibi_slopes=None):
     """flash_attn_func: q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, heads_k, d);
-    causal and windows aligned to the bottom-right corner; rows that see no key give 0."""
+    causal and windows aligned to the bottom-right corner; rows that see no key give 0.
+    alibi_slopes: flash-attn's ALiBi (alibi_bias), added to the scaled (and capped) scores."""
     if not (isinstance(window_size, tuple) and len(window_size) == 2
             and all(type(w) is int for w in window_size)):
         raise TypeError(f"window_size={window_size!r} is not a tuple of two ints")
     if not isinstance(softcap, float):
         raise TypeError(f"softcap={softcap!r} is not a float")
     batch, seqlen_q, heads, d = q.shape
+    check_alibi_slopes(alibi_slopes, batch, heads)
     seqlen_k, groups = k.shape[1], heads // k.shape[2]
     qf = q.float().transpose(1, 2)
     kf = k.float().repeat_interleave(groups, dim=2).transpose(1, 2)
@@ -26,6 +53,9 @@ def attention(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), s
     scores = qf @ kf.transpose(-1, -2) * scale  # (batch, heads, seqlen_q, seqlen_k)
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, batch, heads, seqlen_q, seqlen_k).to(
+            scores.device)
     row = torch.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
     col = torch.arange(seqlen_k)[None, :]
     left, right = window_size
@@ -43,8 +73,10 @@ def attention(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), s
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
-    """flash_attn_varlen_func: packed (total, heads, d) rows, int32 offsets, int maxima."""
+                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                     alibi_slopes=None):
+    """flash_attn_varlen_func: packed (total, heads, d) rows, int32 offsets, int maxima;
+    alibi_slopes (heads,) or (batch, heads), sequence b's bias from its own lengths."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dtype != torch.int32 or cu.dim() != 1:
             raise TypeError(f"{name} must be a 1D int32 tensor, got {cu.dtype} {tuple(cu.shape)}")
@@ -54,9 +86,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if max(b - a for a, b in zip(starts_q, starts_q[1:])) > max_seqlen_q or \
             max(b - a for a, b in zip(starts_k, starts_k[1:])) > max_seqlen_k:
         raise ValueError("a sequence is longer than max_seqlen_q or max_seqlen_k")
+    check_alibi_slopes(alibi_slopes, len(starts_q) - 1, q.shape[1])
     outs = []
     for b in range(len(starts_q) - 1):
         qs, ks = slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
+        slopes = (alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1
+                  else alibi_slopes[b:b + 1])
         outs.append(attention(q[None, qs], k[None, ks], v[None, ks], softmax_scale, causal,
-                              window_size, softcap)[0])
+                              window_size, softcap, slopes)[0])
     return torch.cat(outs)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from cudaflash import KernelConfig, flash_attn_func, forward
+from cudaflash import (KernelConfig, flash_attn_func, flash_attn_kvpacked_func,
+                       flash_attn_qkvpacked_func, forward)
 from cudaflash.config import ConfigError
 
 import _internals as internals
@@ -175,13 +176,107 @@ def test_non_unit_last_stride_is_refused(name):
         flash_attn_func(**tensors)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(dropout_p=0.1), r"dropout_p=0.1: cudaflash has no dropout.*dropout_p=0.0"),
-    (dict(alibi_slopes=torch.ones(2)), r"alibi_slopes is a Tensor: ALiBi is not implemented"),
-])
-def test_unsupported_features(kwargs, message):
-    with pytest.raises(NotImplementedError, match=message):
-        flash_attn_func(*qkv(), **kwargs)
+def test_dropout_is_not_implemented():
+    with pytest.raises(NotImplementedError, match=r"dropout_p=0.1: cudaflash has no dropout.*"
+                                                  r"dropout_p=0.0"):
+        flash_attn_func(*qkv(), dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="dropout_p=0.1"):
+        flash_attn_func(*qkv(), dropout_p=0.1, alibi_slopes=torch.ones(2))
+
+
+# ---- alibi_slopes ------------------------------------------------------------------------------
+
+
+def bad_alibi_slopes(batch: int, nheads: int, nheads_k: int) -> list:
+    """pytest params (slopes, error, message) of bad alibi_slopes for a call of ``batch``
+    sequences, ``nheads`` query heads and ``nheads_k`` K/V heads (the varlen and kvcache error
+    tests use them too). Each is bad in one way only, so the order of the checks does not
+    matter."""
+    shape = (rf"; it must be \(nheads,\) = \({nheads},\) or \(batch, nheads\) = "
+             rf"\({batch}, {nheads}\)")
+    return [
+        pytest.param([0.5] * nheads, TypeError, r"alibi_slopes.*must be a float32 tensor",
+                     id="list"),
+        pytest.param(np.ones(nheads, dtype=np.float32), TypeError,
+                     r"alibi_slopes.*must be a float32 tensor", id="ndarray"),
+        pytest.param(0.5, TypeError, r"alibi_slopes.*must be a float32 tensor", id="float"),
+        pytest.param(torch.ones(nheads, dtype=F16), ValueError,
+                     r"alibi_slopes has dtype torch.float16; it must be torch.float32",
+                     id="float16"),
+        pytest.param(torch.ones(batch, nheads, dtype=torch.float64), ValueError,
+                     r"alibi_slopes has dtype torch.float64; it must be torch.float32",
+                     id="float64"),
+        pytest.param(torch.ones(3, 5), ValueError, r"alibi_slopes has shape \(3, 5\)" + shape,
+                     id="shape_3x5"),
+        pytest.param(torch.ones(nheads_k), ValueError,
+                     rf"alibi_slopes has shape \({nheads_k},\)" + shape, id="nheads_k"),
+        pytest.param(torch.ones(nheads, batch), ValueError,
+                     rf"alibi_slopes has shape \({nheads}, {batch}\)" + shape, id="transposed"),
+        pytest.param(torch.ones(1, batch, nheads), ValueError,
+                     rf"alibi_slopes has shape \(1, {batch}, {nheads}\)" + shape, id="3d"),
+        pytest.param(torch.tensor(0.5), ValueError, r"alibi_slopes has shape \(\)" + shape,
+                     id="0d"),
+        pytest.param(torch.ones(2 * nheads)[::2], ValueError,
+                     r"alibi_slopes.*unit last stride", id="head_stride_2"),
+        pytest.param(torch.ones(nheads, batch).t(), ValueError,
+                     r"alibi_slopes.*unit last stride", id="transposed_view"),
+        pytest.param(torch.ones(nheads, device="meta"), ValueError,
+                     r"alibi_slopes is on meta.*q's device", id="meta"),
+        pytest.param(torch.ones(batch, nheads, device="meta"), ValueError,
+                     r"alibi_slopes is on meta.*q's device", id="meta_batch"),
+    ]
+
+
+def good_alibi_slopes(batch: int, nheads: int) -> list:
+    """Valid alibi_slopes: (nheads,), (batch, nheads), and (batch, nheads) with a batch stride
+    of its own (only the last stride must be 1)."""
+    return [torch.rand(nheads), torch.rand(batch, nheads),
+            torch.rand(batch, 2 * nheads)[:, :nheads]]
+
+
+@pytest.mark.parametrize("slopes, error, message", bad_alibi_slopes(2, 4, 2))
+def test_bad_alibi_slopes(slopes, error, message):
+    q, k, v = qkv(b=2, h=4, hk=2)
+    with pytest.raises(error, match=message):
+        flash_attn_func(q, k, v, alibi_slopes=slopes)
+    q.requires_grad_()  # the autograd path checks them too
+    with pytest.raises(error, match=message):
+        flash_attn_func(q, k, v, alibi_slopes=slopes)
+
+
+def test_bad_alibi_slopes_are_refused_on_every_path():
+    """The head-dim padding, the packed forms, softcap and window calls and forward(config)
+    pass the slopes to the same checks."""
+    half = torch.ones(4, dtype=F16)
+    message = "alibi_slopes has dtype torch.float16; it must be torch.float32"
+    q, k, v = qkv(b=2, h=4, hk=4)
+    calls = [
+        lambda s: flash_attn_func(*qkv(b=2, h=4, hk=2, d=96), alibi_slopes=s),
+        lambda s: flash_attn_func(q, k, v, softcap=30.0, alibi_slopes=s),
+        lambda s: flash_attn_func(q, k, v, window_size=(8, 0), causal=True, alibi_slopes=s),
+        lambda s: flash_attn_qkvpacked_func(torch.stack((q, k, v), 2), alibi_slopes=s),
+        lambda s: flash_attn_kvpacked_func(q, torch.stack((k, v), 2), alibi_slopes=s),
+        lambda s: forward(D64_NAME, q, k, v, alibi_slopes=s),
+        lambda s: forward(D64_NAME, q, k, v, num_splits=3, alibi_slopes=s),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=message):
+            call(half)
+        for slopes in good_alibi_slopes(2, 4):
+            with pytest.raises(ValueError, match=CPU_ERROR):
+                call(slopes)
+
+
+def test_valid_alibi_slopes_reach_the_device_check():
+    q, k, v = qkv(b=2, h=4, hk=2)
+    for slopes in good_alibi_slopes(2, 4):
+        with pytest.raises(ValueError, match=CPU_ERROR):
+            flash_attn_func(q, k, v, alibi_slopes=slopes)
+        with pytest.raises(ValueError, match=CPU_ERROR):
+            flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, deterministic=True,
+                            return_attn_probs=True)
+        with pytest.raises(ValueError, match=CPU_ERROR):  # with gradients: autograd's path
+            flash_attn_func(q.clone().requires_grad_(), k, v, alibi_slopes=slopes)
 
 
 @pytest.mark.parametrize("window", [None, (128,), (1, 2, 3), (-2, 0), (1.5, 0), (True, 0),

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cudaflash import flash_attn_with_kvcache
+from test_api_errors import bad_alibi_slopes, good_alibi_slopes
 
 F16 = torch.float16
 CPU_ERROR = r"on cpu; cudaflash runs on CUDA GPUs only"
@@ -89,13 +90,46 @@ def test_paged_and_indexed_caches_need_not_have_the_batch():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(window_size=(8, 0, 1)), r"window_size=\(8, 0, 1\); it must be \(left, right\)"),
     (dict(softcap=-1.0), r"softcap=-1.0; it must be a finite number >= 0"),
-    (dict(alibi_slopes=torch.zeros(4)), "ALiBi is not implemented"),
 ])
-def test_unsupported_features(kwargs, match):
+def test_bad_window_and_softcap(kwargs, match):
     q, kc, vc, _, _ = tensors()
-    with pytest.raises(NotImplementedError if "alibi_slopes" in kwargs else ValueError,
-                       match=match):
+    with pytest.raises(ValueError, match=match):
         flash_attn_with_kvcache(q, kc, vc, **kwargs)
+
+
+@pytest.mark.parametrize("slopes, error, message", bad_alibi_slopes(2, 4, 2))
+def test_bad_alibi_slopes(slopes, error, message):
+    """Refused whatever the call's form: the whole cache, a decoding step (tensor lengths),
+    an append, paged caches."""
+    q, kc, vc, k, v = tensors()
+    lengths = torch.tensor([4, 9], dtype=I32)
+    pages = torch.zeros(5, 16, 2, 64, dtype=F16)
+    for call in (lambda: flash_attn_with_kvcache(q, kc, vc, alibi_slopes=slopes),
+                 lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths,
+                                                 alibi_slopes=slopes),
+                 lambda: flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=4,
+                                                 alibi_slopes=slopes),
+                 lambda: flash_attn_with_kvcache(q, pages, pages.clone(), cache_seqlens=lengths,
+                                                 block_table=torch.zeros(2, 2, dtype=I32),
+                                                 alibi_slopes=slopes)):
+        with pytest.raises(error, match=message):
+            call()
+
+
+def test_valid_alibi_slopes_reach_the_device_check():
+    q, kc, vc, k, v = tensors()
+    lengths = torch.tensor([4, 9], dtype=I32)
+    pages = torch.zeros(5, 16, 2, 64, dtype=F16)
+    for slopes in good_alibi_slopes(2, 4):
+        for kwargs in (dict(), dict(cache_seqlens=lengths, num_splits=3, causal=True),
+                       dict(k=k, v=v, cache_seqlens=4, softcap=5.0, window_size=(3, 0)),
+                       dict(cache_seqlens=lengths, cache_leftpad=torch.zeros(2, dtype=I32))):
+            with pytest.raises(ValueError, match=CPU_ERROR):
+                flash_attn_with_kvcache(q, kc, vc, alibi_slopes=slopes, **kwargs)
+        with pytest.raises(ValueError, match=CPU_ERROR):
+            flash_attn_with_kvcache(q, pages, pages.clone(), cache_seqlens=lengths,
+                                    block_table=torch.zeros(2, 2, dtype=I32),
+                                    alibi_slopes=slopes)
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "2"])

@@ -4,7 +4,9 @@ before the device check, which comes last). GPU behaviour: test_gpu_varlen.py.""
 import pytest
 import torch
 
-from cudaflash import flash_attn_varlen_func
+from cudaflash import (flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                       flash_attn_varlen_qkvpacked_func)
+from test_api_errors import bad_alibi_slopes, good_alibi_slopes
 
 F16 = torch.float16
 CPU_ERROR = r"on cpu; cudaflash runs on CUDA GPUs only"
@@ -111,3 +113,63 @@ def test_bad_softcap_is_named():
 def test_causal_must_be_bool():
     with pytest.raises(TypeError, match="causal='yes'; it must be a bool"):
         call(args(), causal="yes")
+
+
+# ---- alibi_slopes: (nheads,) or (batch, nheads), batch = the number of sequences -------------
+
+
+@pytest.mark.parametrize("slopes, error, message", bad_alibi_slopes(2, 4, 2))
+def test_bad_alibi_slopes(slopes, error, message):
+    a = args(h=4, hk=2)
+    with pytest.raises(error, match=message):
+        call(a, alibi_slopes=slopes)
+    a[0].requires_grad_(True)  # the autograd path checks them too
+    with pytest.raises(error, match=message):
+        call(a, alibi_slopes=slopes)
+
+
+def test_valid_alibi_slopes_reach_the_device_check():
+    for slopes in good_alibi_slopes(2, 4):
+        with pytest.raises(ValueError, match=CPU_ERROR):
+            call(args(h=4, hk=2), alibi_slopes=slopes, causal=True, return_attn_probs=True)
+        a = args(h=4, hk=2)
+        a[0].requires_grad_(True)
+        with pytest.raises(ValueError, match=CPU_ERROR):
+            call(a, alibi_slopes=slopes, softcap=5.0, window_size=(3, 0))
+
+
+def test_alibi_slopes_batch_is_the_number_of_sequences():
+    """Three sequences: (3, nheads) slopes are valid, (2, nheads) are not."""
+    a = args(lens_q=(3, 5, 1), lens_k=(4, 6, 2), h=4, hk=2)
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        call(a, alibi_slopes=torch.rand(3, 4))
+    with pytest.raises(ValueError, match=r"alibi_slopes has shape \(2, 4\); it must be "
+                                         r"\(nheads,\) = \(4,\) or \(batch, nheads\) = "
+                                         r"\(3, 4\)"):
+        call(a, alibi_slopes=torch.rand(2, 4))
+
+
+def test_alibi_slopes_with_paged_kv_and_the_packed_forms():
+    """flash_attn_varlen_func's paged branch and the packed forms check the slopes alike."""
+    a = args(h=4, hk=2)
+    pool = torch.zeros(4, 16, 2, 64, dtype=F16)
+    a[1], a[2] = pool, pool.clone()
+    table = torch.zeros(2, 1, dtype=torch.int32)
+    half = torch.ones(4, dtype=F16)
+    message = "alibi_slopes has dtype torch.float16; it must be torch.float32"
+    with pytest.raises(ValueError, match=message):
+        call(a, block_table=table, alibi_slopes=half)
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        call(a, block_table=table, alibi_slopes=torch.rand(2, 4))
+    q, k, v, cu_q, cu_k, max_q, max_k = args(lens_q=(3, 5), lens_k=(3, 5), h=4, hk=4)
+    qkv = torch.stack((q, k, v), 1)
+    with pytest.raises(ValueError, match=message):
+        flash_attn_varlen_qkvpacked_func(qkv, cu_q, max_q, alibi_slopes=half)
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        flash_attn_varlen_qkvpacked_func(qkv, cu_q, max_q, alibi_slopes=torch.rand(4))
+    kv = torch.stack((k, v), 1)
+    with pytest.raises(ValueError, match=message):
+        flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, max_q, max_k, alibi_slopes=half)
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, max_q, max_k,
+                                        alibi_slopes=torch.rand(2, 4))

@@ -149,6 +149,22 @@ ptxas info    : Function properties for cudaflash_fwd_split_softcap
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 252 registers, used 1 barriers, 1024 bytes smem
 ptxas info    : Compile time = 150.0 ms
+ptxas info    : Compiling entry function 'cudaflash_fwd_alibi' for 'sm_90'
+ptxas info    : Function properties for cudaflash_fwd_alibi
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 251 registers, used 1 barriers, 1024 bytes smem
+ptxas info    : Compiling entry function 'cudaflash_fwd_split_alibi' for 'sm_90'
+ptxas info    : Function properties for cudaflash_fwd_split_alibi
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 251 registers, used 1 barriers, 1024 bytes smem
+ptxas info    : Compiling entry function 'cudaflash_fwd_alibi_kvcache' for 'sm_90'
+ptxas info    : Function properties for cudaflash_fwd_alibi_kvcache
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 251 registers, used 1 barriers, 1024 bytes smem
+ptxas info    : Compiling entry function 'cudaflash_fwd_split_alibi_kvcache' for 'sm_90'
+ptxas info    : Function properties for cudaflash_fwd_split_alibi_kvcache
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 251 registers, used 1 barriers, 1024 bytes smem
 ptxas info    : Compiling entry function 'cudaflash_fwd_kvcache' for 'sm_90'
 ptxas info    : Function properties for cudaflash_fwd_kvcache
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
@@ -174,7 +190,7 @@ ptxas info    : Used 20 registers, used 1 barriers, 1024 bytes smem
 
 def test_parse_ptxas():
     # Registers and smem of the forward, the split forward's registers, spills summed over
-    # all ten entries, the largest stack frame.
+    # all fourteen entries, the largest stack frame.
     assert build_cubins.parse_ptxas(PTXAS_LOG) == {
         "registers": 255, "split_registers": 254, "spill_bytes": 88, "stack_bytes": 16,
         "static_smem": 1024, "wgmma_serialized": False}
@@ -414,14 +430,16 @@ BACKWARD_ENTRIES = ["cudaflash_bwd_preprocess", "cudaflash_bwd_dkdv", "cudaflash
                     "cudaflash_bwd_dkdv_dq", "cudaflash_bwd_dq_convert",
                     "cudaflash_bwd_dkdv_dq_window", "cudaflash_bwd_preprocess_varlen",
                     "cudaflash_bwd_dkdv_varlen", "cudaflash_bwd_dq_varlen",
-                    "cudaflash_bwd_dkdv_softcap", "cudaflash_bwd_dq_softcap",
-                    "cudaflash_bwd_dkdv_varlen_softcap", "cudaflash_bwd_dq_varlen_softcap"]
+                    "cudaflash_bwd_dkdv_scoremod", "cudaflash_bwd_dq_scoremod",
+                    "cudaflash_bwd_dkdv_varlen_scoremod", "cudaflash_bwd_dq_varlen_scoremod"]
 KERNEL_KEYS = {"name", "config", "arch", "kind", "file", "entries", "threads", "registers",
                "spill_bytes", "sha256", "nvcc_version", "ptxas_version", "ptx_isa",
                "min_driver", "source_hash"}
 ENTRIES = ["cudaflash_fwd", "cudaflash_fwd_split", "cudaflash_combine", "cudaflash_fwd_softcap",
-           "cudaflash_fwd_split_softcap", "cudaflash_fwd_kvcache", "cudaflash_fwd_split_kvcache",
+           "cudaflash_fwd_split_softcap", "cudaflash_fwd_alibi", "cudaflash_fwd_split_alibi",
+           "cudaflash_fwd_kvcache", "cudaflash_fwd_split_kvcache",
            "cudaflash_fwd_softcap_kvcache", "cudaflash_fwd_split_softcap_kvcache",
+           "cudaflash_fwd_alibi_kvcache", "cudaflash_fwd_split_alibi_kvcache",
            "cudaflash_append_kv"]
 
 
@@ -437,7 +455,7 @@ def check_entries(k: dict, cfg, symbols: list) -> None:
 
 def check_manifest(m: dict, out_dir: Path) -> None:
     assert set(m) == TOP_KEYS
-    assert m["schema"] == build_cubins.manifest.SCHEMA == 10
+    assert m["schema"] == build_cubins.manifest.SCHEMA == 11
     assert re.fullmatch(r"\d+\.\d+\.\d+", m["nvcc_version"])
     assert re.fullmatch(r"\d+\.\d+\.\d+", m["ptxas_version"])
     # Every file's driver floor is what its own header / .version line says.
@@ -574,6 +592,10 @@ KVCACHE_STAND_IN(cudaflash_fwd_kvcache, page_shift)
 KVCACHE_STAND_IN(cudaflash_fwd_split_kvcache, n_cache_entries)
 KVCACHE_STAND_IN(cudaflash_fwd_softcap_kvcache, block_table_stride)
 KVCACHE_STAND_IN(cudaflash_fwd_split_softcap_kvcache, paged_keys)
+KVCACHE_STAND_IN(cudaflash_fwd_alibi, alibi_batch_stride)
+KVCACHE_STAND_IN(cudaflash_fwd_split_alibi, alibi_scale)
+KVCACHE_STAND_IN(cudaflash_fwd_alibi_kvcache, alibi_batch_stride)
+KVCACHE_STAND_IN(cudaflash_fwd_split_alibi_kvcache, alibi_scale)
 extern "C" __global__ void cudaflash_append_kv(const __grid_constant__ cudaflash::AppendParams p) {
     static_cast<int*>(p.k_cache)[threadIdx.x] = p.seqlen_new;
 }

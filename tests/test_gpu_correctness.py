@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import cudaflash
+from _flash_reference import alibi_bias
 from conftest import gpu_skip_reason
 from cudaflash import flash_attn_func, forward, manifest
 
@@ -72,13 +73,16 @@ def make_qkv(b, sq, sk, h, hk, d, dtype, seed=0):
                  for shape in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d)))
 
 
-def attention_ref(q, k, v, causal, scale, upcast, first_row=0, seqlen_q=None, softcap=0.0):
+def attention_ref(q, k, v, causal, scale, upcast, first_row=0, seqlen_q=None, softcap=0.0,
+                  alibi_slopes=None):
     """(out, lse) of softmax(scale * q k^T, bottom-right causal mask) v, in BSHD.
 
     upcast: the math in float32, else in q's dtype. q holds query rows [first_row,
     first_row + q.shape[1]) of a sequence of seqlen_q rows (default: all of it), so the causal
     mask of a slice of rows is the one of the full problem. softcap > 0: the scaled scores
     become softcap * tanh(scores / softcap) before the mask (flash-attn's softcapping).
+    alibi_slopes: (h,) or (b, h) float32; flash-attn's ALiBi bias -slope * |i + seqlen_k -
+    seqlen_q - j| is added (in float32, as flash-attn's reference does) after the cap.
     """
     seqlen_q = q.shape[1] if seqlen_q is None else seqlen_q
     if upcast:
@@ -89,6 +93,10 @@ def attention_ref(q, k, v, causal, scale, upcast, first_row=0, seqlen_q=None, so
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # (b, h, sq, sk)
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        rows = torch.arange(first_row, first_row + q.shape[1], device=q.device)
+        scores = scores + alibi_bias(alibi_slopes, q.shape[0], q.shape[2], seqlen_q,
+                                     k.shape[1], rows)
     if causal:
         seqlen_k = k.shape[1]
         rows = torch.arange(first_row, first_row + q.shape[1], device=q.device)[:, None]
@@ -114,11 +122,13 @@ def _assert_within(what, ours, ref, lowp):
 
 
 def check_attention(out, lse, q, k, v, causal, scale=None, first_row=0, seqlen_q=None,
-                    softcap=0.0):
+                    softcap=0.0, alibi_slopes=None):
     """Assert FlashAttention's accuracy rule for out and (if given) lse."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    ref, ref_lse = attention_ref(q, k, v, causal, scale, True, first_row, seqlen_q, softcap)
-    lowp, lowp_lse = attention_ref(q, k, v, causal, scale, False, first_row, seqlen_q, softcap)
+    ref, ref_lse = attention_ref(q, k, v, causal, scale, True, first_row, seqlen_q, softcap,
+                                 alibi_slopes)
+    lowp, lowp_lse = attention_ref(q, k, v, causal, scale, False, first_row, seqlen_q, softcap,
+                                   alibi_slopes)
     assert out.shape == q.shape and out.dtype == q.dtype
     bad = (~torch.isfinite(out)).sum().item()
     assert bad == 0, f"out has {bad} NaN/inf elements (unwritten or overflowed)"

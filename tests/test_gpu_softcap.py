@@ -234,7 +234,7 @@ def test_gradients_with_a_window_and_under_torch_compile():
 
 def test_every_backward_module_that_runs_here(monkeypatch):
     """Each shipped backward module this GPU can run (not only the selected one): its
-    dkdv_softcap and dq_softcap entries."""
+    dkdv_scoremod and dq_scoremod entries."""
     def body(entry):
         cfg = entry.config
         q, k, v = make_qkv(1, 200, 300, 4, 2, cfg.d_head, DTYPES[cfg.dtype], seed=14)

@@ -11,6 +11,7 @@ import torch
 from cudaflash import (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
                        forward)
 import _internals as internals
+from _flash_reference import alibi_bias
 from test_gpu_correctness import (COMBOS, DTYPES, KERNELS, _assert_within, _combo_id,
                                   _pick_combo, fp32_reference_without_tf32,  # noqa: F401
                                   make_qkv)
@@ -21,11 +22,14 @@ from test_gpu_varlen import offsets, packed
 pytestmark = pytest.mark.requires_gpu
 
 
-def window_ref(q, k, v, left, right, causal, upcast, scale=None, softcap=0.0):
+def window_ref(q, k, v, left, right, causal, upcast, scale=None, softcap=0.0,
+               alibi_slopes=None):
     """(out, lse) of softmax(q k^T / sqrt(d) with the window mask) v in BSHD: query i sees
     keys j with i + shift - left <= j <= i + shift + right (a side unbounded when -1, or when
     at least seqlen_k, flash-attn's rule; causal is right = 0), shift = seqlen_k - seqlen_q.
-    ``scale`` replaces 1 / sqrt(d); softcap > 0 caps the scaled scores (c * tanh(s / c))."""
+    ``scale`` replaces 1 / sqrt(d); softcap > 0 caps the scaled scores (c * tanh(s / c));
+    alibi_slopes adds flash-attn's ALiBi bias after the cap (test_gpu_correctness's
+    attention_ref)."""
     left = -1 if left >= k.shape[1] else left
     right = -1 if right >= k.shape[1] else right
     if upcast:
@@ -37,6 +41,8 @@ def window_ref(q, k, v, left, right, causal, upcast, scale=None, softcap=0.0):
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     sq, sk = q.shape[1], k.shape[1]
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, q.shape[0], q.shape[2], sq, sk)
     offset = (torch.arange(sk, device=q.device)[None, :]
               - torch.arange(sq, device=q.device)[:, None] - (sk - sq))
     right = 0 if causal else right

@@ -283,15 +283,16 @@ def test_module_loaded_once_with_its_smem_attribute(fake, fake_kernel_dir):
     entry = manifest.load_manifest().usable(80, 166912)[D64["fp16"].name]
     assert (entry.kind, entry.arch) == ("cubin", 80)
     assert fake.loaded == [entry.path.read_bytes()]
-    # The eight forwards (plain and softcapped, whole and split, with and without the
-    # kvcache's cache addressing)
+    # The twelve forwards (plain, softcapped and ALiBi, whole and split, with and without
+    # the kvcache's cache addressing)
     # opt into their dynamic smem; the combine and append kernels use none.
     assert sorted(fn for fn, _, _ in fake.attributes) == sorted(
         ("module1", name.encode()) for name in (
             "cudaflash_fwd", "cudaflash_fwd_softcap", "cudaflash_fwd_split",
-            "cudaflash_fwd_split_softcap", "cudaflash_fwd_kvcache",
-            "cudaflash_fwd_softcap_kvcache", "cudaflash_fwd_split_kvcache",
-            "cudaflash_fwd_split_softcap_kvcache"))
+            "cudaflash_fwd_split_softcap", "cudaflash_fwd_alibi", "cudaflash_fwd_split_alibi",
+            "cudaflash_fwd_kvcache", "cudaflash_fwd_softcap_kvcache",
+            "cudaflash_fwd_split_kvcache", "cudaflash_fwd_split_softcap_kvcache",
+            "cudaflash_fwd_alibi_kvcache", "cudaflash_fwd_split_alibi_kvcache"))
     for _, attribute, value in fake.attributes:
         assert attribute.name == "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES"
         assert value == entry.smem_bytes
@@ -304,7 +305,7 @@ def test_backward_module_loads_every_role_with_its_smem(fake, fake_kernel_dir):
     entry = manifest.load_manifest().usable_backward(80, 166912)[BWD_D64.name]
     fns = _driver.get_functions(entry, 0, CTX)
     assert fns._fields == tuple(role.name for role in BWD_D64.ROLES)
-    assert fns.dkdv_varlen_softcap == ("module1", b"cudaflash_bwd_dkdv_varlen_softcap")
+    assert fns.dkdv_varlen_scoremod == ("module1", b"cudaflash_bwd_dkdv_varlen_scoremod")
     assert _driver.get_functions(entry, 0, CTX) is fns
     smem = {fn[1].decode(): value for fn, _, value in fake.attributes}
     assert smem == {role.symbol: role.smem_bytes(BWD_D64) for role in BWD_D64.ROLES
@@ -662,17 +663,18 @@ def test_selected_config_sees_the_packed_problem(fake, monkeypatch):
 
 
 @pytest.mark.parametrize("role", ["forward", "split"])
-@pytest.mark.parametrize("softcap", [False, True])
+@pytest.mark.parametrize("mods", ["", "_softcap", "_alibi"])
 @pytest.mark.parametrize("cache", [None, "addressing"])
-def test_each_call_kind_launches_its_own_entry(role, softcap, cache):
-    """Softcapping and flash_attn_with_kvcache's cache addressing each pick the entries built
-    for them (config.KernelConfig.ROLES); a plain call never runs a *_kvcache entry."""
+def test_each_call_kind_launches_its_own_entry(role, mods, cache):
+    """Softcapping, ALiBi and flash_attn_with_kvcache's cache addressing each pick the
+    entries built for them (config.KernelConfig.ROLES); a plain call never runs a *_softcap,
+    *_alibi or *_kvcache entry."""
     from cudaflash.config import KernelConfig
 
     symbols = {r.name: r.symbol for r in KernelConfig.ROLES}
     kernel = SimpleNamespace(fns=SimpleNamespace(**symbols))
-    symbol = internals.entry_function(kernel, role, softcap, cache)
-    assert symbol == {(r, s, c): f"cudaflash_fwd{'_split' if r == 'split' else ''}"
-                      f"{'_softcap' if s else ''}{'' if c is None else '_kvcache'}"
-                      for r in ("forward", "split") for s in (False, True)
-                      for c in (None, "addressing")}[(role, softcap, cache)]
+    symbol = internals.entry_function(kernel, role, mods, cache)
+    assert symbol == {(r, m, c): f"cudaflash_fwd{'_split' if r == 'split' else ''}"
+                      f"{m}{'' if c is None else '_kvcache'}"
+                      for r in ("forward", "split") for m in ("", "_softcap", "_alibi")
+                      for c in (None, "addressing")}[(role, mods, cache)]

@@ -26,8 +26,8 @@ _CUDA_TYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p,
 
 
 def test_sizes_agree():
-    assert ctypes.sizeof(Params) == PARAMS_BYTES == 288
-    assert ctypes.sizeof(BwdParams) == BWD_PARAMS_BYTES == 368
+    assert ctypes.sizeof(Params) == PARAMS_BYTES == 304
+    assert ctypes.sizeof(BwdParams) == BWD_PARAMS_BYTES == 384
     assert struct.calcsize(PARAMS_STRUCT_FORMAT) == PARAMS_BYTES
 
 
@@ -155,7 +155,8 @@ def test_bwd_fields_match_bwd_params_cuh():
 
 def test_backward_pack_fills_every_field_in_order():
     """backward.run packs BwdParams with one struct format: distinct values read back field
-    by field (the window's two sides, then softcap_pre and the reserved float, last)."""
+    by field (the window's two sides, softcap_pre, alibi_scale, ALiBi's slopes and batch
+    stride, and the reserved int, last)."""
     flat = _bwd_flat_fields()
     values = [float(i) + 0.5 if c is ctypes.c_float else 1000 + i
               for i, (_, c) in enumerate(flat)]
@@ -168,5 +169,7 @@ def test_backward_pack_fills_every_field_in_order():
             obj = getattr(obj, part)
         read.append(obj)
     assert read == values
-    assert flat[-4:] == [("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32),
-                         ("softcap_pre", ctypes.c_float), ("reserved", ctypes.c_float)]
+    assert flat[-7:] == [("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32),
+                         ("softcap_pre", ctypes.c_float), ("alibi_scale", ctypes.c_float),
+                         ("alibi_slopes", ctypes.c_void_p),
+                         ("alibi_batch_stride", ctypes.c_int32), ("reserved", ctypes.c_int32)]

@@ -43,11 +43,15 @@ def train_forwards(row: Row, variants, q, k, v) -> dict:
     return forwards
 
 
-def softcap_forwards(row: Row, variants, q, k, v, deterministic: bool) -> dict:
+def modifier_forwards(row: Row, variants, q, k, v, deterministic: bool) -> dict:
+    """The softcap and alibi suites: flash_attn_func plain, capped or with ALiBi's slopes
+    (2^(-8 (h + 1) / H) for head h of H, as in the ALiBi paper)."""
     causal = row.get("causal")
-    caps = {"plain": 0.0, "softcap": SOFTCAP}
-    return {variant: ((lambda cap=caps[variant]: api.flash_attn_func(
-        q, k, v, causal=causal, softcap=cap, deterministic=deterministic)), NO_CONTEXT)
+    heads = q.shape[2]
+    slopes = torch.exp2(-8.0 * torch.arange(1, heads + 1, device=q.device) / heads)
+    options = {"plain": {}, "softcap": {"softcap": SOFTCAP}, "alibi": {"alibi_slopes": slopes}}
+    return {variant: ((lambda kwargs=options[variant]: api.flash_attn_func(
+        q, k, v, causal=causal, deterministic=deterministic, **kwargs)), NO_CONTEXT)
         for variant in variants}
 
 
@@ -70,9 +74,9 @@ def fa_calls(opts: Options, row: Row, device) -> dict:
     dout = torch.randn_like(q)
     calls = {}
     for phase in opts.phases:
-        if opts.suite.name == "softcap":
-            forwards = softcap_forwards(row, opts.variants, q, k, v,
-                                        deterministic=phase != "forward")
+        if opts.suite.name in ("softcap", "alibi"):
+            forwards = modifier_forwards(row, opts.variants, q, k, v,
+                                         deterministic=phase != "forward")
         else:
             forwards = train_forwards(row, opts.variants, q, k, v)
         for variant, (forward, context) in forwards.items():
@@ -148,7 +152,7 @@ def kvcache_calls(opts: Options, row: Row, device) -> dict:
             for variant, (fn, context) in forwards.items() if variant in opts.variants}
 
 
-BUILDERS = {"train": fa_calls, "backward": fa_calls, "softcap": fa_calls,
+BUILDERS = {"train": fa_calls, "backward": fa_calls, "softcap": fa_calls, "alibi": fa_calls,
             "window": window_calls, "varlen": varlen_calls, "kvcache": kvcache_calls,
             "hf": hf_calls}
 

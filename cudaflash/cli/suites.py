@@ -1,7 +1,7 @@
 """The bench's suites beyond the forward sweep: ``train`` and ``backward`` (cudaflash against
 SDPA's cuDNN and flash backends, forward / backward / training step), ``varlen`` (packed
 against padded), ``window`` (sliding windows against full causal), ``softcap`` (capped
-against plain), ``kvcache`` (decoding steps of flash_attn_with_kvcache) and ``hf`` (a
+against plain), ``alibi`` (ALiBi against plain), ``kvcache`` (decoding steps of flash_attn_with_kvcache) and ``hf`` (a
 transformers model's prefill, decoding and training step, in tokens per second; its calls
 in ``hf_calls``).
 
@@ -278,6 +278,12 @@ SUITES = {
               fa_rows, SWEEP, (1024, 4096, 16384), (64, 128),
               note="train runs deterministic=True on both sides (a cap always runs the "
                    "deterministic backward)"),
+        Suite("alibi", "ALiBi (alibi_slopes, one per head) vs none, flash_attn_func",
+              ("plain", "alibi"), ("plain", "alibi"), ("forward", "train"),
+              ("forward", "train"), (("alibi/plain", "alibi", "plain"),),
+              fa_rows, SWEEP, (1024, 4096, 16384), (64, 128),
+              note="slopes 2^(-8 (h + 1) / H), ALiBi's; train runs deterministic=True on both "
+                   "sides (ALiBi always runs the deterministic backward)"),
         Suite("kvcache", "decoding steps: flash_attn_with_kvcache vs the alternatives",
               ("kvcache", "full", "sdpa-eff"), ("kvcache", "full", "sdpa-eff"),
               ("forward",), ("forward",),
