@@ -154,15 +154,21 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
             __syncthreads();
         }
         if constexpr (kSoftcap) OnlineSoftmax<C>::softcap(S, p.softcap_pre);
+        float row_terms[kM][2];  // ALiBi's row parts (read only with kAlibi)
         if constexpr (kAlibi) {
-            if (!kSoftcap || alibi != 0.f)  // the *_alibi entries always; softcap's if given
-                OnlineSoftmax<C>::alibi(S, alibi, block * C::kBc, q_row0 + warp * C::kRowsPerWarp,
-                                        seq.len_k - seq.len_q, lane);
+            if (!kSoftcap || alibi != 0.f) {  // the *_alibi entries always; softcap's if given
+                OnlineSoftmax<C>::alibi(S, row_terms, alibi, block * C::kBc,
+                                        q_row0 + warp * C::kRowsPerWarp, seq.len_k - seq.len_q,
+                                        p.window_right == 0, lane);
+            } else {
+                OnlineSoftmax<C>::zero_row_terms(row_terms);
+            }
         }
         if (block >= mask_from || block * C::kBc < below_keys)
             OnlineSoftmax<C>::mask(S, block * C::kBc, q_row0 + warp * C::kRowsPerWarp,
                                    seq.len_q, seq.len_k, p.window_left, p.window_right, lane);
-        softmax.template update<kFirst>(S, O, OnlineSoftmax<C>::score_scale(p.scale_log2));
+        softmax.template update<kFirst, kAlibi>(S, O, OnlineSoftmax<C>::score_scale(p.scale_log2),
+                                                row_terms);
         gemm.pv(O, S);
     };
 

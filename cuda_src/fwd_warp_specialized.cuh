@@ -202,17 +202,22 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         if (lane == 0) mbarrier_arrive(&k_empty[stage]);
         const int block = block_of(i);
         if constexpr (kSoftcap) OnlineSoftmax<C>::softcap(S, p.softcap_pre);
+        float row_terms[1][2];  // ALiBi's row parts (read only with kAlibi)
         if constexpr (kAlibi) {
-            if (!kSoftcap || alibi != 0.f)  // the *_alibi entries always; softcap's if given
-                OnlineSoftmax<C>::alibi(S, alibi, block * C::kBc, q_row0 + row0,
-                                        seq.len_k - seq.len_q, lane);
+            if (!kSoftcap || alibi != 0.f) {  // the *_alibi entries always; softcap's if given
+                OnlineSoftmax<C>::alibi(S, row_terms, alibi, block * C::kBc, q_row0 + row0,
+                                        seq.len_k - seq.len_q, p.window_right == 0, lane);
+            } else {
+                OnlineSoftmax<C>::zero_row_terms(row_terms);
+            }
         }
         if (block >= range.mask_from || block * C::kBc < range.below_keys)
             OnlineSoftmax<C>::mask(S, block * C::kBc, q_row0 + row0, seq.len_q, seq.len_k,
                                    p.window_left, p.window_right, lane);
         float alpha[1][2];
         const bool rescale =
-            softmax.template update_scores<kFirst && C::kOptimizedSoftmax>(S, scale, alpha);
+            softmax.template update_scores<kFirst && C::kOptimizedSoftmax, kAlibi>(S, scale, alpha,
+                                                                                 row_terms);
         if constexpr (!kFirst) {
             wgmma_wait<0>();  // P V of the previous block has landed: O and P are free
             wgmma_fence_operands(o_acc);

@@ -123,13 +123,44 @@ struct OnlineSoftmax {
 
     // ALiBi (score_mods.cuh): S += -coefficient * |key - (row + shift)|, shift = len_k - len_q;
     // `row0` is the warp's first query row, `kv0` the tile's first key. After softcap, before
-    // the mask (a masked -inf stays -inf).
-    __device__ __forceinline__ static void alibi(float (&S)[kM][C::kSTiles][4], float coefficient,
-                                                 int kv0, int row0, int shift, int lane) {
+    // the mask (a masked -inf stays -inf). Where every score of the warp's rows that the mask
+    // keeps lies on one side of its row's diagonal (keys_left: the caller knows no visible
+    // key is right of it, e.g. causal), |offset| is a signed offset, so the bias splits into a
+    // column part, one FFMA with an immediate per score, and a row part returned in
+    // row_terms for update() to fold into the row's maximum and exponent offset. Else (a tile
+    // across the diagonal, or an mma.sync config) two ops per score and row_terms 0.
+    __device__ __forceinline__ static void alibi(float (&S)[kM][C::kSTiles][4],
+                                                 float (&row_terms)[kM][2], float coefficient,
+                                                 int kv0, int row0, int shift, bool keys_left,
+                                                 int lane) {
+        // The offsets of the warp's extreme rows from the tile's first and last keys.
+        const int first_diagonal = row0 + shift, last_diagonal = row0 + kM * 16 - 1 + shift;
+        const bool left = keys_left || kv0 + C::kBc - 1 <= first_diagonal;
+        const bool right = kv0 >= last_diagonal;
+        // Only on wgmma (the Hopper configs): the mma.sync configs at 255 registers spilled
+        // 4-32 bytes with both forms.
+        if (C::kWgmma && (left || right)) {
+            const float sided = left ? coefficient : -coefficient;  // -c|x| = c x or -c x
+#pragma unroll
+            for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+                    row_terms[mi][r] =
+                        sided * float(kv0 + 2 * (lane % 4) - (row0 + mi * 16 + lane / 4 + 8 * r + shift));
+#pragma unroll
+            for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+                for (int nj = 0; nj < C::kSTiles; ++nj)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        S[mi][nj][e] = fmaf(sided, float(nj * 8 + e % 2), S[mi][nj][e]);
+            return;
+        }
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
+                row_terms[mi][r] = 0.f;
                 // The offset of the thread's first column of the tile; the others add constants.
                 const float offset0 =
                     float(kv0 + 2 * (lane % 4) - (row0 + mi * 16 + lane / 4 + 8 * r + shift));
@@ -141,15 +172,24 @@ struct OnlineSoftmax {
             }
     }
 
+    __device__ __forceinline__ static void zero_row_terms(float (&row_terms)[kM][2]) {
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi) row_terms[mi][0] = row_terms[mi][1] = 0.f;
+    }
+
     // Turns S into P = exp_units(S * scale - ref_max), raising ref_max (and rescaling O and the
     // row sums by exp_units(old - new)) where the tile demands it; scale = score_scale(...).
     // kFirst (optimized_softmax): nothing is accumulated yet, so ref_max starts at the tile's
     // max with no rescale.
-    template <bool kFirst>
+    // kRowTerms: the thread's scores of row (mi, r) also carry row_terms[mi][r] (alibi's row
+    // part), added to its maximum and folded into its exponent offset; without, row_terms is
+    // not read.
+    template <bool kFirst, bool kRowTerms = false>
     __device__ __forceinline__ void update(float (&S)[kM][C::kSTiles][4],
-                                           float (&O)[kM][C::kOTiles][4], float scale) {
+                                           float (&O)[kM][C::kOTiles][4], float scale,
+                                           const float (&row_terms)[kM][2]) {
         float tile_max[kM][2];
-        const bool raise = row_maxima(S, scale, tile_max);
+        const bool raise = row_maxima<kRowTerms>(S, scale, tile_max, row_terms);
         if constexpr (kFirst) {
             set_max(tile_max);
         } else if (__any_sync(0xffffffffu, raise)) {  // warp-uniform: skip the whole rescale
@@ -165,18 +205,19 @@ struct OnlineSoftmax {
                     }
                 }
         }
-        exponentiate<kFirst>(S, scale);
+        exponentiate<kFirst, kRowTerms>(S, scale, row_terms);
     }
 
     // update() in two halves, for a kernel whose tensor cores may still be adding into O
     // (fwd_warp_specialized.cuh): update_scores is update without touching O, returning
     // whether O must be scaled by `alpha` (warp-uniform), which rescale then does once O is
     // settled.
-    template <bool kFirst>
+    template <bool kFirst, bool kRowTerms = false>
     __device__ __forceinline__ bool update_scores(float (&S)[kM][C::kSTiles][4], float scale,
-                                                  float (&alpha)[kM][2]) {
+                                                  float (&alpha)[kM][2],
+                                                  const float (&row_terms)[kM][2]) {
         float tile_max[kM][2];
-        const bool raise = row_maxima(S, scale, tile_max);
+        const bool raise = row_maxima<kRowTerms>(S, scale, tile_max, row_terms);
         bool rescale_o = false;
         if constexpr (kFirst) {
             set_max(tile_max);
@@ -187,7 +228,7 @@ struct OnlineSoftmax {
 #pragma unroll
                 for (int r = 0; r < 2; ++r) alpha[mi][r] = raise_row(tile_max, mi, r);
         }
-        exponentiate<kFirst>(S, scale);
+        exponentiate<kFirst, kRowTerms>(S, scale, row_terms);
         return rescale_o;
     }
     __device__ __forceinline__ static void rescale(float (&O)[kM][C::kOTiles][4],
@@ -205,14 +246,19 @@ struct OnlineSoftmax {
 
     // The tile's scaled row maxima (quad-reduced); whether some row of this thread's exceeds
     // its ref_max by more than the threshold.
+    template <bool kRowTerms>
     __device__ __forceinline__ bool row_maxima(const float (&S)[kM][C::kSTiles][4], float scale,
-                                               float (&tile_max)[kM][2]) const {
+                                               float (&tile_max)[kM][2],
+                                               const float (&row_terms)[kM][2]) const {
         bool raise = false;
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 float m = row_reduce<Max>(S[mi], r);
+                // A lane's term holds its own columns' part (the quad's lanes differ): added
+                // before the quad's reduction.
+                if constexpr (kRowTerms) m += row_terms[mi][r];
                 m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
                 m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
                 tile_max[mi][r] = m * scale;
@@ -240,16 +286,19 @@ struct OnlineSoftmax {
         return alpha;
     }
 
-    // S -> exp_units(S * scale - ref_max), each row's sum added to row_sum (set, kFirst).
-    template <bool kFirst>
-    __device__ __forceinline__ void exponentiate(float (&S)[kM][C::kSTiles][4], float scale) {
+    // S -> exp_units((S + row term) * scale - ref_max), each row's sum added to row_sum (set,
+    // kFirst).
+    template <bool kFirst, bool kRowTerms = false>
+    __device__ __forceinline__ void exponentiate(float (&S)[kM][C::kSTiles][4], float scale,
+                                                 const float (&row_terms)[kM][2]) {
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 // A row with every key masked so far keeps ref_max = -inf; subtracting 0 instead
                 // keeps its exponentials at exp(-inf) = 0 rather than NaN.
-                const float m = ref_max[mi][r] == -INFINITY ? 0.f : ref_max[mi][r];
+                float m = ref_max[mi][r] == -INFINITY ? 0.f : ref_max[mi][r];
+                if constexpr (kRowTerms) m = fmaf(-row_terms[mi][r], scale, m);
 #pragma unroll
                 for (int nj = 0; nj < C::kSTiles; ++nj)
 #pragma unroll
