@@ -128,7 +128,8 @@ struct OnlineSoftmax {
     // key is right of it, e.g. causal), |offset| is a signed offset, so the bias splits into a
     // column part, one FFMA with an immediate per score, and a row part returned in
     // row_terms for update() to fold into the row's maximum and exponent offset. Else (a tile
-    // across the diagonal, or an mma.sync config) two ops per score and row_terms 0.
+    // across the diagonal, or a kernel other than the warp-specialized one) two ops per score
+    // and row_terms 0.
     __device__ __forceinline__ static void alibi(float (&S)[kM][C::kSTiles][4],
                                                  float (&row_terms)[kM][2], float coefficient,
                                                  int kv0, int row0, int shift, bool keys_left,
@@ -137,9 +138,11 @@ struct OnlineSoftmax {
         const int first_diagonal = row0 + shift, last_diagonal = row0 + kM * 16 - 1 + shift;
         const bool left = keys_left || kv0 + C::kBc - 1 <= first_diagonal;
         const bool right = kv0 >= last_diagonal;
-        // Only on wgmma (the Hopper configs): the mma.sync configs at 255 registers spilled
-        // 4-32 bytes with both forms.
-        if (C::kWgmma && (left || right)) {
+        // Only in the warp-specialized kernel (224 registers per consumer thread): the
+        // mma.sync configs at 255 registers spilled 4-32 bytes with both forms, and the d64
+        // wgmma kernel rose from 167 to 225 registers (3 CTAs per SM to 2) and ran slower
+        // (perf log, "ALiBi").
+        if (C::kWarpSpecialized && (left || right)) {
             const float sided = left ? coefficient : -coefficient;  // -c|x| = c x or -c x
 #pragma unroll
             for (int mi = 0; mi < kM; ++mi)
