@@ -18,11 +18,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             return_softmax_lse=False):
     """Attention of q against a K/V cache whose sequences hold different numbers of
     positions, optionally appending new keys and values to the cache first; inference only.
-    Drop-in for flash-attn 2.x's function of the same name, without rotary embedding,
-    cache_batch_idx, cache_leftpad and paged K/V (block_table), which raise
-    NotImplementedError, as does ALiBi. window_size: the sliding window, as in
-    flash_attn_func (repeat decoding steps take a plan keyed with it when it is a tuple of
-    two ints); softcap as in flash_attn_func.
+    Drop-in for flash-attn 2.x's function of the same name: rotary embedding, cache_batch_idx,
+    cache_leftpad and paged K/V (block_table) as the README describes them. window_size: the
+    sliding window, as in flash_attn_func (repeat decoding steps take a plan keyed with it
+    when it is a tuple of two ints); softcap and alibi_slopes as in flash_attn_func (each
+    sequence's ALiBi distances count from its own length, cache_seqlens[b] + seqlen_new less
+    its cache_leftpad).
 
     Arguments:
         q: (batch, seqlen_q, nheads, headdim): usually the new tokens' queries.
@@ -47,7 +48,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             idle, as for decoding); n >= 1 splits each query block's keys into at most n runs.
         return_softmax_lse: also return the log-sum-exp, float32 (batch, nheads, seqlen_q):
             -inf on rows that see no key (an empty cache), whose out is 0.
-        softmax_scale: as in flash_attn_func. rotary_interleaved is ignored (no rotary).
+        softmax_scale: as in flash_attn_func.
         The caches follow flash_attn_func's rules for k and v (last stride 1, 16-byte aligned
         data); the new k and v may have any layout (torch copies them). cache_seqlens as a
         tensor must be contiguous. Appending at a tensor cache_seqlens cannot be captured in
