@@ -33,6 +33,7 @@ split_count = heuristics.split_count
 max_splits = heuristics.max_splits
 effective_scheme = heuristics.effective_scheme
 kernel_window = heuristics.kernel_window
+kernel_problem = heuristics.kernel_problem
 internal_overlap = _checks.internal_overlap
 check_window = _checks.check_window  # window_size -> (left, right) ints, or ValueError
 padded_head_dim = _padding.padded_head_dim

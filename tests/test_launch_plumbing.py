@@ -678,3 +678,13 @@ def test_each_call_kind_launches_its_own_entry(role, mods, cache):
                       f"{m}{'' if c is None else '_kvcache'}"
                       for r in ("forward", "split") for m in ("", "_softcap", "_alibi")
                       for c in (None, "addressing")}[(role, mods, cache)]
+
+
+def test_gqa_decoding_is_packed_as_rows_only_without_alibi():
+    """A decoding step's query heads of one K/V head run as rows of one head, unless the call
+    has ALiBi slopes: a slope per query head and a bias per query position (rows packed
+    from several heads would take one head's slope and distances)."""
+    # (rows per head, heads, causal, kernel window)
+    assert internals.kernel_problem(1, 32, 8, 4096, True) == (4, 8, False, (-1, -1))
+    assert internals.kernel_problem(1, 32, 8, 4096, True, alibi=True) == (1, 32, True, (-1, 0))
+    assert internals.kernel_problem(1, 8, 8, 4096, False, alibi=True) == (1, 8, False, (-1, -1))

@@ -4,6 +4,7 @@ manifest."""
 
 import ctypes
 import json
+import math
 import re
 import struct
 from pathlib import Path
@@ -173,3 +174,32 @@ def test_backward_pack_fills_every_field_in_order():
                          ("softcap_pre", ctypes.c_float), ("alibi_scale", ctypes.c_float),
                          ("alibi_slopes", ctypes.c_void_p),
                          ("alibi_batch_stride", ctypes.c_int32), ("reserved", ctypes.c_int32)]
+
+
+def test_score_scales_turn_a_slope_into_score_units():
+    """alibi_scale = log2(e) / scale_log2: the factor that turns ALiBi's bias on the scaled
+    score into the units of the scores the kernels hold (raw q.k, or tanh values under a
+    cap), for which the exponent is score * scale_log2."""
+    from cudaflash._params import score_scales
+
+    log2e = 1.4426950408889634
+    for scale, cap in ((0.125, 0.0), (0.088, 30.0)):
+        softmax_scale, scale_log2, softcap_pre, alibi_scale = score_scales(scale, cap)
+        assert math.isclose(alibi_scale * scale_log2, log2e)
+        assert softmax_scale == scale and (softcap_pre == 0.0) == (cap == 0.0)
+
+
+def test_alibi_params_pack_pointer_and_batch_stride():
+    """Params' alibi_slopes, alibi_batch_stride and reserved: 0s without slopes; one slope per
+    head (or a batch of one) is a batch stride of 0, so every entry reads row 0."""
+    import torch
+
+    from cudaflash._params import NO_ALIBI, alibi_params
+
+    assert alibi_params(None) == NO_ALIBI == (0, 0, 0)
+    per_head = torch.rand(8)
+    assert alibi_params(per_head) == (per_head.data_ptr(), 0, 0)
+    per_entry = torch.rand(3, 16)[:, :8]  # a view: batch stride 16
+    assert alibi_params(per_entry) == (per_entry.data_ptr(), 16, 0)
+    one_entry = torch.rand(1, 8)
+    assert alibi_params(one_entry) == (one_entry.data_ptr(), 0, 0)
