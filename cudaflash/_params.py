@@ -14,6 +14,7 @@ import math
 import re
 
 _LOG2E = math.log2(math.e)
+_FLOAT32_MAX = 3.4028234663852886e38
 
 class Params(ctypes.Structure):
     _fields_ = [
@@ -68,8 +69,8 @@ class Params(ctypes.Structure):
         ("page_shift", ctypes.c_int32),  # log2 of the page size
         ("n_cache_entries", ctypes.c_int32),
         ("paged_keys", ctypes.c_int32),  # the keys a table row addresses
-        # ALiBi (the *_scoremod entries): float32 slopes, 0 when unused; packed with the
-        # fixed fields
+        # ALiBi (the *_alibi and *_softcap entries): float32 slopes, 0 when unused; packed
+        # with the fixed fields
         ("alibi_slopes", ctypes.c_void_p),
         ("alibi_batch_stride", ctypes.c_int32),  # 0: one slope per head for every batch entry
         ("reserved", ctypes.c_int32),
@@ -218,10 +219,13 @@ def score_scales(scale: float, softcap: float) -> tuple[float, float, float, flo
     took it. exp(s * scale) = exp2(s * scale * log2(e)); with a cap (softcap > 0) the
     kernels take t = tanh(s * scale / cap) and exp(cap * t) = exp2(t * cap * log2(e)).
     ALiBi's bias b on the scaled score is b * log2(e) / scale_log2 on the kernels' s (or t):
-    alibi_scale = 1 / scale, or 1 / cap."""
+    alibi_scale = 1 / scale, or 1 / cap. The quotients are clamped to float32's largest value:
+    a scale or cap below 2^-128, which the checks accept, must still pack (the struct formats
+    raise on overflow)."""
     if softcap:
-        return scale, softcap * _LOG2E, scale / softcap, 1.0 / softcap
-    return scale, scale * _LOG2E, 0.0, 1.0 / scale
+        return (scale, softcap * _LOG2E, min(scale / softcap, _FLOAT32_MAX),
+                min(1.0 / softcap, _FLOAT32_MAX))
+    return scale, scale * _LOG2E, 0.0, min(1.0 / scale, _FLOAT32_MAX)
 
 
 def alibi_params(alibi_slopes) -> tuple[int, int, int]:

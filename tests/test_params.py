@@ -203,3 +203,13 @@ def test_alibi_params_pack_pointer_and_batch_stride():
     assert alibi_params(per_entry) == (per_entry.data_ptr(), 16, 0)
     one_entry = torch.rand(1, 8)
     assert alibi_params(one_entry) == (one_entry.data_ptr(), 0, 0)
+
+
+def test_score_scales_pack_for_any_scale_the_checks_accept():
+    """A softmax_scale or cap below 2^-128 (finite and > 0: accepted) still packs with the
+    launchers' standard-size formats, which raise on overflow: the quotients (alibi_scale,
+    softcap_pre) are clamped to float32's largest value."""
+    from cudaflash._params import score_scales
+
+    for scale, cap in ((1e-39, 0.0), (1e-45, 0.0), (0.1, 1e-40), (1e-39, 1e-39)):
+        struct.pack("=4f", *score_scales(scale, cap))
