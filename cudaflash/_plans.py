@@ -99,16 +99,18 @@ def varlen_plan_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 
 def kvcache_plan_key(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, num_splits,
-                     return_softmax_lse, window, softcap):
+                     return_softmax_lse, window, softcap, alibi_slopes=None):
     """The argument signature a flash_attn_with_kvcache Plan is valid for (see plan_key);
     the lengths' values are data (the kernel reads them). The types of the scalar arguments
     are in it too: True == 1 as dict keys, but only one of them passes the checks.
     ``window``: window_size as two ints (the caller checks their types); ``softcap``: the
-    checked cap (the decoding step's lookup passes 0.0: it only serves softcap=0 calls)."""
+    checked cap (the decoding step's lookup passes 0.0: it only serves softcap=0 calls);
+    ``alibi_slopes``: alibi_key's part."""
     return (plan_key(q, k_cache, v_cache, softmax_scale, causal, return_softmax_lse),
             cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.get_device(),
             cache_seqlens.is_contiguous(), num_splits, type(num_splits), type(causal),
-            type(return_softmax_lse), type(softmax_scale), window, softcap)
+            type(return_softmax_lse), type(softmax_scale), window, softcap,
+            alibi_key(alibi_slopes))
 
 
 def replay(plan: Plan, q, k, v, want_lse, cu_seqlens_q: int, cu_seqlens_k: int):
