@@ -187,7 +187,7 @@ def test_suite_filters():
     ("window", ("forward", "train"), ("full", "w4096", "w1024", "w256", "flash")),
     ("softcap", ("forward", "train"), ("plain", "softcap")),
     ("alibi", ("forward", "train"), ("plain", "alibi")),
-    ("kvcache", ("forward",), ("kvcache", "full", "sdpa-eff")),
+    ("kvcache", ("forward",), ("kvcache", "full", "sdpa-eff", "paged16", "paged64", "paged256")),
     ("hf", ("prefill", "decode", "train"), ("cudaflash", "sdpa", "flash_attention_2")),
 ])
 def test_suite_defaults(suite, phases, variants):
@@ -441,13 +441,16 @@ def test_a_row_that_cannot_be_built_is_na_not_a_crash():
 def test_kvcache_table_shows_us_and_gbps(tmp_path):
     opts = bench.resolve_suite(parse("bench", "--suite", "kvcache"))
     results, _ = measure_fake(opts, lambda phase, v: {"kvcache": 0.05, "full": 0.1,
-                                                      "sdpa-eff": 0.2}[v])
+                                                      "sdpa-eff": 0.2, "paged16": 0.0625,
+                                                      "paged64": 0.05, "paged256": 0.05}[v])
     r = results[0]
     assert r.us("forward", "kvcache") == pytest.approx(50.0)
     assert r.gbps("forward", "kvcache") == pytest.approx(r.row.bytes / 50e-6 / 1e9)
     assert r.ratio("forward", "kvcache", "sdpa-eff") == pytest.approx(4.0)
     text = suites.format_results(opts, results)
-    assert "kvcache us  full us  sdpa-eff us  kvcache GB/s  kvc/full  kvc/sdpa" in text
+    assert ("kvcache us  full us  sdpa-eff us  paged16 us  paged64 us  paged256 us  "
+            "kvcache GB/s  kvc/full  kvc/sdpa  p16/kvc  p64/kvc  p256/kvc") in text
+    assert r.ratio("forward", "paged16", "kvcache") == pytest.approx(0.8)  # paged's speed
     data = suites.to_json(opts, {}, {}, results)
     assert data["results"][0]["phases"]["forward"]["kvcache"]["gbps"] == \
         pytest.approx(r.row.bytes / 50e-6 / 1e9)
@@ -632,7 +635,7 @@ def test_kvcache_calls_cover_every_variant():
     import torch
 
     opts = bench.resolve_suite(parse("bench", "--suite", "kvcache"))
-    row = suites.Row((("dtype", "bf16"), ("d", 128), ("B", 2), ("cache", 64),
+    row = suites.Row((("dtype", "bf16"), ("d", 128), ("B", 2), ("cache", 256),
                       ("mean len", 40), ("H", 32), ("H_k", 8)), 1.0, lengths=(30, 50))
     calls = suite_calls.build_calls(opts, row, torch.device("cpu"))
     assert set(calls) == {("forward", v) for v in opts.variants}

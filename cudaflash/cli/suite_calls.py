@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from .. import api, kvcache
 from .hf_calls import hf_calls
-from .suites import SOFTCAP, Options, Row
+from .suites import PAGE_SIZES, SOFTCAP, Options, Row
 from .timing import TORCH_DTYPES, make_qkv, phase_call, sdpa_context
 
 NO_CONTEXT = contextlib.nullcontext
@@ -144,12 +144,30 @@ def kvcache_calls(opts: Options, row: Row, device) -> dict:
     forwards = {
         "kvcache": (lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths),
                     NO_CONTEXT),
+        **{f"paged{page}": (_paged_call(q, kc, vc, lengths, page), NO_CONTEXT)
+           for page in PAGE_SIZES if f"paged{page}" in opts.variants},
         "full": (lambda: api.flash_attn_func(q, kc, vc), NO_CONTEXT),
         "sdpa-eff": ((lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)),
                      sdpa_context("efficient")),
     }
     return {("forward", variant): (inference(fn), context)
             for variant, (fn, context) in forwards.items() if variant in opts.variants}
+
+
+def _paged_call(q, k_cache, v_cache, lengths, page: int):
+    """flash_attn_with_kvcache on the caches' positions copied into shuffled pages of
+    ``page`` positions (a pool of batch x cache / page pages and its block table)."""
+    batch, cache, heads_k, d = k_cache.shape
+    n_pages = batch * cache // page
+    order = torch.randperm(n_pages, device=k_cache.device)
+    table = order.view(batch, cache // page).to(torch.int32)
+    k_pages = torch.empty((n_pages, page, heads_k, d), dtype=k_cache.dtype,
+                          device=k_cache.device)
+    v_pages = torch.empty_like(k_pages)
+    k_pages[order] = k_cache.reshape(n_pages, page, heads_k, d)
+    v_pages[order] = v_cache.reshape(n_pages, page, heads_k, d)
+    return lambda: kvcache.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lengths,
+                                                   block_table=table)
 
 
 BUILDERS = {"train": fa_calls, "backward": fa_calls, "softcap": fa_calls, "alibi": fa_calls,

@@ -65,6 +65,8 @@ VARLEN_MIN = 128
 # kvcache: (batch, cache length) with GQA 32/8 heads, d128, lengths uniform in [1, cache]
 KVCACHE_CASES = ((1, 16384), (8, 8192), (32, 4096), (64, 16384))
 KVCACHE_HEADS, KVCACHE_HEADS_K, KVCACHE_D_HEAD = 32, 8, 128
+PAGE_SIZES = (16, 64, 256)  # the kvcache suite's paged variants (vLLM's 16; flash-attn's 256)
+PAGED_VARIANTS = tuple(f"paged{page}" for page in PAGE_SIZES)
 SEED = 0
 CAUSAL_CHOICES = {"both": (False, True), "yes": (True,), "no": (False,)}
 
@@ -285,15 +287,18 @@ SUITES = {
               note="slopes 2^(-8 (h + 1) / H), ALiBi's; train runs deterministic=True on both "
                    "sides (ALiBi always runs the deterministic backward)"),
         Suite("kvcache", "decoding steps: flash_attn_with_kvcache vs the alternatives",
-              ("kvcache", "full", "sdpa-eff"), ("kvcache", "full", "sdpa-eff"),
+              ("kvcache", "full", "sdpa-eff", *PAGED_VARIANTS),
+              ("kvcache", "full", "sdpa-eff", *PAGED_VARIANTS),
               ("forward",), ("forward",),
-              (("kvc/full", "kvcache", "full"), ("kvc/sdpa", "kvcache", "sdpa-eff")),
+              (("kvc/full", "kvcache", "full"), ("kvc/sdpa", "kvcache", "sdpa-eff"),
+               *((f"p{page}/kvc", f"paged{page}", "kvcache") for page in PAGE_SIZES)),
               kvcache_rows, frozenset(), unit="us", x_field="cache",
               note="one query row per sequence, cache lengths uniform in [1, cache] (fixed "
                    "seed); kvcache = flash_attn_with_kvcache(cache_seqlens=lengths), full = "
                    "flash_attn_func over the whole cache (an upper bound: wrong where a cache "
-                   "is not full), sdpa-eff = SDPA efficient with a key-padding mask; GB/s = "
-                   "K/V bytes of the used cache / kvcache's time"),
+                   "is not full), sdpa-eff = SDPA efficient with a key-padding mask, pagedN = "
+                   "kvcache's call on the same caches in shuffled pages of N positions "
+                   "(block_table); GB/s = K/V bytes of the used cache / kvcache's time"),
         Suite("hf", "a Llama-like transformers model (8 layers, hidden 2048, 16 heads of 128, "
               "4 K/V heads, batch 4): prefill, decoding and training step with "
               "attn_implementation cudaflash vs sdpa and flash_attention_2, tokens/s",
