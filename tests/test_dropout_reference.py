@@ -1,0 +1,47 @@
+"""The host's Philox4x32-10 (tests/_dropout_reference.py) against the generator's published
+known-answer vectors, and the keep mask's basic statistics. CPU only."""
+
+import numpy as np
+
+from _dropout_reference import keep_mask, philox4x32_10, random16
+
+# (counter, key, output) known-answer vectors of Philox4x32-10 (Random123's kat_vectors).
+KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+def test_philox_known_answers():
+    for counter, key, expected in KAT:
+        assert tuple(int(x) for x in philox4x32_10(counter, key)) == expected
+
+
+def test_philox_broadcasts_over_counters():
+    counters = np.array([k[0] for k in KAT], dtype=np.uint32)
+    keys = np.array([k[1] for k in KAT], dtype=np.uint32)
+    assert philox4x32_10(counters, keys).tolist() == [list(k[2]) for k in KAT]
+
+
+def test_random16_covers_each_half_once_per_block_and_lane():
+    """Within a 16 x 16 block, the 256 scores take the 8 halves of the 32 counters once each:
+    no two scores share a random number."""
+    q_idx, k_idx = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
+    u, w = q_idx % 16, k_idx % 16
+    slot = (4 * (u % 8) + (w % 8) // 2) * 8 + 4 * (u // 8) + 2 * (w // 8) + w % 2
+    assert sorted(slot.ravel().tolist()) == list(range(256))
+    values = random16(1234, 1, 1, 0, 0, q_idx, k_idx)
+    assert len(np.unique(values)) > 240  # 256 16-bit draws: few collisions
+
+
+def test_keep_mask_rate_and_seed_dependence():
+    mask = keep_mask(7, 0.25, 2, 3, 64, 96)
+    assert mask.shape == (2, 3, 64, 96)
+    n = mask.size
+    rate = mask.mean()
+    assert abs(rate - 0.75) < 5 * (0.75 * 0.25 / n) ** 0.5  # within 5 sigma of 1 - p
+    assert not np.array_equal(mask, keep_mask(8, 0.25, 2, 3, 64, 96))
+    assert np.array_equal(mask, keep_mask(7, 0.25, 2, 3, 64, 96))
+    assert keep_mask(7, 0.0, 1, 1, 16, 16).all()
