@@ -80,10 +80,15 @@ struct BwdParams {
     float alibi_scale;
     const float* alibi_slopes;
     int32_t alibi_batch_stride;
+    // Dropout, as Params' (params.cuh): dropout_threshold 0 means none; the *_scoremod
+    // entries rebuild the forward's keep mask from the seed.
+    uint32_t dropout_threshold;
+    const uint64_t* dropout_seed;
+    float dropout_scale;
     int32_t reserved;  // the struct's size a multiple of 8 without implicit padding
 };
 
-constexpr int kBwdParamsBytes = 384;
+constexpr int kBwdParamsBytes = 400;
 static_assert(sizeof(BwdParams) == kBwdParamsBytes,
               "BwdParams layout changed: update cudaflash/_params.py");
 

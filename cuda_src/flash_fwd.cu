@@ -36,7 +36,8 @@
 
 namespace cudaflash {
 
-template <class C, bool kSplit, bool kSoftcap, bool kAlibi, bool kKvcache>
+template <class C, bool kSplit, bool kSoftcap, bool kAlibi, bool kKvcache,
+          bool kDropout = false>
 __device__ __forceinline__ void flash_fwd(const Params& p) {
     using elem_t = typename C::elem_t;
     constexpr int kM = C::kMTiles;
@@ -63,6 +64,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     const int kv_begin = range.begin, n_blocks = range.end;
     const int mask_from = range.mask_from, below_keys = range.below_keys;
     const float alibi = kAlibi ? alibi_coefficient(p, at.batch, at.head) : 0.f;
+    const uint64_t seed = kDropout ? *p.dropout_seed : 0;
 
     using QCopy = TileCopy<C, C::kBr>;
     using KvCopy = TileCopy<C, C::kBc>;
@@ -169,6 +171,10 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                                    seq.len_q, seq.len_k, p.window_left, p.window_right, lane);
         softmax.template update<kFirst, kAlibi>(S, O, OnlineSoftmax<C>::score_scale(p.scale_log2),
                                                 row_terms);
+        if constexpr (kDropout)
+            OnlineSoftmax<C>::dropout(S, seed, (q_row0 + warp * C::kRowsPerWarp) / 16,
+                                      block * C::kBc / 16, at.batch * p.n_heads + at.head,
+                                      p.dropout_threshold, lane);
         gemm.pv(O, S);
     };
 
@@ -188,6 +194,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 
     float lse[kM][2];
     softmax.finalize(O, lse);
+    if constexpr (kDropout) OnlineSoftmax<C>::scale_o(O, p.dropout_scale);
     const int warp_row0 = warp * C::kRowsPerWarp;
     if constexpr (kSplit) {
         copy_wait_all<C>();  // with no KV block here, the Q copy may still be in flight
@@ -298,12 +305,12 @@ __device__ __forceinline__ void append_kv(const AppendParams& p) {
 }
 
 // The forward entries' body: the plain or warp-specialized kernel of this module's config.
-template <bool kSplit, bool kSoftcap, bool kAlibi, bool kKvcache>
+template <bool kSplit, bool kSoftcap, bool kAlibi, bool kKvcache, bool kDropout = false>
 __device__ __forceinline__ void forward_body(const Params& p) {
     if constexpr (KernelConfig::kWarpSpecialized) {
-        flash_fwd_ws<KernelConfig, kSplit, kSoftcap, kAlibi, kKvcache>(p);
+        flash_fwd_ws<KernelConfig, kSplit, kSoftcap, kAlibi, kKvcache, kDropout>(p);
     } else {
-        flash_fwd<KernelConfig, kSplit, kSoftcap, kAlibi, kKvcache>(p);
+        flash_fwd<KernelConfig, kSplit, kSoftcap, kAlibi, kKvcache, kDropout>(p);
     }
 }
 
@@ -359,6 +366,14 @@ CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_softcap_kvcache, false, kSoftcap, true)
 CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split_softcap_kvcache, true, kSoftcap, true)
 CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_alibi_kvcache, false, kAlibi, true)
 CUDAFLASH_FORWARD_ENTRY(cudaflash_fwd_split_alibi_kvcache, true, kAlibi, true)
+
+// Dropout (Params::dropout_*): training calls only, so no split or kvcache form; compiled as
+// the score-modifier entries are (2 CTAs per SM for ctas >= 3 configs).
+extern "C" __global__ void __launch_bounds__(cudaflash::KernelConfig::kThreads,
+                                             cudaflash::kRoomyMinCtasPerSm)
+    cudaflash_fwd_dropout(const __grid_constant__ cudaflash::Params p) {
+    cudaflash::forward_body<false, false, false, false, true>(p);
+}
 
 extern "C" __global__ void __launch_bounds__(cudaflash::kCombineThreads)
     cudaflash_combine(const __grid_constant__ cudaflash::Params p) {

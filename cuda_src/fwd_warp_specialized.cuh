@@ -39,7 +39,8 @@ constexpr int kConsumerRegs = 224;
 constexpr int kTurnBarrier = 1;      // + consumer warpgroup (0 or 1)
 constexpr int kEpilogueBarrier = 3;  // + consumer warpgroup
 
-template <class C, bool kSplit, bool kSoftcap, bool kAlibi, bool kKvcache>
+template <class C, bool kSplit, bool kSoftcap, bool kAlibi, bool kKvcache,
+          bool kDropout = false>
 __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     using elem_t = typename C::elem_t;
     static_assert(C::kWarpSpecialized && C::kWgmma && C::kWarps == 8 && C::kMTiles == 1,
@@ -167,6 +168,7 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     OnlineSoftmax<C> softmax;
     const float scale = OnlineSoftmax<C>::score_scale(p.scale_log2);
     const float alibi = kAlibi ? alibi_coefficient(p, at.batch, at.head) : 0.f;
+    const uint64_t seed = kDropout ? *p.dropout_seed : 0;
 
     mbarrier_wait(&q_full, 0);
     // Consumer warpgroup 0 issues first: warpgroup 1 lets it through once. Each turn then
@@ -224,6 +226,9 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
             if (lane == 0) mbarrier_arrive(&v_empty[prev]);
         }
         if (rescale) OnlineSoftmax<C>::rescale(O, alpha);
+        if constexpr (kDropout)
+            OnlineSoftmax<C>::dropout(S, seed, (q_row0 + row0) / 16, block * C::kBc / 16,
+                                      at.batch * p.n_heads + at.head, p.dropout_threshold, lane);
         pack_a_fragments<C::kBf16>(P, S);
     };
     if (n_steps > 0) step(0, std::true_type{});
@@ -241,6 +246,7 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
 
     float lse[1][2];
     softmax.finalize(O, lse);
+    if constexpr (kDropout) OnlineSoftmax<C>::scale_o(O, p.dropout_scale);
     if constexpr (kSplit) {
         store_split_partials<C>(p, O, lse, at, seq, q_row0, row0, lane);
         return;

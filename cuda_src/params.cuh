@@ -101,13 +101,21 @@ struct Params {
     // (after softcapping). Read by the *_alibi and *_softcap entries only.
     const float* alibi_slopes;
     int32_t alibi_batch_stride;
+
+    // Dropout (the *_dropout entries): a score is kept when its 16-bit Philox number
+    // (philox.cuh, from the 64-bit seed at dropout_seed, a device tensor drawn per call by
+    // torch) is at least dropout_threshold = round(dropout_p * 65536); O is scaled by
+    // dropout_scale = 1 / (1 - dropout_p). The lse is the undropped scores'.
+    uint32_t dropout_threshold;
+    const uint64_t* dropout_seed;
+    float dropout_scale;
     int32_t reserved;
 
     float* o_accum;
     float* lse_accum;
 };
 
-constexpr int kParamsBytes = 304;
+constexpr int kParamsBytes = 320;
 static_assert(sizeof(Params) == kParamsBytes, "Params layout changed: update cudaflash/_params.py");
 
 // AppendParams: the argument of cudaflash_append_kv, which writes flash_attn_with_kvcache's new

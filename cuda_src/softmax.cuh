@@ -8,6 +8,7 @@
 #include <cmath>
 #include "kernel_config.cuh"
 #include "params.cuh"
+#include "philox.cuh"
 #include "ptx.cuh"
 #include "score_mods.cuh"
 
@@ -173,6 +174,37 @@ struct OnlineSoftmax {
                     for (int e = 2 * r; e < 2 * r + 2; ++e)
                         S[mi][nj][e] += alibi_bias(coefficient, offset0 + float(nj * 8 + e % 2));
             }
+    }
+
+    // Dropout (params.cuh, philox.cuh): P = 0 where the score is dropped, after update() took
+    // the row sums (the softmax's denominator is the undropped one; O is scaled by
+    // 1 / (1 - p) at the end). `q16` is the warp's first query row / 16 (within its
+    // sequence), `k16` the tile's first key / 16, `head_index` = batch * n_heads + head.
+    __device__ __forceinline__ static void dropout(float (&P)[kM][C::kSTiles][4], uint64_t seed,
+                                                   int q16, int k16, int head_index,
+                                                   uint32_t threshold, int lane) {
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+            for (int j = 0; j < C::kSTiles / 2; ++j) {
+                const uint32_t keep =
+                    dropout_keep_bits(seed, q16 + mi, k16 + j, head_index, lane, threshold);
+#pragma unroll
+                for (int n = 0; n < 2; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)  // e = 2 * r + c: bit 4 * r + 2 * n + c
+                        if (!((keep >> (4 * (e / 2) + 2 * n + e % 2)) & 1u))
+                            P[mi][2 * j + n][e] = 0.f;
+            }
+    }
+
+    __device__ __forceinline__ static void scale_o(float (&O)[kM][C::kOTiles][4], float scale) {
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+            for (int nd = 0; nd < C::kOTiles; ++nd)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) O[mi][nd][e] *= scale;
     }
 
     __device__ __forceinline__ static void zero_row_terms(float (&row_terms)[kM][2]) {

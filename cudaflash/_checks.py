@@ -8,6 +8,7 @@ import operator
 
 import torch
 
+from . import _dropout
 from ._torch import is_grad_enabled
 from .config import D_HEADS
 
@@ -17,18 +18,12 @@ INT32_MAX = 2**31 - 1  # Params sizes are int32
 _DIMS = ("batch", "seqlen", "head")
 
 
-def attention_options(dropout_p, window_size, softcap) -> tuple[tuple[int, int], float]:
-    """The options every attention entry checks alike before q, k, v: dropout refused, the
-    window as checked (left, right) ints, the softcap as a checked float. (alibi_slopes
-    needs q's shape: check_alibi_slopes, after check_qkv.)"""
-    reject_unsupported(dropout_p)
-    return check_window(window_size), check_softcap(softcap)
-
-
-def reject_unsupported(dropout_p) -> None:
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p={dropout_p!r}: cudaflash has no dropout; pass "
-                                  "dropout_p=0.0")
+def attention_options(dropout_p, window_size,
+                      softcap) -> tuple[tuple[int, int], float, float]:
+    """The options every attention entry checks alike before q, k, v: the window as checked
+    (left, right) ints, the softcap and dropout_p as checked floats. (alibi_slopes needs q's
+    shape: check_alibi_slopes, after check_qkv.)"""
+    return check_window(window_size), check_softcap(softcap), _dropout.check_dropout_p(dropout_p)
 
 
 def check_alibi_slopes(alibi_slopes, batch: int, n_heads: int, device: torch.device):

@@ -73,6 +73,11 @@ class Params(ctypes.Structure):
         # with the fixed fields
         ("alibi_slopes", ctypes.c_void_p),
         ("alibi_batch_stride", ctypes.c_int32),  # 0: one slope per head for every batch entry
+        # dropout (the *_dropout entries): threshold round(p * 65536), 0 when unused; the
+        # seed tensor's pointer; 1 / (1 - p)
+        ("dropout_threshold", ctypes.c_uint32),
+        ("dropout_seed", ctypes.c_void_p),
+        ("dropout_scale", ctypes.c_float),
         ("reserved", ctypes.c_int32),
         ("o_accum", ctypes.c_void_p),
         ("lse_accum", ctypes.c_void_p),
@@ -108,7 +113,7 @@ def struct_format(cls: type, first: str | None = None, last: str | None = None) 
 
 # The struct code of each C type the kernel structs use (standard sizes under "=").
 _STRUCT_CODES = {ctypes.c_void_p: "Q", ctypes.c_int64: "q", ctypes.c_int32: "i",
-                 ctypes.c_float: "f"}
+                 ctypes.c_uint32: "I", ctypes.c_float: "f"}
 
 
 def _counted(fmt: str) -> list[str]:
@@ -138,8 +143,9 @@ PARAMS_POINTERS_FORMAT = struct_format(Params, "q", "cu_seqlens_k")
 PARAMS_FIXED_FORMAT = struct_format(Params, "q_batch_stride", "reserved")
 # The fixed fields' tail when no cache addressing is used: block_table to paged_keys.
 NO_CACHE_ADDRESSING = (0, 0, 0, 0, 0, 0, 0)
-# ... and when no ALiBi is: alibi_slopes to reserved.
-NO_ALIBI = (0, 0, 0)
+# ... and when no ALiBi and no dropout are: alibi_slopes to reserved.
+NO_ALIBI = (0, 0)
+NO_DROPOUT = (0, 0, 1.0, 0)
 PARAMS_WORKSPACE_FORMAT = struct_format(Params, "o_accum", "lse_accum")
 PARAMS_POINTERS_BYTES = Params.q_batch_stride.offset
 PARAMS_WORKSPACE_OFFSET = Params.o_accum.offset
@@ -202,6 +208,9 @@ class BwdParams(ctypes.Structure):
         ("alibi_scale", ctypes.c_float),  # as Params.alibi_scale
         ("alibi_slopes", ctypes.c_void_p),  # as Params.alibi_slopes: 0 without ALiBi
         ("alibi_batch_stride", ctypes.c_int32),
+        ("dropout_threshold", ctypes.c_uint32),  # as Params': 0 without dropout
+        ("dropout_seed", ctypes.c_void_p),
+        ("dropout_scale", ctypes.c_float),
         ("reserved", ctypes.c_int32),
     ]
 
@@ -228,11 +237,19 @@ def score_scales(scale: float, softcap: float) -> tuple[float, float, float, flo
     return scale, scale * _LOG2E, 0.0, min(1.0 / scale, _FLOAT32_MAX)
 
 
-def alibi_params(alibi_slopes) -> tuple[int, int, int]:
-    """Params' (and BwdParams') alibi_slopes, alibi_batch_stride and reserved fields for
-    checked slopes (_checks.check_alibi_slopes) or None: one slope per head for every batch
-    entry is a batch stride of 0."""
+def alibi_params(alibi_slopes) -> tuple[int, int]:
+    """Params' (and BwdParams') alibi_slopes and alibi_batch_stride fields for checked slopes
+    (_checks.check_alibi_slopes) or None: one slope per head for every batch entry is a batch
+    stride of 0."""
     if alibi_slopes is None:
         return NO_ALIBI
     batched = alibi_slopes.dim() == 2 and alibi_slopes.shape[0] > 1
-    return alibi_slopes.data_ptr(), alibi_slopes.stride(0) if batched else 0, 0
+    return alibi_slopes.data_ptr(), alibi_slopes.stride(0) if batched else 0
+
+
+def dropout_params(dropout) -> tuple:
+    """Params' (and BwdParams') dropout_threshold, dropout_seed, dropout_scale and reserved
+    fields for a ``Dropout`` (_dropout.py) or None."""
+    if dropout is None:
+        return NO_DROPOUT
+    return dropout.threshold, dropout.seed.data_ptr(), dropout.scale, 0

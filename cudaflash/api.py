@@ -152,13 +152,17 @@ def _attention_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, s
     """flash_attn_func past its plan: every argument checked; head dims without a kernel
     padded; torch.compile's custom op, a sliding window, gradients or a plain forward (which
     records a plan for the next call)."""
-    window, softcap = _checks.attention_options(dropout_p, window_size, softcap)
+    window, softcap, dropout_p = _checks.attention_options(dropout_p, window_size, softcap)
     padded = _padding.padded_head_dim(q, k, v)
     if padded is not None:
         return _padding.with_padded_head_dim(
             flash_attn_func, padded, q, k, v, softmax_scale,
-            dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                 deterministic=deterministic, return_attn_probs=return_attn_probs))
+            dict(dropout_p=dropout_p, causal=causal, window_size=window, softcap=softcap,
+                 alibi_slopes=alibi_slopes, deterministic=deterministic,
+                 return_attn_probs=return_attn_probs))
+    if dropout_p:
+        return _dropout_attention(q, k, v, dropout_p, softmax_scale, causal, window, softcap,
+                                  alibi_slopes, return_attn_probs)
     if _is_compiling():
         out, lse = fwd_op(q, k, v, softmax_scale, causal, deterministic, *window, softcap,
                           alibi_slopes)
@@ -172,6 +176,24 @@ def _attention_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, s
         return (out, lse, None) if want_lse else out
     out, lse = _call.checked_forward(None, q, k, v, None, softmax_scale, causal, want_lse)
     return (out, lse, None) if want_lse else out
+
+
+def _dropout_attention(q, k, v, dropout_p, softmax_scale, causal, window, softcap,
+                       alibi_slopes, return_attn_probs):
+    """flash_attn_func with dropout (work in progress: the forward only, with plain scores).
+    Each call draws its own seed: no plan."""
+    if softcap or alibi_slopes is not None:
+        raise NotImplementedError("dropout_p > 0 with softcap or alibi_slopes is not "
+                                  "implemented yet")
+    if return_attn_probs:
+        raise NotImplementedError("return_attn_probs=True with dropout_p > 0 (flash-attn's "
+                                  "dropped-entry matrix) is not implemented yet")
+    if _checks.wants_grad(q, k, v) or _is_compiling():
+        raise NotImplementedError("dropout_p > 0 with gradients or under torch.compile is not "
+                                  "implemented yet (the forward runs under torch.no_grad())")
+    out, _ = _call.checked_forward(None, q, k, v, None, softmax_scale, causal, False,
+                                   window=window, dropout_p=dropout_p)
+    return out
 
 
 def _attention_with_options(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes,
@@ -236,7 +258,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     window = (-1, -1)
     if not (dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
             and (window_size is NO_WINDOW or _no_window(window_size))):
-        window, softcap = _checks.attention_options(dropout_p, window_size, softcap)
+        window, softcap, dropout_p = _checks.attention_options(dropout_p, window_size, softcap)
+        if dropout_p:
+            raise NotImplementedError("flash_attn_varlen_func with dropout_p > 0 is not "
+                                      "implemented yet")
     else:
         softcap = 0.0
     want_lse = True if return_attn_probs else False

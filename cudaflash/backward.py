@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _driver, dispatch, heuristics
-from ._params import BWD_PARAMS_FORMAT, alibi_params, score_scales
+from ._params import BWD_PARAMS_FORMAT, NO_DROPOUT, alibi_params, score_scales
 from ._torch import current_stream
 
 _PACK = struct.Struct(BWD_PARAMS_FORMAT)  # all of BwdParams (_params.BwdParams), in one pack
@@ -169,7 +169,7 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         0 if dq_accum is None else dq_accum.data_ptr(), *strides, n_heads * seqlen_q, seqlen_q,
         batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal), *scales[:2],
         0, 0, 0, 0,  # not a packed batch
-        *window, *scales[2:], *alibi_params(alibi_slopes)))
+        *window, *scales[2:], *alibi_params(alibi_slopes), *NO_DROPOUT))
 
     go = _Launches(kernel, current_stream(index), args, seqlen_q,
                    seqlen_k, n_heads, n_heads_k, batch)
@@ -217,7 +217,7 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0,
         *strides, 0, total_q, batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal),
         *scales[:2], cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), total_q, total_k,
-        *window, *scales[2:], *alibi_params(alibi_slopes)))
+        *window, *scales[2:], *alibi_params(alibi_slopes), *NO_DROPOUT))
 
     go = _Launches(kernel, current_stream(index), args, seqlen_q,
                    seqlen_k, n_heads, n_heads_k, batch)

@@ -164,7 +164,9 @@ class KernelConfig:
              EntryRole("split_alibi_kvcache", "cudaflash_fwd_split_alibi_kvcache",
                        "smem_bytes"),
              # flash_attn_with_kvcache's append of new keys and values (AppendParams)
-             EntryRole("append_kv", "cudaflash_append_kv"))
+             EntryRole("append_kv", "cudaflash_append_kv"),
+             # with dropout (Params.dropout_*): whole, plain scores
+             EntryRole("forward_dropout", "cudaflash_fwd_dropout", "smem_bytes"))
     ENTRIES = tuple(role.symbol for role in ROLES)
 
     # ---- derived quantities ---------------------------------------------------------------

@@ -39,7 +39,8 @@ def kernel_problem(seqlen_q: int, n_heads: int, n_heads_k: int, seqlen_k: int, c
     query row sees every key under the bottom-right causal mask, so the rows are not causal.
     Not with a sliding window (one that clamping by seqlen_k leaves bounded), whose bounds the
     kernel would apply to each of those rows as if it were another query position, nor with
-    ALiBi, whose slope is per query head and whose bias depends on the query position.
+    ALiBi or dropout (``alibi`` True for either), whose bias or random numbers depend on the
+    query head and position.
     """
     group = n_heads // n_heads_k
     if (seqlen_q == 1 and group > 1 and not alibi

@@ -82,7 +82,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             if done is not None:
                 return done if return_softmax_lse else done[0]
 
-    window, softcap = _checks.attention_options(0.0, window_size, softcap)
+    window, softcap, _ = _checks.attention_options(0.0, window_size, softcap)
     padded = _padding.padded_head_dim(q, k_cache, v_cache)
     if padded is not None:
         return _padding.with_padded_head_dim(

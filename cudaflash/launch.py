@@ -14,7 +14,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _driver, _plans, dispatch, heuristics
-from ._params import APPEND_PARAMS_FORMAT, NO_CACHE_ADDRESSING, alibi_params, score_scales
+from ._params import (APPEND_PARAMS_FORMAT, NO_CACHE_ADDRESSING, alibi_params, dropout_params,
+                      score_scales)
 from ._torch import current_stream, float32
 
 _COMBINE_ROWS = 4  # query rows per CTA of cudaflash_combine (kCombineRows, flash_fwd.cu)
@@ -49,7 +50,7 @@ class CacheAddressing(NamedTuple):
 
 def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: bool,
         plan_key=None, num_splits=None, seqused_k=None, plans=None, window=(-1, -1),
-        softcap=0.0, cache: Optional[CacheAddressing] = None, alibi=None):
+        softcap=0.0, cache: Optional[CacheAddressing] = None, alibi=None, dropout=None):
     """One forward over a padded batch. ``seqused_k``: None, or a (batch,) int32 tensor of
     each entry's key count (flash_attn_with_kvcache; the kernel clamps it into [0,
     seqlen_k]). With a ``plan_key`` the launch is recorded in ``plans`` (default
@@ -64,7 +65,8 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
     # A cache's positions per sequence (paged: the table's, not a page's).
     seqlen_k = k.shape[1] if cache is None else cache.seqlen_cache
     rows, heads, causal, kernel_window = heuristics.kernel_problem(
-        seqlen_q, n_heads, n_heads_k, seqlen_k, causal, window, alibi is not None)
+        seqlen_q, n_heads, n_heads_k, seqlen_k, causal, window,
+        alibi is not None or dropout is not None)
     ctx = _driver.current_context(index)
     if config is None:
         kernel = dispatch.auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k)
@@ -94,12 +96,12 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
     launch = launch_function(kernel, index, q.device, fixed_params, num_splits, rows=rows,
                              heads=heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
                              window=kernel_window, softcap=bool(softcap), cache=cache,
-                             alibi=alibi)
+                             alibi=alibi, dropout=dropout)
     # lse 0: writes no lse; cu_seqlens_q 0: not packed; cu_seqlens_k: the key counts, if any
     launch(current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
            0 if lse is None else lse.data_ptr(), 0,
            0 if seqused_k is None else seqused_k.data_ptr())
-    if plan_key is not None and cache is None:
+    if plan_key is not None and cache is None and dropout is None:
         _plans.record(_plans.plans if plans is None else plans, plan_key, index, launch,
                       (batch, n_heads, seqlen_q), out, lse)
     return out, lse
@@ -132,7 +134,7 @@ def append_kv(kernel: dispatch.Kernel, index: int, k_new, v_new, k_cache, v_cach
 def run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                max_seqlen_k: int, scale: float, causal: bool, want_lse: bool, plan_key=None,
                window=(-1, -1), softcap=0.0, cache: Optional[CacheAddressing] = None,
-               alibi=None):
+               alibi=None, dropout=None):
     """One forward over a packed batch; with a ``plan_key`` the launch is recorded in the
     varlen plans. Arguments as in ``run``; ``cache``: a block table (k and v are then pools
     of pages (num_blocks, page_size, nheads_k, headdim), cu_seqlens_k gives the lengths
@@ -175,11 +177,11 @@ def run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     launch = launch_function(kernel, index, q.device, fixed_params, None, rows=rows,
                              heads=n_heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
                              window=kernel_window, softcap=bool(softcap), cache=cache,
-                             alibi=alibi)
+                             alibi=alibi, dropout=dropout)
     launch(current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
            0 if lse is None else lse.data_ptr(), cu_seqlens_q.data_ptr(),
            cu_seqlens_k.data_ptr())
-    if plan_key is not None:
+    if plan_key is not None and dropout is None:
         _plans.record(_plans.varlen_plans, plan_key, index, launch, (n_heads, total_q), out,
                       lse)
     return out, lse
@@ -189,7 +191,7 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
                     fixed_params: tuple, num_splits: Optional[int], *, rows: int, heads: int,
                     batch: int, seqlen_k: int, d_head: int, window=(-1, -1),
                     softcap: bool = False, cache: Optional[CacheAddressing] = None,
-                    alibi=None):
+                    alibi=None, dropout=None):
     """The launch of a call: ``fixed_params`` (every Params field between the pointers and
     the split counts) plus the split counts, the cache addressing and ALiBi's fields, as one
     Launcher, or a split-KV pair (the *_softcap entries with ``softcap``, the *_alibi ones
@@ -203,6 +205,8 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
     if window[0] >= 0:
         seqlen_k = min(seqlen_k, window[0] + min(rows, kernel.block_rows) + max(window[1], 0))
     kv_blocks = (seqlen_k + kernel.block_cols - 1) // kernel.block_cols
+    if dropout is not None:  # training calls: the dropout entry is whole, never split
+        num_splits = 1
     if num_splits is None:
         slots = dispatch.device_kernels(index).device.sm_count * kernel.split_ctas_per_sm
         most = heuristics.max_splits(kv_blocks * kernel.block_cols, kv_blocks,
@@ -211,11 +215,13 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
     num_splits, per_split = heuristics.split_sizes(num_splits, kv_blocks, batch)
     fixed_params = (fixed_params + (num_splits, per_split)
                     + (NO_CACHE_ADDRESSING if cache is None else cache.params())
-                    + alibi_params(alibi))
+                    + alibi_params(alibi) + dropout_params(dropout))
     mods = "_softcap" if softcap else "" if alibi is None else "_alibi"
     if num_splits == 1:
+        function = (kernel.fns.forward_dropout if dropout is not None
+                    else _entry(kernel, "forward", mods, cache))
         return _driver.Launcher(
-            _entry(kernel, "forward", mods, cache), kernel.label,
+            function, kernel.label,
             grid=(q_blocks, heads, batch),
             threads=kernel.threads, smem=kernel.smem, synchronize=kernel.synchronize,
             fixed_params=fixed_params, device_index=index).launch

@@ -20,6 +20,7 @@ from cudaflash._params import (APPEND_PARAMS_BYTES, APPEND_PARAMS_FORMAT, Append
 
 PARAMS_CUH = Path(__file__).resolve().parents[1] / "cuda_src" / "params.cuh"
 _CUDA_TYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p,
+               "const uint64_t*": ctypes.c_void_p, "uint32_t": ctypes.c_uint32,
                "float*": ctypes.c_void_p, "const float*": ctypes.c_void_p,
                "const int32_t*": ctypes.c_void_p,
                "int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32,
@@ -27,8 +28,8 @@ _CUDA_TYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p,
 
 
 def test_sizes_agree():
-    assert ctypes.sizeof(Params) == PARAMS_BYTES == 304
-    assert ctypes.sizeof(BwdParams) == BWD_PARAMS_BYTES == 384
+    assert ctypes.sizeof(Params) == PARAMS_BYTES == 320
+    assert ctypes.sizeof(BwdParams) == BWD_PARAMS_BYTES == 400
     assert struct.calcsize(PARAMS_STRUCT_FORMAT) == PARAMS_BYTES
 
 
@@ -170,10 +171,13 @@ def test_backward_pack_fills_every_field_in_order():
             obj = getattr(obj, part)
         read.append(obj)
     assert read == values
-    assert flat[-7:] == [("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32),
-                         ("softcap_pre", ctypes.c_float), ("alibi_scale", ctypes.c_float),
-                         ("alibi_slopes", ctypes.c_void_p),
-                         ("alibi_batch_stride", ctypes.c_int32), ("reserved", ctypes.c_int32)]
+    assert flat[-10:] == [("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32),
+                          ("softcap_pre", ctypes.c_float), ("alibi_scale", ctypes.c_float),
+                          ("alibi_slopes", ctypes.c_void_p),
+                          ("alibi_batch_stride", ctypes.c_int32),
+                          ("dropout_threshold", ctypes.c_uint32),
+                          ("dropout_seed", ctypes.c_void_p), ("dropout_scale", ctypes.c_float),
+                          ("reserved", ctypes.c_int32)]
 
 
 def test_score_scales_turn_a_slope_into_score_units():
@@ -196,13 +200,13 @@ def test_alibi_params_pack_pointer_and_batch_stride():
 
     from cudaflash._params import NO_ALIBI, alibi_params
 
-    assert alibi_params(None) == NO_ALIBI == (0, 0, 0)
+    assert alibi_params(None) == NO_ALIBI == (0, 0)
     per_head = torch.rand(8)
-    assert alibi_params(per_head) == (per_head.data_ptr(), 0, 0)
+    assert alibi_params(per_head) == (per_head.data_ptr(), 0)
     per_entry = torch.rand(3, 16)[:, :8]  # a view: batch stride 16
-    assert alibi_params(per_entry) == (per_entry.data_ptr(), 16, 0)
+    assert alibi_params(per_entry) == (per_entry.data_ptr(), 16)
     one_entry = torch.rand(1, 8)
-    assert alibi_params(one_entry) == (one_entry.data_ptr(), 0, 0)
+    assert alibi_params(one_entry) == (one_entry.data_ptr(), 0)
 
 
 def test_score_scales_pack_for_any_scale_the_checks_accept():

@@ -1,0 +1,91 @@
+"""Dropout's forward on a GPU (work in progress: flash_attn_func under torch.no_grad(), plain
+scores): out against the attention math in PyTorch with the keep mask rebuilt on the host from
+the call's seed (tests/_dropout_reference.py: the kernels' Philox counters), under
+FlashAttention's accuracy rule; one torch.manual_seed reproduces a call bitwise, another
+seed changes it.
+
+The seed: flash_attn_func draws it with one torch.randint on q's device as its first random
+op, so after torch.manual_seed(s) the test draws the same number the same way."""
+
+import pytest
+import torch
+
+from cudaflash import flash_attn_func
+from cudaflash._dropout import SEED_HIGH
+from _dropout_reference import keep_mask
+from test_gpu_correctness import DTYPES, make_qkv
+
+pytestmark = pytest.mark.requires_gpu
+
+
+def seed_after(manual_seed: int, device) -> int:
+    torch.manual_seed(manual_seed)
+    return int(torch.randint(0, SEED_HIGH, (1,), dtype=torch.int64, device=device).item())
+
+
+def dropout_reference(q, k, v, mask, p, causal, upcast=True):
+    """(batch, seqlen_q, heads, d): softmax(scale q k^T) with the causal mask (bottom-right),
+    dropped where mask is False, scaled by 1 / (1 - p), times v; in float32 (upcast) or in
+    q's dtype (the low-precision reference of the accuracy rule)."""
+    dtype = torch.float32 if upcast else q.dtype
+    qf, kf, vf = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
+    groups = qf.shape[1] // kf.shape[1]
+    kf, vf = kf.repeat_interleave(groups, 1), vf.repeat_interleave(groups, 1)
+    scores = (qf @ kf.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    sq, sk = scores.shape[-2:]
+    if causal:
+        row = torch.arange(sq, device=q.device)[:, None] + sk - sq
+        col = torch.arange(sk, device=q.device)[None, :]
+        scores = scores.masked_fill(col > row, float("-inf"))
+    probs = scores.softmax(-1).nan_to_num(0.0)
+    probs = probs * mask.to(q.device) / (1 - p)
+    return (probs.to(dtype) @ vf).float().transpose(1, 2)
+
+
+@pytest.mark.parametrize("p", [0.17, 0.5])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_forward_matches_the_mask_rebuilt_on_the_host(dtype, d, causal, p):
+    b, sq, sk, h, hk = 2, 200, 333, 4, 2
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, DTYPES[dtype], seed=d + sq)
+    seed = seed_after(5, q.device)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        out = flash_attn_func(q, k, v, dropout_p=p, causal=causal)
+    mask = torch.from_numpy(keep_mask(seed, p, b, h, sq, sk))
+    kept = mask.float().mean().item()
+    assert abs(kept - (1 - p)) < 0.01, f"keep rate {kept} for p={p}"
+    ref = dropout_reference(q, k, v, mask, p, causal)
+    low = dropout_reference(q, k, v, mask, p, causal, upcast=False)
+    err, base = (out.float() - ref).abs().max().item(), (low - ref).abs().max().item()
+    assert err <= 2 * base + 1e-3, f"error {err} against the float32 math (bf16/fp16 math: {base})"
+    undropped = dropout_reference(q, k, v, torch.ones_like(mask), 0.0, causal)
+    assert (out.float() - undropped).abs().max().item() > 0.1, "dropout had no visible effect"
+
+
+def test_one_manual_seed_reproduces_a_call():
+    q, k, v = make_qkv(1, 128, 256, 4, 4, 128, torch.bfloat16, seed=3)
+    with torch.no_grad():
+        torch.manual_seed(11)
+        a = flash_attn_func(q, k, v, dropout_p=0.3)
+        torch.manual_seed(11)
+        b = flash_attn_func(q, k, v, dropout_p=0.3)
+        torch.manual_seed(12)
+        c = flash_attn_func(q, k, v, dropout_p=0.3)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_gqa_decoding_is_not_packed_as_rows():
+    """One query row with 8 heads on 2 K/V heads: each query head draws its own numbers."""
+    q, k, v = make_qkv(2, 1, 300, 8, 2, 128, torch.float16, seed=9)
+    seed = seed_after(3, q.device)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        out = flash_attn_func(q, k, v, dropout_p=0.25)
+    mask = torch.from_numpy(keep_mask(seed, 0.25, 2, 8, 1, 300))
+    ref = dropout_reference(q, k, v, mask, 0.25, False)
+    low = dropout_reference(q, k, v, mask, 0.25, False, upcast=False)
+    err, base = (out.float() - ref).abs().max().item(), (low - ref).abs().max().item()
+    assert err <= 2 * base + 1e-3
