@@ -30,6 +30,7 @@
 #include "bwd_config.cuh"
 #include "bwd_params.cuh"
 #include "copy.cuh"
+#include "philox.cuh"
 #include "ptx.cuh"
 #include "score_mods.cuh"
 #include "smem_layout.cuh"
@@ -140,6 +141,37 @@ __device__ __forceinline__ void gemm_rows_rows(float (&acc)[1][kN][4], const Lan
 
 // acc (16 x d_head) += A (16 x 16 * kK, from registers: accumulators of a previous GEMM) *
 // B (tile `b`: kK * 16 rows, d_head columns): dV += P^T dO, dK += dS^T Q, dQ += dS K.
+template <int kRowsB, int kK>
+__device__ __forceinline__ void gemm_packed_tile(float (&acc)[kD / 8][4],
+                                                 const uint32_t (&a)[1][kK][4],
+                                                 const LaneOffsets& lo, uint32_t b_tile) {
+#pragma unroll
+    for (int kk = 0; kk < kK; ++kk)
+#pragma unroll
+        for (int nd2 = 0; nd2 < kD / 16; ++nd2) {
+            uint32_t b[4];
+            load_b_trans<kRowsB>(b, lo, b_tile, kk * 16, nd2);
+            mma_m16n8k16<C::kBf16>(acc[2 * nd2], a[0][kk], b[0], b[1]);
+            mma_m16n8k16<C::kBf16>(acc[2 * nd2 + 1], a[0][kk], b[2], b[3]);
+        }
+}
+
+// Dropout's P for dV: pack_a_fragments of P o keep / (1 - p) (keep: the 16 x 16 blocks' bits,
+// philox.cuh), the undropped P left as it is for dS.
+template <int kNTiles>
+__device__ __forceinline__ void pack_dropped(uint32_t (&a)[1][kNTiles / 2][4],
+                                             const float (&P)[1][kNTiles][4],
+                                             const uint32_t (&keep)[kNTiles / 2], float scale) {
+    auto v = [&](int nj, int e) { return kept(keep, nj, e) ? P[0][nj][e] * scale : 0.f; };
+#pragma unroll
+    for (int kk = 0; kk < kNTiles / 2; ++kk) {
+        a[0][kk][0] = pack_2<C::kBf16>(v(2 * kk, 0), v(2 * kk, 1));
+        a[0][kk][1] = pack_2<C::kBf16>(v(2 * kk, 2), v(2 * kk, 3));
+        a[0][kk][2] = pack_2<C::kBf16>(v(2 * kk + 1, 0), v(2 * kk + 1, 1));
+        a[0][kk][3] = pack_2<C::kBf16>(v(2 * kk + 1, 2), v(2 * kk + 1, 3));
+    }
+}
+
 template <int kRowsB, int kK>
 __device__ __forceinline__ void gemm_regs_tile(float (&acc)[kD / 8][4],
                                                const float (&a_acc)[1][2 * kK][4],
@@ -593,8 +625,18 @@ template <int kQ, bool kScoreMods>
 __device__ __forceinline__ void step_score_grads(float (&dS)[kQ / 8][4],
                                                  const float (&P)[kQ / 8][4], const BwdParams& p,
                                                  const float* lse, const float* delta,
-                                                 int warp_key0, int q0, int shift, float alibi) {
+                                                 int warp_key0, int q0, int shift, float alibi,
+                                                 const uint32_t (&keep)[kQ / 16] = {},
+                                                 bool dropout = false) {
     const int lane = threadIdx.x % 32;
+    // Dropout: dS = P o (keep o dPd / (1 - p) - delta), dPd = V dO^T of the dropped P.
+    if (kScoreMods && dropout) {
+#pragma unroll
+        for (int nj = 0; nj < kQ / 8; ++nj)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                dS[nj][e] = kept(keep, nj, e) ? dS[nj][e] * p.dropout_scale : 0.f;
+    }
 #pragma unroll
     for (int nj = 0; nj < kQ / 8; ++nj)
 #pragma unroll
@@ -656,6 +698,9 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
     const int group = p.n_heads / p.n_heads_k;
     const int shift = p.seqlen_k - p.seqlen_q;  // query i sees keys j <= i + shift (causal)
     const WindowBounds window(p);
+    // Dropout (the scoremod entries; BwdParams::dropout_*): the forward's keep mask, rebuilt.
+    const bool dropout = kScoreMods && p.dropout_threshold != 0;
+    const uint64_t seed = dropout ? *p.dropout_seed : 0;
 
     const QueryTiles tiles = query_tiles<kQ, kWindow>(p, key0, key_rows);
     const int first_tile = tiles.first, tiles_per_head = tiles.per_head;
@@ -749,13 +794,22 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
             (kFuseDq && key_rows < kKeys);
         const int head = head_k * group + step / tiles_per_head;
         const float alibi = kScoreMods ? alibi_coefficient(p, batch, head) : 0.f;
+        // Dropout's keep bits of the warp's 16 keys x kQ queries (the transposed layout).
+        uint32_t keep[kQ / 16];
+        if (kScoreMods && dropout) {
+#pragma unroll
+            for (int kk = 0; kk < kQ / 16; ++kk)
+                keep[kk] = dropout_keep_bits_transposed(seed, q0 / 16 + kk, (key0 + row0) / 16,
+                                                        batch * p.n_heads + head, lane,
+                                                        p.dropout_threshold);
+        }
         auto probabilities = [&](float (&P)[kQ / 8][4]) {
             step_probabilities<kQ, kWindow, kScoreMods, kFuseDq>(P, p, lse, mask, window,
                                                                  key0 + row0, q0, shift, alibi);
         };
         auto score_grads = [&](float (&dS)[kQ / 8][4], const float (&P)[kQ / 8][4]) {
             step_score_grads<kQ, kScoreMods>(dS, P, p, lse, delta, key0 + row0, q0, shift,
-                                             alibi);
+                                             alibi, keep, dropout);
         };
 
         if constexpr (C::kWgmma) {
@@ -773,7 +827,11 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
             wgmma_fence_operands(wg::flat(P[0]));
             probabilities(P[0]);
             uint32_t a[1][kQ / 16][4];
-            pack_a_fragments<C::kBf16>(a, P);
+            if (kScoreMods && dropout) {
+                pack_dropped<kQ / 8>(a, P, keep, p.dropout_scale);
+            } else {
+                pack_a_fragments<C::kBf16>(a, P);
+            }
             wgmma_fence_operands(wg::flat(dV));
             wgmma_fence();
             wg::regs_tile<kQ, kQ / 16>(dV, a, do_tile);
@@ -829,7 +887,17 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
             float P[1][kQ / 8][4];
             gemm_rows_rows<kKeys, kQ>(P, lo, k_tile, row0, q_tile);
             probabilities(P[0]);
-            gemm_regs_tile<kQ, kQ / 16>(dV, P, lo, do_tile);
+            if constexpr (kScoreMods) {
+                uint32_t a[1][kQ / 16][4];
+                if (dropout) {
+                    pack_dropped<kQ / 8>(a, P, keep, p.dropout_scale);
+                } else {
+                    pack_a_fragments<C::kBf16>(a, P);
+                }
+                gemm_packed_tile<kQ, kQ / 16>(dV, a, lo, do_tile);
+            } else {
+                gemm_regs_tile<kQ, kQ / 16>(dV, P, lo, do_tile);
+            }
 
             float dS[1][kQ / 8][4];
             gemm_rows_rows<kKeys, kQ>(dS, lo, v_tile, row0, do_tile);
@@ -905,6 +973,8 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
     const int q_rows = min(kRows, p.seqlen_q - q0);
     const int shift = p.seqlen_k - p.seqlen_q;
     const float alibi = kScoreMods ? alibi_coefficient(p, batch, head) : 0.f;
+    const bool dropout = kScoreMods && p.dropout_threshold != 0;
+    const uint64_t seed = dropout ? *p.dropout_seed : 0;
 
     // KV tiles [first_tile, end_tile) are visible to some row; tiles >= mask_from hold a key
     // some row must not see (the seqlen_k tail, or keys right of the first row's window), as
@@ -1010,6 +1080,20 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
 
         float dS[1][kKv / 8][4];
         gemm_rows_rows<kRows, kKv>(dS, lo, do_tile, row0, v_tile);
+        if (kScoreMods && dropout) {  // dS = P o (keep o dPd / (1 - p) - delta)
+#pragma unroll
+            for (int j = 0; j < kKv / 16; ++j) {
+                const uint32_t keep[1] = {dropout_keep_bits(
+                    seed, (q0 + row0) / 16, tile * kKv / 16 + j, batch * p.n_heads + head, lane,
+                    p.dropout_threshold)};
+#pragma unroll
+                for (int n = 0; n < 2; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        dS[0][2 * j + n][e] =
+                            kept(keep, n, e) ? dS[0][2 * j + n][e] * p.dropout_scale : 0.f;
+            }
+        }
 #pragma unroll
         for (int nj = 0; nj < kKv / 8; ++nj)
 #pragma unroll

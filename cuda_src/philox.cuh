@@ -54,4 +54,35 @@ __device__ __forceinline__ uint32_t dropout_keep_bits(uint64_t seed, int q16, in
     return bits;
 }
 
+// The same for the dK/dV kernel's transposed layout (rows: keys, columns: queries): bit
+// 4 * r + 2 * n + c is the score of key lane / 4 + 8 * r and query 2 * (lane % 4) + 8 * n + c
+// of the block. Its 8 scores come from two counters (query % 8 = 2 * (lane % 4) + c), half
+// of each call used.
+__device__ __forceinline__ uint32_t dropout_keep_bits_transposed(uint64_t seed, int q16, int k16,
+                                                                 int head_index, int lane,
+                                                                 uint32_t threshold) {
+    const int a = lane / 4, b = lane % 4;
+    uint32_t bits = 0;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        const Philox4 r = philox4x32_10(uint32_t(q16), uint32_t(k16), uint32_t(head_index),
+                                        uint32_t(4 * (2 * b + c) + a / 2), uint32_t(seed),
+                                        uint32_t(seed >> 32));
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int row = 0; row < 2; ++row)
+                bits |= uint32_t(philox_half(r, 4 * n + 2 * row + (a & 1)) >= threshold)
+                        << (4 * row + 2 * n + c);
+    }
+    return bits;
+}
+
+// Whether element (nj, e) of an m16n8 accumulator tile is kept, given the keep bits of its
+// 16 x 16 blocks (keep[nj / 2]; bit 4 * (e / 2) + 2 * (nj % 2) + e % 2).
+template <int kBlocks>
+__device__ __forceinline__ bool kept(const uint32_t (&keep)[kBlocks], int nj, int e) {
+    return (keep[nj / 2] >> (4 * (e / 2) + 2 * (nj % 2) + e % 2)) & 1u;
+}
+
 }  // namespace cudaflash

@@ -7,7 +7,7 @@ public functions: the public functions come here, not the other way round.
 
 import torch
 
-from . import _call, _checks, backward, dispatch, heuristics
+from . import _call, _checks, _dropout, backward, dispatch, heuristics
 
 
 def _keep_call(ctx, softmax_scale, d_head: int, causal, window, seqlen_k: int, softcap,
@@ -31,17 +31,24 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, deterministic, window=(-1, -1),
-                softcap=0.0, alibi_slopes=None):
+                softcap=0.0, alibi_slopes=None, dropout_p=0.0):
         _checks.check_deterministic(deterministic)
+        dropout = None
+        if dropout_p:  # the seed, drawn on q's device once q, k, v are known to be fit
+            _checks.check_qkv(q, k, v)
+            _checks.check_on_gpu(q)
+            dropout = _dropout.draw(dropout_p, q.device)
         out, lse = _call.checked_forward(None, q, k, v, None, softmax_scale, causal, True,
                                          window=window, softcap=softcap,
-                                         alibi_slopes=alibi_slopes)
+                                         alibi_slopes=alibi_slopes, dropout=dropout)
         # Fail now, not in the backward after a whole forward pass of work.
         dispatch.check_backward_supported(
             q.get_device(), q.dtype, q.shape[3],
-            backward.scheme(deterministic, softcap, alibi_slopes is not None))
+            backward.scheme(deterministic, softcap,
+                            alibi_slopes is not None or dropout is not None))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.deterministic = deterministic
+        ctx.dropout = dropout
         _keep_call(ctx, softmax_scale, q.shape[3], causal, window, k.shape[1], softcap,
                    alibi_slopes, lse)
         return out, lse
@@ -52,24 +59,26 @@ class FlashAttnFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = run_backward(dout, q, k, v, out, lse, ctx.scale, ctx.causal,
                                   ctx.deterministic, ctx.kernel_window, ctx.softcap,
-                                  ctx.alibi_slopes)
-        return dq, dk, dv, None, None, None, None, None, None
+                                  ctx.alibi_slopes, ctx.dropout)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def run_backward(dout, q, k, v, out, lse, scale: float, causal: bool, deterministic: bool,
-                 kernel_window: tuple[int, int], softcap: float = 0.0, alibi_slopes=None):
+                 kernel_window: tuple[int, int], softcap: float = 0.0, alibi_slopes=None,
+                 dropout=None):
     """backward.run on q's device; ``kernel_window`` as the forward's kernel took it
     (heuristics.kernel_window: the kernels mask by it, causal included); ``softcap`` and
     ``alibi_slopes`` the forward's."""
     # torch's global switch counts here too; a cap or ALiBi takes the deterministic scheme
-    scheme = backward.scheme(deterministic, softcap, alibi_slopes is not None)
+    scheme = backward.scheme(deterministic, softcap,
+                             alibi_slopes is not None or dropout is not None)
     index = q.get_device()
     if index != torch.cuda.current_device():
         with torch.cuda.device(index):
             return backward.run(dout, q, k, v, out, lse, scale, causal, scheme, kernel_window,
-                                softcap, alibi_slopes)
+                                softcap, alibi_slopes, dropout)
     return backward.run(dout, q, k, v, out, lse, scale, causal, scheme, kernel_window, softcap,
-                        alibi_slopes)
+                        alibi_slopes, dropout)
 
 
 class FlashAttnVarlenFunction(torch.autograd.Function):

@@ -10,19 +10,19 @@ from typing import Optional
 
 import torch
 
-from . import _checks, _dropout, _plans, dispatch, launch
+from . import _checks, _plans, dispatch, launch
 from ._checks import DTYPES
 from .config import KernelConfig
 
 
 def checked_forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale, causal,
                     want_lse=True, num_splits=None, window=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, dropout_p=0.0):
+                    alibi_slopes=None, dropout=None):
     """``(out, lse)`` of one forward over a padded batch, every tensor argument checked;
     ``config`` None: the selection rules choose, and the call records a plan for its
-    signature (if it is hashable). ``window``, ``softcap``, ``dropout_p``: checked by the
-    caller; ``alibi_slopes``: checked here. A call with dropout draws its seed here (on q's
-    device) and records no plan."""
+    signature (if it is hashable). ``window``, ``softcap``: checked by the caller;
+    ``alibi_slopes``: checked here; ``dropout``: the call's _dropout.Dropout (drawn by the
+    caller on q's device) or None; a call with dropout records no plan."""
     _checks.check_qkv(q, k, v)
     alibi_slopes = _checks.check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
     # flash_attn_func records a plan for the signature; a windowed, softcapped or ALiBi
@@ -52,10 +52,10 @@ def checked_forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale,
         with torch.cuda.device(index):
             return launch.run(config, index, q, k, v, out, scale, bool(causal), want_lse,
                               plan_key, num_splits, window=window, softcap=softcap,
-                              alibi=alibi_slopes, dropout=_dropout.draw(dropout_p, q.device))
+                              alibi=alibi_slopes, dropout=dropout)
     return launch.run(config, index, q, k, v, out, scale, bool(causal), want_lse, plan_key,
                       num_splits, window=window, softcap=softcap, alibi=alibi_slopes,
-                      dropout=_dropout.draw(dropout_p, q.device))
+                      dropout=dropout)
 
 
 def planned_forward(q, k, v, softmax_scale, causal, want_lse, window=(-1, -1), softcap=0.0,

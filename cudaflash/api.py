@@ -20,7 +20,8 @@ import numbers
 
 import torch
 
-from . import _call, _checks, _driver, _padding, _plans, dispatch, kvcache, manifest as _manifest
+from . import (_call, _checks, _driver, _dropout, _padding, _plans, dispatch, kvcache,
+               manifest as _manifest)
 from ._autograd import FlashAttnFunction, FlashAttnVarlenFunction, fwd_op, varlen_fwd_op
 from ._plans import plans as _forward_plans
 from ._torch import (current_device as _current_device, current_stream as _current_stream,
@@ -162,7 +163,7 @@ def _attention_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, s
                  return_attn_probs=return_attn_probs))
     if dropout_p:
         return _dropout_attention(q, k, v, dropout_p, softmax_scale, causal, window, softcap,
-                                  alibi_slopes, return_attn_probs)
+                                  alibi_slopes, deterministic, return_attn_probs)
     if _is_compiling():
         out, lse = fwd_op(q, k, v, softmax_scale, causal, deterministic, *window, softcap,
                           alibi_slopes)
@@ -179,20 +180,25 @@ def _attention_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, s
 
 
 def _dropout_attention(q, k, v, dropout_p, softmax_scale, causal, window, softcap,
-                       alibi_slopes, return_attn_probs):
-    """flash_attn_func with dropout (work in progress: the forward only, with plain scores).
-    Each call draws its own seed: no plan."""
+                       alibi_slopes, deterministic, return_attn_probs):
+    """flash_attn_func with dropout (work in progress: plain scores; gradients through
+    FlashAttnFunction, in the deterministic scheme). Each call draws its own seed (one
+    torch.randint on q's device, after q, k, v are checked): no plan."""
     if softcap or alibi_slopes is not None:
         raise NotImplementedError("dropout_p > 0 with softcap or alibi_slopes is not "
                                   "implemented yet")
     if return_attn_probs:
         raise NotImplementedError("return_attn_probs=True with dropout_p > 0 (flash-attn's "
                                   "dropped-entry matrix) is not implemented yet")
-    if _checks.wants_grad(q, k, v) or _is_compiling():
-        raise NotImplementedError("dropout_p > 0 with gradients or under torch.compile is not "
-                                  "implemented yet (the forward runs under torch.no_grad())")
+    if _is_compiling():
+        raise NotImplementedError("dropout_p > 0 under torch.compile is not implemented yet")
+    if _checks.wants_grad(q, k, v):
+        return FlashAttnFunction.apply(q, k, v, softmax_scale, causal, deterministic, window,
+                                       0.0, None, dropout_p)[0]
+    _checks.check_qkv(q, k, v)
+    _checks.check_on_gpu(q)
     out, _ = _call.checked_forward(None, q, k, v, None, softmax_scale, causal, False,
-                                   window=window, dropout_p=dropout_p)
+                                   window=window, dropout=_dropout.draw(dropout_p, q.device))
     return out
 
 

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import torch
 
 from . import _driver, dispatch, heuristics
-from ._params import BWD_PARAMS_FORMAT, NO_DROPOUT, alibi_params, score_scales
+from ._params import (BWD_PARAMS_FORMAT, NO_DROPOUT, alibi_params, dropout_params,
+                      score_scales)
 from ._torch import current_stream
 
 _PACK = struct.Struct(BWD_PARAMS_FORMAT)  # all of BwdParams (_params.BwdParams), in one pack
@@ -124,7 +125,7 @@ class _Launches:
 
 def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, scheme: str,
-        window: tuple[int, int], softcap: float = 0.0, alibi_slopes=None
+        window: tuple[int, int], softcap: float = 0.0, alibi_slopes=None, dropout=None
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) laid out like q, k, v. ``lse`` is the forward's (batch, nheads, seqlen_q)
     float32 log-sum-exp; q's device must be current. ``scheme``: "atomic" or
@@ -133,7 +134,7 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kernels mask by it, so a causal call must pass right = 0 (``causal`` only orders CTAs
     and picks the scheme). ``softcap``: the forward's cap (0.0: none); ``alibi_slopes``: the
     forward's checked slopes (None: none); either needs the deterministic scheme (scheme())."""
-    scoremod = bool(softcap) or alibi_slopes is not None
+    scoremod = bool(softcap) or alibi_slopes is not None or dropout is not None
     if scoremod and scheme != "deterministic":
         raise ValueError(f"softcap={softcap} and ALiBi ({alibi_slopes is not None}) run in the "
                          f"deterministic scheme, not {scheme!r}")
@@ -169,7 +170,7 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         0 if dq_accum is None else dq_accum.data_ptr(), *strides, n_heads * seqlen_q, seqlen_q,
         batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal), *scales[:2],
         0, 0, 0, 0,  # not a packed batch
-        *window, *scales[2:], *alibi_params(alibi_slopes), *NO_DROPOUT))
+        *window, *scales[2:], *alibi_params(alibi_slopes), *dropout_params(dropout)))
 
     go = _Launches(kernel, current_stream(index), args, seqlen_q,
                    seqlen_k, n_heads, n_heads_k, batch)

@@ -45,3 +45,37 @@ def test_keep_mask_rate_and_seed_dependence():
     assert not np.array_equal(mask, keep_mask(8, 0.25, 2, 3, 64, 96))
     assert np.array_equal(mask, keep_mask(7, 0.25, 2, 3, 64, 96))
     assert keep_mask(7, 0.0, 1, 1, 16, 16).all()
+
+
+def _philox_half(words, half):
+    word = int(words[half // 2])
+    return word >> 16 if half % 2 else word & 0xFFFF
+
+
+def test_device_layouts_pick_each_scores_own_number():
+    """cuda_src/philox.cuh's two bit layouts, their index math written out here: in the
+    forward's m16n8 layout (one counter per lane) and the dK/dV kernel's transposed one (two
+    counters per lane), every lane's bit for a score is random16 of that score's (query, key)."""
+    seed, q16, k16, bh, thr = 0x1234_5678_9ABC_DEF0, 3, 5, 7, 20000
+    key = (seed & 0xFFFFFFFF, seed >> 32)
+    heads, b, h = 8, 0, 7  # bh = b * heads + h
+    for lane in range(32):
+        a, bb = lane // 4, lane % 4
+        # forward: queries a + 8r, keys 2bb + 8n + c
+        words = philox4x32_10((q16, k16, bh, lane), key)
+        for r in range(2):
+            for n in range(2):
+                for c in range(2):
+                    q, k = 16 * q16 + a + 8 * r, 16 * k16 + 2 * bb + 8 * n + c
+                    expected = int(random16(seed, 1, heads, b, h, q, k)) >= thr
+                    got = _philox_half(words, 4 * r + 2 * n + c) >= thr
+                    assert got == expected, ("forward", lane, r, n, c)
+        # transposed: keys a + 8r, queries 2bb + 8n + c
+        for c in range(2):
+            words = philox4x32_10((q16, k16, bh, 4 * (2 * bb + c) + a // 2), key)
+            for n in range(2):
+                for r in range(2):
+                    q, k = 16 * q16 + 2 * bb + 8 * n + c, 16 * k16 + a + 8 * r
+                    expected = int(random16(seed, 1, heads, b, h, q, k)) >= thr
+                    got = _philox_half(words, 4 * n + 2 * r + (a & 1)) >= thr
+                    assert got == expected, ("transposed", lane, r, n, c)

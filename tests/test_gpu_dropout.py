@@ -89,3 +89,34 @@ def test_gqa_decoding_is_not_packed_as_rows():
     low = dropout_reference(q, k, v, mask, 0.25, False, upcast=False)
     err, base = (out.float() - ref).abs().max().item(), (low - ref).abs().max().item()
     assert err <= 2 * base + 1e-3
+
+
+def reference_grads(q, k, v, dout, mask, p, causal, upcast):
+    """dq, dk, dv of dropout_reference by autograd (float32, or q's dtype)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = dropout_reference(*leaves, mask, p, causal, upcast=upcast)
+    out.backward(dout.float())
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_gradients_match_the_mask_rebuilt_on_the_host(dtype, d, causal):
+    """The backward rebuilds the forward's mask from the saved seed (dV from the dropped P,
+    dS = P o (keep o dPd / (1 - p) - delta)): dq, dk, dv against autograd through the
+    torch math with the host's mask, for the call's seed."""
+    from test_gpu_backward import assert_grads_within, run_with_grad
+
+    p, b, sq, sk, h, hk = 0.2, 2, 160, 224, 4, 2
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, DTYPES[dtype], seed=d)
+    dout = torch.randn_like(q)
+    seed = seed_after(21, q.device)
+    torch.manual_seed(21)
+    out, grads = run_with_grad(q, k, v, dout, dropout_p=p, causal=causal)
+    mask = torch.from_numpy(keep_mask(seed, p, b, h, sq, sk))
+    ref = dropout_reference(q, k, v, mask, p, causal)
+    low = dropout_reference(q, k, v, mask, p, causal, upcast=False)
+    assert (out.float() - ref).abs().max().item() <= 2 * (low - ref).abs().max().item() + 1e-3
+    assert_grads_within(grads, reference_grads(q, k, v, dout, mask, p, causal, True),
+                        reference_grads(q, k, v, dout, mask, p, causal, False), (q, k, v))
