@@ -88,11 +88,21 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, deterministic, window=(-1, -1), softcap=0.0,
-                alibi_slopes=None):
+                alibi_slopes=None, dropout_p=0.0):
         _checks.check_deterministic(deterministic)
-        out, lse = _call.planned_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                max_seqlen_q, max_seqlen_k, softmax_scale,
-                                                causal, True, window, softcap, alibi_slopes)
+        if dropout_p:  # each call its own seed: no plan
+            _checks.check_qkv(q, k, v, varlen=True)
+            _checks.check_on_gpu(q)
+            ctx.dropout = _dropout.draw(dropout_p, q.device)
+            out, lse = _call.checked_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                    max_seqlen_q, max_seqlen_k, softmax_scale,
+                                                    causal, True, window, softcap,
+                                                    alibi_slopes, ctx.dropout)
+        else:
+            ctx.dropout = None
+            out, lse = _call.planned_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                    max_seqlen_q, max_seqlen_k, softmax_scale,
+                                                    causal, True, window, softcap, alibi_slopes)
         # Fail now, not in the backward after a whole forward pass of work.
         dispatch.check_backward_supported(q.get_device(), q.dtype, q.shape[2], "deterministic")
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
@@ -110,8 +120,8 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
             dq, dk, dv = backward.run_varlen(dout, q, k, v, out, lse, cu_seqlens_q,
                                              cu_seqlens_k, *ctx.max_seqlens, ctx.scale,
                                              ctx.causal, ctx.kernel_window, ctx.softcap,
-                                             ctx.alibi_slopes)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+                                             ctx.alibi_slopes, ctx.dropout)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 # ---- torch.compile ---------------------------------------------------------------------------

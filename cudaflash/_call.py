@@ -94,9 +94,10 @@ def replayed_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 
 
 def checked_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           softmax_scale, causal, want_lse, window, softcap, alibi_slopes=None):
+                           softmax_scale, causal, want_lse, window, softcap, alibi_slopes=None,
+                           dropout=None):
     """``(out, lse)`` of one forward over a packed batch, every tensor argument checked; records
-    a plan (outside CUDAFLASH_DEBUG). ``window``, ``softcap``: checked by the caller;
+    a plan (outside CUDAFLASH_DEBUG; not with ``dropout``, a _dropout.Dropout). ``window``, ``softcap``: checked by the caller;
     ``alibi_slopes``: checked here ((nheads,) or (batch, nheads): a slope per sequence)."""
     _checks.check_qkv(q, k, v, varlen=True)
     _checks.check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k)
@@ -120,7 +121,7 @@ def checked_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             causal, want_lse, window, softcap, alibi_slopes)
         return launch.run_varlen(index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, scale, bool(causal), want_lse, plan_key, window,
-                                 softcap, alibi=alibi_slopes)
+                                 softcap, alibi=alibi_slopes, dropout=dropout)
 
 
 def planned_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

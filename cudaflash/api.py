@@ -202,6 +202,30 @@ def _dropout_attention(q, k, v, dropout_p, softmax_scale, causal, window, softca
     return out
 
 
+def _dropout_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
+                    deterministic, return_attn_probs, block_table):
+    """flash_attn_varlen_func with dropout (work in progress, as _dropout_attention)."""
+    if softcap or alibi_slopes is not None or block_table is not None:
+        raise NotImplementedError("dropout_p > 0 with softcap, alibi_slopes or block_table is "
+                                  "not implemented yet")
+    if return_attn_probs:
+        raise NotImplementedError("return_attn_probs=True with dropout_p > 0 (flash-attn's "
+                                  "dropped-entry matrix) is not implemented yet")
+    if _is_compiling():
+        raise NotImplementedError("dropout_p > 0 under torch.compile is not implemented yet")
+    if _checks.wants_grad(q, k, v):
+        return FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                             max_seqlen_k, softmax_scale, causal, deterministic,
+                                             window, 0.0, None, dropout_p)[0]
+    _checks.check_qkv(q, k, v, varlen=True)
+    _checks.check_on_gpu(q)
+    out, _ = _call.checked_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, softmax_scale, causal, False, window,
+                                          0.0, dropout=_dropout.draw(dropout_p, q.device))
+    return out
+
+
 def _attention_with_options(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes,
                             deterministic, return_attn_probs):
     """flash_attn_func with a sliding window, softcapping or ALiBi (``window``: checked
@@ -265,16 +289,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if not (dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
             and (window_size is NO_WINDOW or _no_window(window_size))):
         window, softcap, dropout_p = _checks.attention_options(dropout_p, window_size, softcap)
-        if dropout_p:
-            raise NotImplementedError("flash_attn_varlen_func with dropout_p > 0 is not "
-                                      "implemented yet")
     else:
-        softcap = 0.0
+        softcap, dropout_p = 0.0, 0.0
     want_lse = True if return_attn_probs else False
     # A repeat signature takes its plan, as in flash_attn_func (the key through its function
     # here: this path is not tuned for tiny calls the way flash_attn_func's is); never under
     # torch.compile, which takes the custom op, nor with paged K/V, which records none.
-    if block_table is None and not _is_compiling():
+    if block_table is None and not dropout_p and not _is_compiling():
         done = _call.replayed_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                              max_seqlen_k, softmax_scale, causal, want_lse,
                                              window, softcap, alibi_slopes)
@@ -291,6 +312,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                  window_size=window, softcap=softcap, alibi_slopes=alibi_slopes,
                  deterministic=deterministic, return_attn_probs=return_attn_probs,
                  block_table=block_table))
+    if dropout_p:
+        return _dropout_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
+                               deterministic, return_attn_probs, block_table)
     if block_table is not None:
         # Paged K/V (flash_attn_with_kvcache's caches): forward only, no plan, eagerly.
         out, lse = kvcache.paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k,

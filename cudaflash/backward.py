@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _driver, dispatch, heuristics
-from ._params import (BWD_PARAMS_FORMAT, NO_DROPOUT, alibi_params, dropout_params,
+from ._params import (BWD_PARAMS_FORMAT, alibi_params, dropout_params,
                       score_scales)
 from ._torch import current_stream
 
@@ -188,8 +188,8 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
-               causal: bool, window: tuple[int, int], softcap: float = 0.0, alibi_slopes=None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               causal: bool, window: tuple[int, int], softcap: float = 0.0, alibi_slopes=None,
+               dropout=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of flash_attn_varlen_func, laid out like q, k, v ((total, nheads,
     headdim)); ``lse`` is its forward's (nheads, total_q). Rows of no sequence get zero
     gradients. The maxima must be at least the real lengths (flash-attn's contract): a
@@ -218,11 +218,11 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0,
         *strides, 0, total_q, batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal),
         *scales[:2], cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), total_q, total_k,
-        *window, *scales[2:], *alibi_params(alibi_slopes), *NO_DROPOUT))
+        *window, *scales[2:], *alibi_params(alibi_slopes), *dropout_params(dropout)))
 
     go = _Launches(kernel, current_stream(index), args, seqlen_q,
                    seqlen_k, n_heads, n_heads_k, batch)
     go.per_row("preprocess_varlen")
-    scoremod = bool(softcap) or alibi_slopes is not None
+    scoremod = bool(softcap) or alibi_slopes is not None or dropout is not None
     go.dkdv_then_dq("_varlen_scoremod" if scoremod else "_varlen")
     return dq, dk, dv

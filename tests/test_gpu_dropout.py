@@ -120,3 +120,44 @@ def test_gradients_match_the_mask_rebuilt_on_the_host(dtype, d, causal):
     assert (out.float() - ref).abs().max().item() <= 2 * (low - ref).abs().max().item() + 1e-3
     assert_grads_within(grads, reference_grads(q, k, v, dout, mask, p, causal, True),
                         reference_grads(q, k, v, dout, mask, p, causal, False), (q, k, v))
+
+
+def test_varlen_forward_and_gradients_per_sequence():
+    """flash_attn_varlen_func: sequence b draws the numbers of batch entry b of the padded
+    layout (its rows and keys counted within the sequence)."""
+    from test_gpu_backward import assert_grads_within
+
+    from cudaflash import flash_attn_varlen_func
+
+    p, h, hk, d = 0.3, 4, 2, 64
+    lens_q, lens_k = [37, 130, 1], [90, 130, 17]
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32,
+                        device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32,
+                        device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=torch.float16, generator=gen)
+    k = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=torch.float16, generator=gen)
+    v = torch.randn_like(k)
+    dout = torch.randn_like(q)
+    seed = seed_after(8, q.device)
+    torch.manual_seed(8)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), dropout_p=p,
+                                 causal=True)
+    out.backward(dout)
+    for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        mask = torch.from_numpy(keep_mask(seed, p, len(lens_q), h, sq, sk)[b:b + 1])
+        qb, kb, vb = q[None, rows], k[None, keys], v[None, keys]
+        ref = dropout_reference(qb, kb, vb, mask, p, True)
+        low = dropout_reference(qb, kb, vb, mask, p, True, upcast=False)
+        assert (out[None, rows].float() - ref).abs().max().item() <= \
+            2 * (low - ref).abs().max().item() + 1e-3
+        grads = (leaves[0].grad[None, rows], leaves[1].grad[None, keys],
+                 leaves[2].grad[None, keys])
+        assert_grads_within(grads,
+                            reference_grads(qb, kb, vb, dout[None, rows], mask, p, True, True),
+                            reference_grads(qb, kb, vb, dout[None, rows], mask, p, True, False),
+                            (qb, kb, vb))
