@@ -31,13 +31,9 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, deterministic, window=(-1, -1),
-                softcap=0.0, alibi_slopes=None, dropout_p=0.0):
+                softcap=0.0, alibi_slopes=None, dropout=None):
+        # dropout: the call's _dropout.Dropout (its seed drawn by the caller) or None
         _checks.check_deterministic(deterministic)
-        dropout = None
-        if dropout_p:  # the seed, drawn on q's device once q, k, v are known to be fit
-            _checks.check_qkv(q, k, v)
-            _checks.check_on_gpu(q)
-            dropout = _dropout.draw(dropout_p, q.device)
         out, lse = _call.checked_forward(None, q, k, v, None, softmax_scale, causal, True,
                                          window=window, softcap=softcap,
                                          alibi_slopes=alibi_slopes, dropout=dropout)

@@ -39,3 +39,86 @@ def draw(dropout_p: float, device: torch.device) -> Optional[Dropout]:
     seed = torch.randint(0, SEED_HIGH, (1,), dtype=torch.int64, device=device)
     threshold = min(round(dropout_p * 65536), 65535)
     return Dropout(dropout_p, threshold, 1.0 / (1.0 - dropout_p), seed)
+
+
+# ---- return_attn_probs: flash-attn's S_dmask, computed with torch ops (a testing hook) ------
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mulhilo(m: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit halves of the 64-bit product m * c for a 32-bit constant m and a tensor
+    c of 32-bit values held in int64 (split in 16-bit halves: no product exceeds 2^49)."""
+    c_hi, c_lo = c >> 16, c & 0xFFFF
+    t1, t2 = m * c_lo, m * c_hi
+    u = ((t2 & 0xFFFF) << 16) + t1
+    return (t2 >> 16) + (u >> 32), u & _MASK32
+
+
+def philox4x32_10(c0, c1, c2, c3, k0: int, k1: int):
+    """Philox4x32-10 (cuda_src/philox.cuh) on int64 tensors of 32-bit values."""
+    for _ in range(10):
+        hi0, lo0 = _mulhilo(0xD2511F53, c0)
+        hi1, lo1 = _mulhilo(0xCD9E8D57, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + 0x9E3779B9) & _MASK32, (k1 + 0xBB67AE85) & _MASK32
+    return c0, c1, c2, c3
+
+
+def keep_mask(dropout: Dropout, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+              device) -> torch.Tensor:
+    """(batch, heads, seqlen_q, seqlen_k) bool: the scores the kernels keep for this call
+    (philox.cuh's counters), computed with torch ops; reads the seed on the host."""
+    seed = int(dropout.seed.item()) & 0xFFFFFFFFFFFFFFFF
+    q_idx = torch.arange(seqlen_q, device=device)[:, None]
+    k_idx = torch.arange(seqlen_k, device=device)[None, :]
+    u, w = q_idx % 16, k_idx % 16
+    slot = 4 * (u % 8) + (w % 8) // 2
+    half = 4 * (u // 8) + 2 * (w // 8) + w % 2
+    masks = []
+    for bh in range(batch * heads):
+        words = philox4x32_10((q_idx // 16).expand(seqlen_q, seqlen_k),
+                              (k_idx // 16).expand(seqlen_q, seqlen_k),
+                              torch.full((seqlen_q, seqlen_k), bh, device=device), slot,
+                              seed & _MASK32, seed >> 32)
+        word = torch.stack(words, -1).gather(-1, (half // 2)[..., None].expand(
+            seqlen_q, seqlen_k, 1))[..., 0]
+        r16 = torch.where(half % 2 == 0, word & 0xFFFF, word >> 16)
+        masks.append(r16 >= dropout.threshold)
+    return torch.stack(masks).view(batch, heads, seqlen_q, seqlen_k)
+
+
+def block_size_n(head_dim: int, device) -> int:
+    """The key block size flash-attn 2's tests assume for a dropout call
+    (their _get_block_size_n with is_dropout=True): S_dmask's rows are scaled per block."""
+    major, minor = torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
+    if head_dim <= 32:
+        return 128
+    if head_dim <= 96:
+        return 64
+    if head_dim <= 128:
+        return 32
+    if head_dim <= 160:
+        return 64 if major == 8 and minor > 0 else 32
+    return 64
+
+
+def attention_matrix(q, k, softmax_scale: float, allowed: torch.Tensor, dropout: Dropout,
+                     keep: torch.Tensor) -> torch.Tensor:
+    """flash-attn's S_dmask of a dropout call, float32 (batch, heads, seqlen_q, seqlen_k): the
+    exponentials exp(s - M_n) of FlashAttention-2's kernel, M_n the largest score of key block
+    n and the blocks after it (it walks them last to first), negated where dropped, 0 where
+    `allowed` (the causal/window mask, broadcastable) hides the score. q: (batch, seqlen_q,
+    heads, d), k: (batch, seqlen_k, heads_k, d)."""
+    groups = q.shape[2] // k.shape[2]
+    qf = q.float().transpose(1, 2)
+    kf = k.float().repeat_interleave(groups, dim=2).transpose(1, 2)
+    scores = (qf @ kf.transpose(-1, -2)) * softmax_scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    block = block_size_n(q.shape[-1], q.device)
+    blocks = scores.split(block, dim=-1)
+    block_max = torch.stack([b.amax(-1) for b in blocks], -1)
+    running = torch.cummax(block_max.flip(-1), -1).values.flip(-1)
+    out = torch.cat([torch.exp(b - running[..., n, None]) for n, b in enumerate(blocks)], -1)
+    out = torch.nan_to_num(out, nan=0.0)  # rows that see no key: -inf - -inf
+    return torch.where(keep, out, -out)

@@ -183,23 +183,42 @@ def _dropout_attention(q, k, v, dropout_p, softmax_scale, causal, window, softca
                        alibi_slopes, deterministic, return_attn_probs):
     """flash_attn_func with dropout (work in progress: plain scores; gradients through
     FlashAttnFunction, in the deterministic scheme). Each call draws its own seed (one
-    torch.randint on q's device, after q, k, v are checked): no plan."""
+    torch.randint on q's device, after q, k, v are checked): no plan. return_attn_probs
+    adds flash-attn's S_dmask, built with torch ops (_dropout.attention_matrix: a testing
+    hook, O(seqlen_q * seqlen_k) memory)."""
     if softcap or alibi_slopes is not None:
         raise NotImplementedError("dropout_p > 0 with softcap or alibi_slopes is not "
                                   "implemented yet")
-    if return_attn_probs:
-        raise NotImplementedError("return_attn_probs=True with dropout_p > 0 (flash-attn's "
-                                  "dropped-entry matrix) is not implemented yet")
     if _is_compiling():
         raise NotImplementedError("dropout_p > 0 under torch.compile is not implemented yet")
-    if _checks.wants_grad(q, k, v):
-        return FlashAttnFunction.apply(q, k, v, softmax_scale, causal, deterministic, window,
-                                       0.0, None, dropout_p)[0]
-    _checks.check_qkv(q, k, v)
+    with torch.no_grad():  # (check_qkv refuses leaves that require grad: the autograd
+        _checks.check_qkv(q, k, v)  # function below takes them)
     _checks.check_on_gpu(q)
-    out, _ = _call.checked_forward(None, q, k, v, None, softmax_scale, causal, False,
-                                   window=window, dropout=_dropout.draw(dropout_p, q.device))
-    return out
+    dropout = _dropout.draw(dropout_p, q.device)
+    if _checks.wants_grad(q, k, v):
+        out, lse = FlashAttnFunction.apply(q, k, v, softmax_scale, causal, deterministic,
+                                           window, 0.0, None, dropout)
+    else:
+        out, lse = _call.checked_forward(None, q, k, v, None, softmax_scale, causal,
+                                         bool(return_attn_probs), window=window,
+                                         dropout=dropout)
+    if not return_attn_probs:
+        return out
+    batch, seqlen_q, heads, d_head = q.shape
+    seqlen_k = k.shape[1]
+    left, right = window
+    right = 0 if causal else right
+    row = torch.arange(seqlen_q, device=q.device)[:, None] + seqlen_k - seqlen_q
+    col = torch.arange(seqlen_k, device=q.device)[None, :]
+    allowed = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        allowed &= col <= row + right
+    if left >= 0:
+        allowed &= col >= row - left
+    keep = _dropout.keep_mask(dropout, batch, heads, seqlen_q, seqlen_k, q.device)
+    scale = _checks.softmax_scale(softmax_scale, d_head)
+    return out, lse, _dropout.attention_matrix(q.detach(), k.detach(), scale, allowed, dropout,
+                                               keep)
 
 
 def _dropout_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

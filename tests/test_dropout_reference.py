@@ -79,3 +79,41 @@ def test_device_layouts_pick_each_scores_own_number():
                     expected = int(random16(seed, 1, heads, b, h, q, k)) >= thr
                     got = _philox_half(words, 4 * n + 2 * r + (a & 1)) >= thr
                     assert got == expected, ("transposed", lane, r, n, c)
+
+
+def test_torch_keep_mask_equals_the_numpy_one():
+    """cudaflash._dropout.keep_mask (torch int64 ops: what return_attn_probs uses) against
+    the numpy reference, bit for bit."""
+    import torch
+
+    from cudaflash import _dropout
+
+    d = _dropout.Dropout(0.3, round(0.3 * 65536), 1 / 0.7,
+                         torch.tensor([0x0123_4567_89AB_CDEF], dtype=torch.int64))
+    got = _dropout.keep_mask(d, 2, 3, 40, 70, torch.device("cpu")).numpy()
+    assert np.array_equal(got, keep_mask(0x0123_4567_89AB_CDEF, 0.3, 2, 3, 40, 70))
+
+
+def test_attention_matrix_recovers_the_softmax_flash_attn_style():
+    """Scaling block n of S_dmask by exp(M_n - lse), as flash-attn's tests do, gives the
+    softmax probabilities; the signs give the keep mask."""
+    import torch
+
+    from cudaflash import _dropout
+
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 50, 2, 64), torch.randn(1, 130, 2, 64)
+    d = _dropout.Dropout(0.25, 16384, 4 / 3, torch.tensor([99], dtype=torch.int64))
+    keep = _dropout.keep_mask(d, 1, 2, 50, 130, torch.device("cpu"))
+    allowed = torch.ones(50, 130, dtype=torch.bool)
+    s_dmask = _dropout.attention_matrix(q, k, 0.125, allowed, d, keep)
+    assert torch.equal(s_dmask >= 0, keep)
+    scores = (q.transpose(1, 2) @ k.transpose(1, 2).transpose(-1, -2)) * 0.125
+    lse = scores.logsumexp(-1)
+    blocks = scores.split(64, -1)  # block_size_n for d = 64 with dropout
+    block_max = torch.stack([b.amax(-1) for b in blocks], -1)
+    running = torch.cummax(block_max.flip(-1), -1).values.flip(-1)
+    parts = s_dmask.abs().split(64, -1)
+    probs = torch.cat([p * torch.exp(running[..., n, None] - lse[..., None])
+                       for n, p in enumerate(parts)], -1)
+    assert torch.allclose(probs, scores.softmax(-1), atol=1e-6)

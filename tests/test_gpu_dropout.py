@@ -161,3 +161,34 @@ def test_varlen_forward_and_gradients_per_sequence():
                             reference_grads(qb, kb, vb, dout[None, rows], mask, p, True, True),
                             reference_grads(qb, kb, vb, dout[None, rows], mask, p, True, False),
                             (qb, kb, vb))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_return_attn_probs_gives_flash_attns_s_dmask(causal):
+    """(out, lse, S_dmask) as flash-attn returns them with dropout: S_dmask's signs are the
+    keep mask, and its blocks scaled by exp(M_n - lse) (flash-attn's tests' normalization)
+    are the softmax probabilities."""
+    q, k, v = make_qkv(2, 96, 200, 4, 4, 64, torch.float16, seed=1)
+    seed = seed_after(2, q.device)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        out, lse, s_dmask = flash_attn_func(q, k, v, dropout_p=0.2, causal=causal,
+                                            return_attn_probs=True)
+    mask = torch.from_numpy(keep_mask(seed, 0.2, 2, 4, 96, 200)).to(q.device)
+    assert s_dmask.shape == (2, 4, 96, 200)
+    visible = s_dmask != 0
+    assert torch.equal((s_dmask > 0)[visible], mask[visible])
+    scores = (q.float().transpose(1, 2) @ k.float().transpose(1, 2).transpose(-1, -2)) / 8.0
+    if causal:
+        row = torch.arange(96, device=q.device)[:, None] + 200 - 96
+        scores = scores.masked_fill(torch.arange(200, device=q.device)[None, :] > row,
+                                    float("-inf"))
+    blocks = scores.split(64, -1)
+    block_max = torch.stack([b.amax(-1) for b in blocks], -1)
+    running = torch.cummax(block_max.flip(-1), -1).values.flip(-1)
+    probs = torch.cat([p * torch.exp(running[..., n, None] - lse[..., None])
+                       for n, p in enumerate(s_dmask.abs().split(64, -1))], -1)
+    assert torch.allclose(probs, scores.softmax(-1), atol=1e-4)
+    ref = dropout_reference(q, k, v, mask.cpu(), 0.2, causal)
+    low = dropout_reference(q, k, v, mask.cpu(), 0.2, causal, upcast=False)
+    assert (out.float() - ref).abs().max().item() <= 2 * (low - ref).abs().max().item() + 1e-3
