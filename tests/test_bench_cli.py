@@ -150,7 +150,7 @@ def test_forward_suite_is_the_default_and_decode_an_alias():
     assert bench.suite_name(parse("bench", "--suite", "decode")) == "decode"
     assert bench.suite_name(parse("bench", "--decode", "--suite", "decode")) == "decode"
     assert set(bench.SUITE_NAMES) == {"forward", "decode", "train", "backward", "varlen",
-                                      "window", "softcap", "alibi", "kvcache", "hf"}
+                                      "window", "softcap", "alibi", "dropout", "kvcache", "hf"}
 
 
 def test_train_suite_defaults():
@@ -187,6 +187,7 @@ def test_suite_filters():
     ("window", ("forward", "train"), ("full", "w4096", "w1024", "w256", "flash")),
     ("softcap", ("forward", "train"), ("plain", "softcap")),
     ("alibi", ("forward", "train"), ("plain", "alibi")),
+    ("dropout", ("forward", "train"), ("plain", "dropout")),
     ("kvcache", ("forward",), ("kvcache", "full", "sdpa-eff", "paged16", "paged64", "paged256")),
     ("hf", ("prefill", "decode", "train"), ("cudaflash", "sdpa", "flash_attention_2")),
 ])

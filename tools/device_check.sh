@@ -3,10 +3,10 @@
 # included) and the benchmarks; full logs under $OUT (default /tmp/cudaflash-out).
 #
 #   tools/device_check.sh [test] [bench] [decode] [train] [backward] [varlen] [window] [softcap]
-#                         [kvcache] [suites] [tune] [ablation]       (default: test, bench, train)
+#                         [alibi] [dropout] [kvcache] [suites] [tune] [ablation]       (default: test, bench, train)
 #
 # bench: `python -m cudaflash bench` (the forward suite, bf16 and fp16); decode, train,
-# backward, varlen, window, softcap, kvcache: `python -m cudaflash bench --suite <step>`
+# backward, varlen, window, softcap, alibi, dropout, kvcache: `python -m cudaflash bench --suite <step>`
 # (train and backward at bf16 and fp16), each with --json, --plot and a log under $OUT;
 # suites: all of those but train.
 #
@@ -53,7 +53,7 @@ for step in $steps; do
         python3 -m cudaflash bench --suite "$step" --dtype bf16,fp16 --json "$OUT/$step.json" \
             --plot "$OUT/$step.png" ${SUITE_ARGS:-} > "$OUT/$step.log" 2>&1 || rc=1
         cat "$OUT/$step.log" ;;
-    varlen|window|softcap|kvcache)
+    varlen|window|softcap|alibi|dropout|kvcache)
         python3 -m cudaflash bench --suite "$step" --json "$OUT/$step.json" \
             --plot "$OUT/$step.png" ${SUITE_ARGS:-} > "$OUT/$step.log" 2>&1 || rc=1
         cat "$OUT/$step.log" ;;

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from .. import api, kvcache
 from .hf_calls import hf_calls
-from .suites import PAGE_SIZES, SOFTCAP, Options, Row
+from .suites import DROPOUT_P, PAGE_SIZES, SOFTCAP, Options, Row
 from .timing import TORCH_DTYPES, make_qkv, phase_call, sdpa_context
 
 NO_CONTEXT = contextlib.nullcontext
@@ -44,12 +44,13 @@ def train_forwards(row: Row, variants, q, k, v) -> dict:
 
 
 def modifier_forwards(row: Row, variants, q, k, v, deterministic: bool) -> dict:
-    """The softcap and alibi suites: flash_attn_func plain, capped or with ALiBi's slopes
-    (2^(-8 (h + 1) / H) for head h of H, as in the ALiBi paper)."""
+    """The softcap, alibi and dropout suites: flash_attn_func plain, capped, with ALiBi's
+    slopes (2^(-8 (h + 1) / H) for head h of H, as in the ALiBi paper) or with dropout."""
     causal = row.get("causal")
     heads = q.shape[2]
     slopes = torch.exp2(-8.0 * torch.arange(1, heads + 1, device=q.device) / heads)
-    options = {"plain": {}, "softcap": {"softcap": SOFTCAP}, "alibi": {"alibi_slopes": slopes}}
+    options = {"plain": {}, "softcap": {"softcap": SOFTCAP}, "alibi": {"alibi_slopes": slopes},
+               "dropout": {"dropout_p": DROPOUT_P}}
     return {variant: ((lambda kwargs=options[variant]: api.flash_attn_func(
         q, k, v, causal=causal, deterministic=deterministic, **kwargs)), NO_CONTEXT)
         for variant in variants}
@@ -74,9 +75,11 @@ def fa_calls(opts: Options, row: Row, device) -> dict:
     dout = torch.randn_like(q)
     calls = {}
     for phase in opts.phases:
-        if opts.suite.name in ("softcap", "alibi"):
-            forwards = modifier_forwards(row, opts.variants, q, k, v,
-                                         deterministic=phase != "forward")
+        if opts.suite.name in ("softcap", "alibi", "dropout"):
+            # Softcap and ALiBi always run the deterministic backward: the plain side does too.
+            # Dropout's ratio is against the plain call as users make it (default backward).
+            deterministic = phase != "forward" and opts.suite.name != "dropout"
+            forwards = modifier_forwards(row, opts.variants, q, k, v, deterministic)
         else:
             forwards = train_forwards(row, opts.variants, q, k, v)
         for variant, (forward, context) in forwards.items():
@@ -171,6 +174,7 @@ def _paged_call(q, k_cache, v_cache, lengths, page: int):
 
 
 BUILDERS = {"train": fa_calls, "backward": fa_calls, "softcap": fa_calls, "alibi": fa_calls,
+            "dropout": fa_calls,
             "window": window_calls, "varlen": varlen_calls, "kvcache": kvcache_calls,
             "hf": hf_calls}
 

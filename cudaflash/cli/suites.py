@@ -1,7 +1,8 @@
 """The bench's suites beyond the forward sweep: ``train`` and ``backward`` (cudaflash against
 SDPA's cuDNN and flash backends, forward / backward / training step), ``varlen`` (packed
 against padded), ``window`` (sliding windows against full causal), ``softcap`` (capped
-against plain), ``alibi`` (ALiBi against plain), ``kvcache`` (decoding steps of flash_attn_with_kvcache) and ``hf`` (a
+against plain), ``alibi`` (ALiBi against plain), ``dropout`` (dropout against none),
+``kvcache`` (decoding steps of flash_attn_with_kvcache) and ``hf`` (a
 transformers model's prefill, decoding and training step, in tokens per second; its calls
 in ``hf_calls``).
 
@@ -59,6 +60,7 @@ HF_PHASE_TEXT = {
 ALL_PHASES = PHASES + HF_PHASES[:2]  # every phase name --phases accepts
 
 SOFTCAP = 30.0  # Gemma 2's attention cap
+DROPOUT_P = 0.1  # the dropout suite's rate (BERT's and GPT-2's attention dropout)
 WINDOWS = (4096, 1024, 256)  # left windows of the window suite (right 0, causal)
 VARLEN_SEQUENCES = 16  # sequences per packed batch, lengths uniform in [VARLEN_MIN, S]
 VARLEN_MIN = 128
@@ -286,6 +288,13 @@ SUITES = {
               fa_rows, SWEEP, (1024, 4096, 16384), (64, 128),
               note="slopes 2^(-8 (h + 1) / H), ALiBi's; train runs deterministic=True on both "
                    "sides (ALiBi always runs the deterministic backward)"),
+        Suite("dropout", f"dropout_p={DROPOUT_P:g} vs none, flash_attn_func",
+              ("plain", "dropout"), ("plain", "dropout"), ("forward", "train"),
+              ("forward", "train"), (("drop/plain", "dropout", "plain"),),
+              fa_rows, SWEEP, (1024, 4096, 16384), (64, 128),
+              note="train: each side with flash_attn_func's default backward (dropout runs "
+                   "the deterministic scheme's score-modifier kernels); TFLOP/s count every "
+                   "score, dropped or not"),
         Suite("kvcache", "decoding steps: flash_attn_with_kvcache vs the alternatives",
               ("kvcache", "full", "sdpa-eff", *PAGED_VARIANTS),
               ("kvcache", "full", "sdpa-eff", *PAGED_VARIANTS),
