@@ -63,15 +63,15 @@ def plan_key(q, k, v, softmax_scale, causal, want_lse):
             q.get_device(), k.get_device(), v.get_device(), softmax_scale, causal, want_lse)
 
 
-def alibi_key(alibi_slopes):
-    """ALiBi's part of a plan key: None, or the slopes' address, shape, strides, dtype and
-    device. A plan packs the slopes' pointer with its fixed Params fields (the kernels read
-    the values there at each launch), so a call with slopes elsewhere needs a plan of its
-    own, and new values at the same address are seen."""
-    if alibi_slopes is None:
+def address_key(t):
+    """The plan-key part of a tensor whose pointer a plan packs with its fixed Params fields
+    (ALiBi's slopes, a paged cache's block_table): None, or its address, shape, strides,
+    dtype and device. The kernels read the values there at each launch, so new values at
+    the same address are seen, and a call with the tensor elsewhere needs a plan of its
+    own."""
+    if t is None:
         return None
-    return (alibi_slopes.data_ptr(), alibi_slopes.shape, alibi_slopes.stride(),
-            alibi_slopes.dtype, alibi_slopes.get_device())
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device())
 
 
 def options_key(key, window, softcap, alibi_slopes):
@@ -79,7 +79,7 @@ def options_key(key, window, softcap, alibi_slopes):
     signature's ``key`` and those options (the signature's alone when all are defaults)."""
     if window == (-1, -1) and not softcap and alibi_slopes is None:
         return key
-    return (key, window, softcap, alibi_key(alibi_slopes))
+    return (key, window, softcap, address_key(alibi_slopes))
 
 
 def varlen_plan_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -88,29 +88,29 @@ def varlen_plan_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     """The argument signature a varlen Plan is valid for (see plan_key). The offsets'
     values are data (the kernel reads them): only their tensors' shape, layout, dtype and
     device are in it. ``window``: the checked window_size; ``softcap``: the checked cap;
-    ``alibi_slopes``: alibi_key's part."""
+    ``alibi_slopes``: address_key's part."""
     return (q.shape, q.is_contiguous() or q.stride(), k.shape, k.is_contiguous() or k.stride(),
             v.shape, v.is_contiguous() or v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
             k.get_device(), v.get_device(), cu_seqlens_q.shape, cu_seqlens_k.shape,
             cu_seqlens_q.is_contiguous(), cu_seqlens_k.is_contiguous(), cu_seqlens_q.dtype,
             cu_seqlens_k.dtype, cu_seqlens_q.get_device(), cu_seqlens_k.get_device(),
             max_seqlen_q, max_seqlen_k, softmax_scale, causal, want_lse, window, softcap,
-            alibi_key(alibi_slopes))
+            address_key(alibi_slopes))
 
 
 def kvcache_plan_key(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, num_splits,
-                     return_softmax_lse, window, softcap, alibi_slopes=None):
+                     return_softmax_lse, window, softcap, alibi_slopes=None, block_table=None):
     """The argument signature a flash_attn_with_kvcache Plan is valid for (see plan_key);
     the lengths' values are data (the kernel reads them). The types of the scalar arguments
     are in it too: True == 1 as dict keys, but only one of them passes the checks.
     ``window``: window_size as two ints (the caller checks their types); ``softcap``: the
     checked cap (the decoding step's lookup passes 0.0: it only serves softcap=0 calls);
-    ``alibi_slopes``: alibi_key's part."""
+    ``alibi_slopes`` and ``block_table`` (paged caches): address_key's parts."""
     return (plan_key(q, k_cache, v_cache, softmax_scale, causal, return_softmax_lse),
             cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.get_device(),
             cache_seqlens.is_contiguous(), num_splits, type(num_splits), type(causal),
             type(return_softmax_lse), type(softmax_scale), window, softcap,
-            alibi_key(alibi_slopes))
+            address_key(alibi_slopes), address_key(block_table))
 
 
 def replay(plan: Plan, q, k, v, want_lse, cu_seqlens_q: int, cu_seqlens_k: int):

@@ -67,13 +67,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # as True for 1, must meet the checks.)
     if (k is None and v is None and type(cache_seqlens) is torch.Tensor and rotary_cos is None
             and rotary_sin is None and cache_batch_idx is None and cache_leftpad is None
-            and block_table is None and softcap == 0.0
+            and softcap == 0.0
             and type(window_size) is tuple and len(window_size) == 2
             and type(window_size[0]) is int and type(window_size[1]) is int):
         try:
             plan = _plans.kvcache_plans.get(_plans.kvcache_plan_key(
                 q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, num_splits,
-                return_softmax_lse, window_size, 0.0, alibi_slopes))
+                return_softmax_lse, window_size, 0.0, alibi_slopes, block_table))
         except (AttributeError, TypeError):  # not tensors, or unhashable: the checks explain
             plan = None
         if plan is not None:
@@ -163,15 +163,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                  v_cache, cache_seqlens, cache)
                 seqused = cache_seqlens + seqlen_new
             # A plan for the decoding step (no append, nothing but the lengths and perhaps
-            # ALiBi slopes, keyed by their address); none in debug mode, whose length check
-            # the plan would skip.
+            # ALiBi slopes and a paged cache's block_table, keyed by their addresses); none in
+            # debug mode, whose checks of the values the plan would skip.
             plan_key = None
-            if k is None and plain and not debug:
+            if (k is None and not debug and cache_batch_idx is None and cache_leftpad is None
+                    and rotary is None):
                 try:
                     plan_key = _plans.kvcache_plan_key(q, k_cache, v_cache, cache_seqlens,
                                                        softmax_scale, causal, num_splits,
                                                        return_softmax_lse, window, softcap,
-                                                       alibi_slopes)
+                                                       alibi_slopes, block_table)
                     hash(plan_key)
                 except TypeError:
                     plan_key = None

@@ -56,10 +56,9 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
     seqlen_k]). With a ``plan_key`` the launch is recorded in ``plans`` (default
     flash_attn_func's); the plan takes the key counts' pointer per call. ``window``: the
     sliding window (left, right), -1 unbounded; ``softcap``: the checked cap, 0.0 for none.
-    ``cache``: flash_attn_with_kvcache's cache addressing (no plan is recorded with it: its
-    tensors' pointers are packed with the fixed fields). ``alibi``: the checked ALiBi slopes
-    or None; their pointer is packed with the fixed fields too (a plan key must hold it:
-    _plans.alibi_key)."""
+    ``cache``: flash_attn_with_kvcache's cache addressing; its tensors' pointers are packed
+    with the fixed fields (a plan key must hold them: _plans.address_key). ``alibi``: the
+    checked ALiBi slopes or None; their pointer is packed with the fixed fields too."""
     batch, seqlen_q, n_heads, d_head = q.shape
     n_heads_k = k.shape[2]
     # A cache's positions per sequence (paged: the table's, not a page's).
@@ -101,7 +100,7 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
     launch(current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
            0 if lse is None else lse.data_ptr(), 0,
            0 if seqused_k is None else seqused_k.data_ptr())
-    if plan_key is not None and cache is None and dropout is None:
+    if plan_key is not None and dropout is None:  # (dropout: a new seed every call)
         _plans.record(_plans.plans if plans is None else plans, plan_key, index, launch,
                       (batch, n_heads, seqlen_q), out, lse)
     return out, lse

@@ -9,6 +9,8 @@ import torch
 
 from cudaflash import flash_attn_varlen_func, flash_attn_with_kvcache
 
+import _internals as internals
+
 from test_gpu_correctness import (COMBOS, DTYPES, _combo_id, _pick_combo, check_attention,
                                   fp32_reference_without_tf32)  # noqa: F401 (autouse fixture)
 
@@ -120,6 +122,43 @@ def test_paged_decoding_splits_and_matches_contiguous():
     out, lse = flash_attn_with_kvcache(q, k_pool, v_pool, block_table=table,
                                        return_softmax_lse=True)
     check_sequences(out, lse, q, [kc[0], kc[1]], [vc[0], vc[1]], False)
+
+
+def test_repeat_paged_decoding_steps_take_a_plan_and_read_each_table():
+    """Decoding steps on paged caches (a tensor cache_seqlens, no append) take a plan on
+    their second call, keyed by the block_table's address: each step must read its own
+    table (another tensor, the same one rewritten in place) and lengths."""
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    kc, vc = randn(g, DTYPES[dtype], 3, 1024, 2, d), randn(g, DTYPES[dtype], 3, 1024, 2, d)
+    q = randn(g, DTYPES[dtype], 3, 1, 8, d)
+    internals.clear_caches()
+    k_pool, table_a = to_pages(kc, 64, seed=1)
+    v_pool, _ = to_pages(vc, 64, seed=1)
+    lens = [1024, 1, 517]
+    seqlens = torch.tensor(lens, dtype=I32, device="cuda")
+
+    def step(table):
+        out, lse = flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens,
+                                           block_table=table, causal=True,
+                                           return_softmax_lse=True)
+        k_now, v_now = from_pages(k_pool, table), from_pages(v_pool, table)
+        check_sequences(out, lse, q, [k_now[i, :n] for i, n in enumerate(lens)],
+                        [v_now[i, :n] for i, n in enumerate(lens)], True)
+
+    step(table_a)
+    step(table_a)
+    assert len(internals.kvcache_plans) == 1  # the second step replayed the first's plan
+    table_b = table_a.flip(1).contiguous()  # the same pool read in another page order
+    step(table_b)
+    step(table_b)
+    step(table_a)
+    assert len(internals.kvcache_plans) == 2
+    table_a.copy_(table_a.roll(1, dims=0))  # sequence b now reads sequence b - 1's pages
+    step(table_a)
+    lens = [3, 1000, 64]
+    seqlens.copy_(torch.tensor(lens, dtype=I32))
+    step(table_a)
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=_combo_id)
