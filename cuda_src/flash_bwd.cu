@@ -161,8 +161,9 @@ __device__ __forceinline__ void gemm_packed_tile(float (&acc)[kD / 8][4],
 template <int kNTiles>
 __device__ __forceinline__ void pack_dropped(uint32_t (&a)[1][kNTiles / 2][4],
                                              const float (&P)[1][kNTiles][4],
-                                             const uint32_t (&keep)[kNTiles / 2], float scale) {
-    auto v = [&](int nj, int e) { return kept(keep, nj, e) ? P[0][nj][e] * scale : 0.f; };
+                                             const KeepBytes (&keep)[kNTiles / 2],
+                                             const KeepThreshold& t, float scale) {
+    auto v = [&](int nj, int e) { return kept(keep, t, nj, e) ? P[0][nj][e] * scale : 0.f; };
 #pragma unroll
     for (int kk = 0; kk < kNTiles / 2; ++kk) {
         a[0][kk][0] = pack_2<C::kBf16>(v(2 * kk, 0), v(2 * kk, 1));
@@ -626,16 +627,17 @@ __device__ __forceinline__ void step_score_grads(float (&dS)[kQ / 8][4],
                                                  const float (&P)[kQ / 8][4], const BwdParams& p,
                                                  const float* lse, const float* delta,
                                                  int warp_key0, int q0, int shift, float alibi,
-                                                 const uint32_t (&keep)[kQ / 16] = {},
+                                                 const KeepBytes (&keep)[kQ / 16] = {},
                                                  bool dropout = false) {
     const int lane = threadIdx.x % 32;
     // Dropout: dS = P o (keep o dPd / (1 - p) - delta), dPd = V dO^T of the dropped P.
     if (kScoreMods && dropout) {
+        const KeepThreshold t(p.dropout_threshold);
 #pragma unroll
         for (int nj = 0; nj < kQ / 8; ++nj)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                dS[nj][e] = kept(keep, nj, e) ? dS[nj][e] * p.dropout_scale : 0.f;
+                dS[nj][e] = kept(keep, t, nj, e) ? dS[nj][e] * p.dropout_scale : 0.f;
     }
 #pragma unroll
     for (int nj = 0; nj < kQ / 8; ++nj)
@@ -795,14 +797,10 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
         const int head = head_k * group + step / tiles_per_head;
         const float alibi = kScoreMods ? alibi_coefficient(p, batch, head) : 0.f;
         // Dropout's keep bits of the warp's 16 keys x kQ queries (the transposed layout).
-        uint32_t keep[kQ / 16];
-        if (kScoreMods && dropout) {
-#pragma unroll
-            for (int kk = 0; kk < kQ / 16; ++kk)
-                keep[kk] = dropout_keep_bits_transposed(seed, q0 / 16 + kk, (key0 + row0) / 16,
-                                                        batch * p.n_heads + head, lane,
-                                                        p.dropout_threshold);
-        }
+        KeepBytes keep[kQ / 16];
+        if (kScoreMods && dropout)
+            dropout_bytes<true>(keep, seed, q0 / 16, (key0 + row0) / 16, 1, 0,
+                                batch * p.n_heads + head, lane);
         auto probabilities = [&](float (&P)[kQ / 8][4]) {
             step_probabilities<kQ, kWindow, kScoreMods, kFuseDq>(P, p, lse, mask, window,
                                                                  key0 + row0, q0, shift, alibi);
@@ -828,7 +826,8 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
             probabilities(P[0]);
             uint32_t a[1][kQ / 16][4];
             if (kScoreMods && dropout) {
-                pack_dropped<kQ / 8>(a, P, keep, p.dropout_scale);
+                pack_dropped<kQ / 8>(a, P, keep, KeepThreshold(p.dropout_threshold),
+                                    p.dropout_scale);
             } else {
                 pack_a_fragments<C::kBf16>(a, P);
             }
@@ -890,7 +889,8 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
             if constexpr (kScoreMods) {
                 uint32_t a[1][kQ / 16][4];
                 if (dropout) {
-                    pack_dropped<kQ / 8>(a, P, keep, p.dropout_scale);
+                    pack_dropped<kQ / 8>(a, P, keep, KeepThreshold(p.dropout_threshold),
+                                    p.dropout_scale);
                 } else {
                     pack_a_fragments<C::kBf16>(a, P);
                 }
@@ -1081,18 +1081,15 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
         float dS[1][kKv / 8][4];
         gemm_rows_rows<kRows, kKv>(dS, lo, do_tile, row0, v_tile);
         if (kScoreMods && dropout) {  // dS = P o (keep o dPd / (1 - p) - delta)
+            KeepBytes keep[kKv / 16];
+            dropout_bytes<false>(keep, seed, (q0 + row0) / 16, tile * kKv / 16, 0, 1,
+                                 batch * p.n_heads + head, lane);
+            const KeepThreshold t(p.dropout_threshold);
 #pragma unroll
-            for (int j = 0; j < kKv / 16; ++j) {
-                const uint32_t keep[1] = {dropout_keep_bits(
-                    seed, (q0 + row0) / 16, tile * kKv / 16 + j, batch * p.n_heads + head, lane,
-                    p.dropout_threshold)};
+            for (int nj = 0; nj < kKv / 8; ++nj)
 #pragma unroll
-                for (int n = 0; n < 2; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        dS[0][2 * j + n][e] =
-                            kept(keep, n, e) ? dS[0][2 * j + n][e] * p.dropout_scale : 0.f;
-            }
+                for (int e = 0; e < 4; ++e)
+                    dS[0][nj][e] = kept(keep, t, nj, e) ? dS[0][nj][e] * p.dropout_scale : 0.f;
         }
 #pragma unroll
         for (int nj = 0; nj < kKv / 8; ++nj)

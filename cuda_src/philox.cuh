@@ -1,11 +1,23 @@
 // Dropout's random numbers: Philox4x32-10 (Salmon et al., SC 2011), counter-based, so the
 // backward regenerates the forward's keep mask from the call's seed instead of storing it.
-// The counter of score (query i, key j) of head h of batch entry b: (i / 16, j / 16,
-// b * n_heads + h, 4 * (i % 8) + (j % 8) / 2); of the call's eight 16-bit halves (low half of
-// word 0 first) it takes the one at 4 * (i % 16 / 8) + 2 * (j % 16 / 8) + j % 2
-// (docs/design-notes.md, "Dropout"; tests/_dropout_reference.py computes the same on the host).
-// In the m16n8 accumulator layout a thread's 8 scores of a 16 x 16 block share one counter,
-// whose last word is the thread's lane; the dK/dV kernel's transposed layout needs two.
+//
+// One call gives 16 random bytes, one per score of a 4 x 4 "quad" of a 16 x 16 block:
+// queries {2a, 2a+1, 2a+8, 2a+9} x keys {2c, 2c+1, 2c+8, 2c+9} (a, c in 0..3). Score (query i,
+// key j) of head h of batch entry b takes
+//   counter (i / 16, j / 16, b * n_heads + h, 4 * (i % 8 / 2) + j % 8 / 2),
+//   byte 4 * qi + kj with qi = i % 2 + 2 * (i % 16 / 8), kj = j % 2 + 2 * (j % 16 / 8)
+// (bytes little-endian within the four 32-bit words; tests/_dropout_reference.py and
+// cudaflash/_dropout.py compute the same on the host; docs/design-notes.md, "Dropout").
+//
+// Why quads: in the m16n8 accumulator layout a thread holds 8 scores of a 16 x 16 block (rows
+// lane/4 + {0, 8}, columns 2 (lane%4) + {0, 1, 8, 9}), and in the dK/dV kernel's transposed
+// layout (rows: keys) 8 scores of the same quad shape with queries and keys swapped. Either
+// way lanes l and l ^ 4 hold the two halves of one quad. So for a pair of blocks each of the
+// two lanes computes one call (one block's quad) and they swap the halves the other needs with
+// two shuffles: one Philox call per 16 scores in every kernel, no call repeated by a partner.
+// A score is kept when its byte is >= the threshold round(dropout_p * 256) (dropout_p
+// quantized to 1/256, as flash-attn's kernels do; O and dV are scaled by 1 / (1 - threshold /
+// 256), so expectations stay exact).
 #pragma once
 #include <cstdint>
 
@@ -15,11 +27,13 @@ struct Philox4 {
     uint32_t x[4];
 };
 
+// kRolled: the rounds as a loop (fewer live values for kernels with no registers to spare).
+template <bool kRolled = false>
 __device__ __forceinline__ Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2,
                                                  uint32_t c3, uint32_t k0, uint32_t k1) {
     constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;  // round multipliers
     constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;  // key bumps
-#pragma unroll
+#pragma unroll (kRolled ? 1 : 10)
     for (int round = 0; round < 10; ++round) {
         const uint32_t hi0 = __umulhi(kM0, c0), lo0 = kM0 * c0;
         const uint32_t hi1 = __umulhi(kM1, c2), lo1 = kM1 * c2;
@@ -33,56 +47,92 @@ __device__ __forceinline__ Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint3
     return {{c0, c1, c2, c3}};
 }
 
-// Half `half` (0..7) of a Philox call's output, as a 16-bit number.
-__device__ __forceinline__ uint32_t philox_half(const Philox4& r, int half) {
-    const uint32_t word = r.x[half / 2];
-    return half % 2 ? word >> 16 : word & 0xFFFFu;
-}
+// A thread's 8 random bytes of one 16 x 16 block, as two words: byte 4 * rr + 2 * n + cc (rr
+// in word rr, byte 2 * n + cc) is the score of accumulator row half rr (lane/4 + 8 rr),
+// column half n and column parity cc (2 (lane%4) + 8 n + cc), in either layout.
+struct KeepBytes {
+    uint32_t w[2];
+};
 
-// The keep bits of a thread's 8 scores of the 16 x 16 block (query block q16, key block k16)
-// in the m16n8 accumulator layout: bit 4 * r + 2 * n + c is the score of row lane / 4 + 8 * r
-// and column 2 * (lane % 4) + 8 * n + c of the block; a score is kept when its number is at
-// least `threshold` (round(dropout_p * 65536)).
-__device__ __forceinline__ uint32_t dropout_keep_bits(uint64_t seed, int q16, int k16,
-                                                      int head_index, int lane,
-                                                      uint32_t threshold) {
-    const Philox4 r = philox4x32_10(uint32_t(q16), uint32_t(k16), uint32_t(head_index),
-                                    uint32_t(lane), uint32_t(seed), uint32_t(seed >> 32));
-    uint32_t bits = 0;
-#pragma unroll
-    for (int half = 0; half < 8; ++half) bits |= uint32_t(philox_half(r, half) >= threshold) << half;
-    return bits;
-}
-
-// The same for the dK/dV kernel's transposed layout (rows: keys, columns: queries): bit
-// 4 * r + 2 * n + c is the score of key lane / 4 + 8 * r and query 2 * (lane % 4) + 8 * n + c
-// of the block. Its 8 scores come from two counters (query % 8 = 2 * (lane % 4) + c), half
-// of each call used.
-__device__ __forceinline__ uint32_t dropout_keep_bits_transposed(uint64_t seed, int q16, int k16,
-                                                                 int head_index, int lane,
-                                                                 uint32_t threshold) {
-    const int a = lane / 4, b = lane % 4;
-    uint32_t bits = 0;
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-        const Philox4 r = philox4x32_10(uint32_t(q16), uint32_t(k16), uint32_t(head_index),
-                                        uint32_t(4 * (2 * b + c) + a / 2), uint32_t(seed),
-                                        uint32_t(seed >> 32));
-#pragma unroll
-        for (int n = 0; n < 2; ++n)
-#pragma unroll
-            for (int row = 0; row < 2; ++row)
-                bits |= uint32_t(philox_half(r, 4 * n + 2 * row + (a & 1)) >= threshold)
-                        << (4 * row + 2 * n + c);
+// The bytes of the thread's half of a quad, out of the call's 4 words. Forward layout (rows:
+// queries): row r = lane/4 takes words r%2 and r%2 + 2 whole. Transposed layout (rows: keys
+// b = lane/4): byte b%2 + 2 rr of each word, gathered so that word rr holds them in word
+// order. `half` is the lane's parity bit (lane / 4) % 2; the partner asks for the other.
+template <bool kTransposed>
+__device__ __forceinline__ KeepBytes quad_half(const Philox4& r, int half) {
+    if constexpr (!kTransposed) {
+        return {{half ? r.x[1] : r.x[0], half ? r.x[3] : r.x[2]}};
+    } else {
+        // u01 = [w0.s, w1.s, w0.s+2, w1.s+2], u23 likewise (prmt selectors: byte indices of
+        // the 8-byte pair {b, a}: 0-3 from the first operand, 4-7 from the second).
+        const uint32_t s = uint32_t(half);
+        const uint32_t pick = s | ((s + 4) << 4) | ((s + 2) << 8) | ((s + 6) << 12);
+        const uint32_t u01 = __byte_perm(r.x[0], r.x[1], pick);
+        const uint32_t u23 = __byte_perm(r.x[2], r.x[3], pick);
+        return {{__byte_perm(u01, u23, 0x5410), __byte_perm(u01, u23, 0x7632)}};
     }
-    return bits;
 }
 
-// Whether element (nj, e) of an m16n8 accumulator tile is kept, given the keep bits of its
-// 16 x 16 blocks (keep[nj / 2]; bit 4 * (e / 2) + 2 * (nj % 2) + e % 2).
+// The random bytes of the thread's 8 scores in each of kN 16 x 16 blocks, block i at (query
+// block q16 + i * dq, key block k16 + i * dk). Blocks go in pairs: lane l computes the first
+// block's quad when (l / 4) % 2 == 0, the second's otherwise, and the two lanes swap halves.
+// kLeanKeys: the key schedule is recomputed in each call (two adds a round) instead of
+// being hoisted out of the kernel's loop by the compiler (20 registers held throughout), for
+// kernels with no registers to spare.
+template <bool kTransposed, int kN, bool kLeanKeys = false>
+__device__ __forceinline__ void dropout_bytes(KeepBytes (&out)[kN], uint64_t seed, int q16,
+                                              int k16, int dq, int dk, int head_index,
+                                              int lane) {
+    const int half = (lane >> 2) & 1;
+    // The quad: (i % 8 / 2, j % 8 / 2) = (lane/4 / 2, lane%4) forward, (lane%4, lane/4 / 2)
+    // transposed.
+    const uint32_t quad = kTransposed ? 4 * (lane & 3) + (lane >> 3) : 4 * (lane >> 3) + (lane & 3);
+    uint32_t k0 = uint32_t(seed), k1 = uint32_t(seed >> 32);
+    if constexpr (kLeanKeys) {  // opaque to the compiler: nothing derived from it is hoisted
+        asm volatile("mov.b32 %0, %0;" : "+r"(k0));
+        asm volatile("mov.b32 %0, %0;" : "+r"(k1));
+    }
+#pragma unroll
+    for (int i = 0; i + 1 < kN; i += 2) {
+        const int mine = i + half;  // the block this lane draws
+        const Philox4 r = philox4x32_10<kLeanKeys>(uint32_t(q16 + mine * dq), uint32_t(k16 + mine * dk),
+                                        uint32_t(head_index), quad, k0, k1);
+        const KeepBytes own = quad_half<kTransposed>(r, half);
+        const KeepBytes give = quad_half<kTransposed>(r, half ^ 1);
+        KeepBytes got;
+        got.w[0] = __shfl_xor_sync(0xFFFFFFFFu, give.w[0], 4);
+        got.w[1] = __shfl_xor_sync(0xFFFFFFFFu, give.w[1], 4);
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+            out[i].w[w] = half ? got.w[w] : own.w[w];
+            out[i + 1].w[w] = half ? own.w[w] : got.w[w];
+        }
+    }
+    if constexpr (kN % 2 == 1) {  // an unpaired last block: both lanes draw it
+        const Philox4 r = philox4x32_10<kLeanKeys>(uint32_t(q16 + (kN - 1) * dq),
+                                        uint32_t(k16 + (kN - 1) * dk), uint32_t(head_index),
+                                        quad, k0, k1);
+        out[kN - 1] = quad_half<kTransposed>(r, half);
+    }
+}
+
+// The 8-bit threshold at each byte position of a word, so that a byte's test is one AND and
+// one compare: kept(byte k of w) = (w & (0xFF << 8 k)) >= (threshold << 8 k).
+struct KeepThreshold {
+    uint32_t at[4];
+    __device__ __forceinline__ explicit KeepThreshold(uint32_t threshold) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) at[k] = threshold << (8 * k);
+    }
+};
+
+// Whether element (nj, e) of an m16n8 accumulator tile is kept, given the bytes of its 16 x 16
+// blocks (bytes[nj / 2]; row half e / 2, column half nj % 2, column parity e % 2).
 template <int kBlocks>
-__device__ __forceinline__ bool kept(const uint32_t (&keep)[kBlocks], int nj, int e) {
-    return (keep[nj / 2] >> (4 * (e / 2) + 2 * (nj % 2) + e % 2)) & 1u;
+__device__ __forceinline__ bool kept(const KeepBytes (&bytes)[kBlocks], const KeepThreshold& t,
+                                     int nj, int e) {
+    const int k = 2 * (nj % 2) + e % 2;
+    return (bytes[nj / 2].w[e / 2] & (0xFFu << (8 * k))) >= t.at[k];
 }
 
 }  // namespace cudaflash

@@ -183,19 +183,19 @@ struct OnlineSoftmax {
     __device__ __forceinline__ static void dropout(float (&P)[kM][C::kSTiles][4], uint64_t seed,
                                                    int q16, int k16, int head_index,
                                                    uint32_t threshold, int lane) {
+        const KeepThreshold t(threshold);
 #pragma unroll
-        for (int mi = 0; mi < kM; ++mi)
+        for (int mi = 0; mi < kM; ++mi) {
+            KeepBytes bytes[C::kSTiles / 2];
+            // (mma.sync configs run at 255 registers: their key schedule is not hoisted)
+            dropout_bytes<false, C::kSTiles / 2, !C::kWgmma>(bytes, seed, q16 + mi, k16, 0, 1,
+                                                            head_index, lane);
 #pragma unroll
-            for (int j = 0; j < C::kSTiles / 2; ++j) {
-                const uint32_t keep =
-                    dropout_keep_bits(seed, q16 + mi, k16 + j, head_index, lane, threshold);
+            for (int nj = 0; nj < C::kSTiles; ++nj)
 #pragma unroll
-                for (int n = 0; n < 2; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)  // e = 2 * r + c: bit 4 * r + 2 * n + c
-                        if (!((keep >> (4 * (e / 2) + 2 * n + e % 2)) & 1u))
-                            P[mi][2 * j + n][e] = 0.f;
-            }
+                for (int e = 0; e < 4; ++e)
+                    if (!kept(bytes, t, nj, e)) P[mi][nj][e] = 0.f;
+        }
     }
 
     __device__ __forceinline__ static void scale_o(float (&O)[kM][C::kOTiles][4], float scale) {

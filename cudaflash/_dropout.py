@@ -1,4 +1,4 @@
-"""Dropout's per-call state: the probability, the kernels' 16-bit threshold and O's scale,
+"""Dropout's per-call state: the probability, the kernels' 8-bit threshold and O's scale,
 and the seed, a (1,) int64 tensor drawn on q's device by torch's own RNG (torch.randint), so
 torch.manual_seed reproduces a call, CUDA-graph capture records the draw as torch's RNG ops
 are recorded, and the backward rebuilds the same keep mask from the saved tensor
@@ -17,8 +17,8 @@ SEED_HIGH = 2**63 - 1  # torch.randint's exclusive bound for an int64 seed
 
 class Dropout(NamedTuple):
     p: float
-    threshold: int  # a score is kept when its 16-bit number is >= this: round(p * 65536)
-    scale: float  # 1 / (1 - p)
+    threshold: int  # a score is kept when its random byte is >= this: round(p * 256) <= 255
+    scale: float  # 1 / (1 - threshold / 256): the drop rate the kernels apply
     seed: torch.Tensor  # (1,) int64 on the call's device
 
 
@@ -33,12 +33,15 @@ def check_dropout_p(dropout_p) -> float:
 
 def draw(dropout_p: float, device: torch.device) -> Optional[Dropout]:
     """The state of one call with the checked ``dropout_p`` on ``device`` (None for 0): one
-    torch.randint on the device, nothing read on the host."""
+    torch.randint on the device, nothing read on the host. The kernels drop a score when its
+    random byte is below round(p * 256): the rate is p rounded to a multiple of 1/256 (as in
+    flash-attn's kernels), and the kept scores are scaled by the inverse of that rate's
+    complement, so the output's expectation is the undropped one."""
     if dropout_p == 0.0:
         return None
     seed = torch.randint(0, SEED_HIGH, (1,), dtype=torch.int64, device=device)
-    threshold = min(round(dropout_p * 65536), 65535)
-    return Dropout(dropout_p, threshold, 1.0 / (1.0 - dropout_p), seed)
+    threshold = min(round(dropout_p * 256), 255)
+    return Dropout(dropout_p, threshold, 256.0 / (256 - threshold), seed)
 
 
 # ---- return_attn_probs: flash-attn's S_dmask, computed with torch ops (a testing hook) ------
@@ -68,23 +71,19 @@ def philox4x32_10(c0, c1, c2, c3, k0: int, k1: int):
 def keep_mask(dropout: Dropout, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
               device) -> torch.Tensor:
     """(batch, heads, seqlen_q, seqlen_k) bool: the scores the kernels keep for this call
-    (philox.cuh's counters), computed with torch ops; reads the seed on the host."""
+    (philox.cuh's counters and bytes), computed with torch ops; reads the seed on the host."""
     seed = int(dropout.seed.item()) & 0xFFFFFFFFFFFFFFFF
-    q_idx = torch.arange(seqlen_q, device=device)[:, None]
-    k_idx = torch.arange(seqlen_k, device=device)[None, :]
-    u, w = q_idx % 16, k_idx % 16
-    slot = 4 * (u % 8) + (w % 8) // 2
-    half = 4 * (u // 8) + 2 * (w // 8) + w % 2
+    q_idx = torch.arange(seqlen_q, device=device)[:, None].expand(seqlen_q, seqlen_k)
+    k_idx = torch.arange(seqlen_k, device=device)[None, :].expand(seqlen_q, seqlen_k)
+    quad = 4 * (q_idx % 8 // 2) + k_idx % 8 // 2
+    word_at = q_idx % 2 + 2 * (q_idx % 16 // 8)
+    byte_at = k_idx % 2 + 2 * (k_idx % 16 // 8)
     masks = []
     for bh in range(batch * heads):
-        words = philox4x32_10((q_idx // 16).expand(seqlen_q, seqlen_k),
-                              (k_idx // 16).expand(seqlen_q, seqlen_k),
-                              torch.full((seqlen_q, seqlen_k), bh, device=device), slot,
+        words = philox4x32_10(q_idx // 16, k_idx // 16, torch.full_like(q_idx, bh), quad,
                               seed & _MASK32, seed >> 32)
-        word = torch.stack(words, -1).gather(-1, (half // 2)[..., None].expand(
-            seqlen_q, seqlen_k, 1))[..., 0]
-        r16 = torch.where(half % 2 == 0, word & 0xFFFF, word >> 16)
-        masks.append(r16 >= dropout.threshold)
+        word = torch.stack(words, -1).gather(-1, word_at[..., None])[..., 0]
+        masks.append((word >> (8 * byte_at)) & 0xFF >= dropout.threshold)
     return torch.stack(masks).view(batch, heads, seqlen_q, seqlen_k)
 
 

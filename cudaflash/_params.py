@@ -73,8 +73,8 @@ class Params(ctypes.Structure):
         # with the fixed fields
         ("alibi_slopes", ctypes.c_void_p),
         ("alibi_batch_stride", ctypes.c_int32),  # 0: one slope per head for every batch entry
-        # dropout (the *_dropout entries): threshold round(p * 65536), 0 when unused; the
-        # seed tensor's pointer; 1 / (1 - p)
+        # dropout (the *_dropout entries): threshold round(p * 256), 0 when unused; the
+        # seed tensor's pointer; 1 / (1 - threshold / 256)
         ("dropout_threshold", ctypes.c_uint32),
         ("dropout_seed", ctypes.c_void_p),
         ("dropout_scale", ctypes.c_float),

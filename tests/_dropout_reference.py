@@ -37,31 +37,36 @@ def philox4x32_10(counter, key):
     return np.stack([c0, c1, c2, c3], axis=-1).astype(np.uint32)
 
 
-def random16(seed: int, batch: int, heads: int, b: int, h: int, q_idx, k_idx):
-    """The 16-bit random number of score (query q_idx, key k_idx) of head h of batch entry b
-    (numpy int arrays, broadcast), for a call with `seed` (a 64-bit int) over `heads` heads.
-    Counter: (query block of 16, key block of 16, b * heads + h, 4 * (u % 8) + (w % 8) // 2)
-    with (u, w) = (q % 16, k % 16); of the call's eight 16-bit halves (low half of word 0
-    first), the one at 4 * (u // 8) + 2 * (w // 8) + w % 2."""
+def random8(seed: int, batch: int, heads: int, b: int, h: int, q_idx, k_idx):
+    """The random byte of score (query q_idx, key k_idx) of head h of batch entry b (numpy
+    int arrays, broadcast), for a call with `seed` (a 64-bit int) over `heads` heads.
+    Counter: (query block of 16, key block of 16, b * heads + h, 4 * (q % 8 // 2) + k % 8 //
+    2); of the call's 16 bytes (little-endian words), the one at 4 * qi + kj with qi = q % 2 +
+    2 * (q % 16 // 8) and kj = k % 2 + 2 * (k % 16 // 8)."""
     q_idx, k_idx = np.broadcast_arrays(np.asarray(q_idx, dtype=np.int64),
                                        np.asarray(k_idx, dtype=np.int64))
-    u, w = q_idx % 16, k_idx % 16
     counter = np.stack([q_idx // 16, k_idx // 16,
                         np.full_like(q_idx, b * heads + h),
-                        4 * (u % 8) + (w % 8) // 2], axis=-1).astype(np.uint32)
+                        4 * (q_idx % 8 // 2) + k_idx % 8 // 2], axis=-1).astype(np.uint32)
     key = np.array([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF], dtype=np.uint32)
     words = philox4x32_10(counter, key)
-    half = 4 * (u // 8) + 2 * (w // 8) + w % 2  # 0..7
-    word = np.take_along_axis(words, (half // 2)[..., None], axis=-1)[..., 0]
-    return np.where(half % 2 == 0, word & 0xFFFF, word >> 16).astype(np.uint32)
+    qi = q_idx % 2 + 2 * (q_idx % 16 // 8)
+    kj = k_idx % 2 + 2 * (k_idx % 16 // 8)
+    word = np.take_along_axis(words, qi[..., None], axis=-1)[..., 0]
+    return ((word >> (8 * kj).astype(np.uint32)) & 0xFF).astype(np.uint32)
+
+
+def threshold(dropout_p: float) -> int:
+    """The kernels' 8-bit threshold: a score is dropped when its byte is below it."""
+    return min(round(dropout_p * 256), 255)
 
 
 def keep_mask(seed: int, dropout_p: float, batch: int, heads: int, seqlen_q: int,
               seqlen_k: int) -> np.ndarray:
-    """(batch, heads, seqlen_q, seqlen_k) bool: the scores a call keeps (random16 >= the
-    16-bit threshold round(p * 65536))."""
-    threshold = round(dropout_p * 65536)
+    """(batch, heads, seqlen_q, seqlen_k) bool: the scores a call keeps (random8 >= the
+    8-bit threshold round(p * 256))."""
+    t = threshold(dropout_p)
     q_idx = np.arange(seqlen_q)[:, None]
     k_idx = np.arange(seqlen_k)[None, :]
-    return np.stack([np.stack([random16(seed, batch, heads, b, h, q_idx, k_idx) >= threshold
+    return np.stack([np.stack([random8(seed, batch, heads, b, h, q_idx, k_idx) >= t
                                for h in range(heads)]) for b in range(batch)])

@@ -3,7 +3,7 @@ known-answer vectors, and the keep mask's basic statistics. CPU only."""
 
 import numpy as np
 
-from _dropout_reference import keep_mask, philox4x32_10, random16
+from _dropout_reference import keep_mask, philox4x32_10, random8, threshold
 
 # (counter, key, output) known-answer vectors of Philox4x32-10 (Random123's kat_vectors).
 KAT = [
@@ -25,18 +25,20 @@ def test_philox_broadcasts_over_counters():
     assert philox4x32_10(counters, keys).tolist() == [list(k[2]) for k in KAT]
 
 
-def test_random16_covers_each_half_once_per_block_and_lane():
-    """Within a 16 x 16 block, the 256 scores take the 8 halves of the 32 counters once each:
-    no two scores share a random number."""
+def test_random8_covers_each_byte_once_per_block():
+    """Within a 16 x 16 block, the 256 scores take the 16 bytes of the 16 quads' calls once
+    each: no two scores share a random number."""
     q_idx, k_idx = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
-    u, w = q_idx % 16, k_idx % 16
-    slot = (4 * (u % 8) + (w % 8) // 2) * 8 + 4 * (u // 8) + 2 * (w // 8) + w % 2
-    assert sorted(slot.ravel().tolist()) == list(range(256))
-    values = random16(1234, 1, 1, 0, 0, q_idx, k_idx)
-    assert len(np.unique(values)) > 240  # 256 16-bit draws: few collisions
+    quad = 4 * (q_idx % 8 // 2) + k_idx % 8 // 2
+    byte = 4 * (q_idx % 2 + 2 * (q_idx // 8)) + k_idx % 2 + 2 * (k_idx // 8)
+    assert sorted((16 * quad + byte).ravel().tolist()) == list(range(256))
+    values = random8(1234, 1, 1, 0, 0, q_idx, k_idx)
+    counts = np.bincount(values.ravel(), minlength=256)
+    assert counts.max() <= 8  # 256 uniform bytes: no value drawn suspiciously often
 
 
 def test_keep_mask_rate_and_seed_dependence():
+    assert threshold(0.25) == 64 and threshold(0.1) == 26 and threshold(0.9999) == 255
     mask = keep_mask(7, 0.25, 2, 3, 64, 96)
     assert mask.shape == (2, 3, 64, 96)
     n = mask.size
@@ -47,38 +49,74 @@ def test_keep_mask_rate_and_seed_dependence():
     assert keep_mask(7, 0.0, 1, 1, 16, 16).all()
 
 
-def _philox_half(words, half):
-    word = int(words[half // 2])
-    return word >> 16 if half % 2 else word & 0xFFFF
+def _byte_perm(x: int, y: int, selector: int) -> int:
+    """CUDA's __byte_perm: byte n of the result is byte (selector >> 4n) & 7 of y:x."""
+    pool = x | (y << 32)
+    return sum(((pool >> (8 * ((selector >> (4 * n)) & 7))) & 0xFF) << (8 * n) for n in range(4))
 
 
-def test_device_layouts_pick_each_scores_own_number():
-    """cuda_src/philox.cuh's two bit layouts, their index math written out here: in the
-    forward's m16n8 layout (one counter per lane) and the dK/dV kernel's transposed one (two
-    counters per lane), every lane's bit for a score is random16 of that score's (query, key)."""
-    seed, q16, k16, bh, thr = 0x1234_5678_9ABC_DEF0, 3, 5, 7, 20000
+def _quad_half(words, half: int, transposed: bool):
+    """philox.cuh's quad_half, written out."""
+    if not transposed:
+        return [int(words[half]), int(words[half + 2])]
+    s = half
+    pick = s | ((s + 4) << 4) | ((s + 2) << 8) | ((s + 6) << 12)
+    u01 = _byte_perm(int(words[0]), int(words[1]), pick)
+    u23 = _byte_perm(int(words[2]), int(words[3]), pick)
+    return [_byte_perm(u01, u23, 0x5410), _byte_perm(u01, u23, 0x7632)]
+
+
+def _dropout_bytes(seed: int, q16: int, k16: int, dq: int, dk: int, head_index: int, n: int,
+                   transposed: bool):
+    """philox.cuh's dropout_bytes for a whole warp: [lane][block] -> two words, the pair
+    exchange (__shfl_xor_sync(..., 4)) done by indexing the partner lane."""
     key = (seed & 0xFFFFFFFF, seed >> 32)
-    heads, b, h = 8, 0, 7  # bh = b * heads + h
+    own, give, out = {}, {}, [[None] * n for _ in range(32)]
     for lane in range(32):
-        a, bb = lane // 4, lane % 4
-        # forward: queries a + 8r, keys 2bb + 8n + c
-        words = philox4x32_10((q16, k16, bh, lane), key)
-        for r in range(2):
-            for n in range(2):
-                for c in range(2):
-                    q, k = 16 * q16 + a + 8 * r, 16 * k16 + 2 * bb + 8 * n + c
-                    expected = int(random16(seed, 1, heads, b, h, q, k)) >= thr
-                    got = _philox_half(words, 4 * r + 2 * n + c) >= thr
-                    assert got == expected, ("forward", lane, r, n, c)
-        # transposed: keys a + 8r, queries 2bb + 8n + c
-        for c in range(2):
-            words = philox4x32_10((q16, k16, bh, 4 * (2 * bb + c) + a // 2), key)
-            for n in range(2):
-                for r in range(2):
-                    q, k = 16 * q16 + 2 * bb + 8 * n + c, 16 * k16 + a + 8 * r
-                    expected = int(random16(seed, 1, heads, b, h, q, k)) >= thr
-                    got = _philox_half(words, 4 * n + 2 * r + (a & 1)) >= thr
-                    assert got == expected, ("transposed", lane, r, n, c)
+        half = (lane >> 2) & 1
+        quad = 4 * (lane & 3) + (lane >> 3) if transposed else 4 * (lane >> 3) + (lane & 3)
+        for i in range(0, n - 1, 2):
+            mine = i + half
+            words = philox4x32_10(((q16 + mine * dq), (k16 + mine * dk), head_index, quad), key)
+            own[lane, i] = _quad_half(words, half, transposed)
+            give[lane, i] = _quad_half(words, half ^ 1, transposed)
+        if n % 2:
+            words = philox4x32_10((q16 + (n - 1) * dq, k16 + (n - 1) * dk, head_index, quad),
+                                  key)
+            out[lane][n - 1] = _quad_half(words, half, transposed)
+    for lane in range(32):
+        half = (lane >> 2) & 1
+        for i in range(0, n - 1, 2):
+            got = give[lane ^ 4, i]
+            out[lane][i] = got if half else own[lane, i]
+            out[lane][i + 1] = own[lane, i] if half else got
+    return out
+
+
+def test_device_layouts_pick_each_scores_own_byte():
+    """cuda_src/philox.cuh's dropout_bytes in both layouts, its index math, byte shuffles and
+    lane exchange written out here: for every lane, block and slot, the byte is random8 of that
+    score's (query, key). Forward (m16n8 accumulators, rows: queries): slot (rr, n, cc) of
+    lane l is query l/4 + 8 rr, key 2 (l%4) + 8 n + cc. Transposed (the dK/dV kernel, rows:
+    keys): key l/4 + 8 rr, query 2 (l%4) + 8 n + cc. Three blocks: one pair and one unpaired."""
+    seed, q16, k16, heads, b, h = 0x1234_5678_9ABC_DEF0, 3, 5, 8, 1, 6
+    bh = b * heads + h
+    for transposed in (False, True):
+        dq, dk = (1, 0) if transposed else (0, 1)
+        got = _dropout_bytes(seed, q16, k16, dq, dk, bh, 3, transposed)
+        for lane in range(32):
+            for i in range(3):
+                for rr in range(2):
+                    for n in range(2):
+                        for cc in range(2):
+                            row, col = lane // 4 + 8 * rr, 2 * (lane % 4) + 8 * n + cc
+                            query, key = (col, row) if transposed else (row, col)
+                            query += 16 * (q16 + i * dq)
+                            key += 16 * (k16 + i * dk)
+                            expected = int(random8(seed, 2, heads, b, h, query, key))
+                            word = got[lane][i][rr]
+                            assert (word >> (8 * (2 * n + cc))) & 0xFF == expected, (
+                                transposed, lane, i, rr, n, cc)
 
 
 def test_torch_keep_mask_equals_the_numpy_one():
@@ -88,7 +126,7 @@ def test_torch_keep_mask_equals_the_numpy_one():
 
     from cudaflash import _dropout
 
-    d = _dropout.Dropout(0.3, round(0.3 * 65536), 1 / 0.7,
+    d = _dropout.Dropout(0.3, threshold(0.3), 256 / (256 - threshold(0.3)),
                          torch.tensor([0x0123_4567_89AB_CDEF], dtype=torch.int64))
     got = _dropout.keep_mask(d, 2, 3, 40, 70, torch.device("cpu")).numpy()
     assert np.array_equal(got, keep_mask(0x0123_4567_89AB_CDEF, 0.3, 2, 3, 40, 70))
@@ -103,7 +141,7 @@ def test_attention_matrix_recovers_the_softmax_flash_attn_style():
 
     torch.manual_seed(0)
     q, k = torch.randn(1, 50, 2, 64), torch.randn(1, 130, 2, 64)
-    d = _dropout.Dropout(0.25, 16384, 4 / 3, torch.tensor([99], dtype=torch.int64))
+    d = _dropout.Dropout(0.25, 64, 4 / 3, torch.tensor([99], dtype=torch.int64))
     keep = _dropout.keep_mask(d, 1, 2, 50, 130, torch.device("cpu"))
     allowed = torch.ones(50, 130, dtype=torch.bool)
     s_dmask = _dropout.attention_matrix(q, k, 0.125, allowed, d, keep)

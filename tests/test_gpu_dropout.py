@@ -12,7 +12,7 @@ import torch
 
 from cudaflash import flash_attn_func
 from cudaflash._dropout import SEED_HIGH
-from _dropout_reference import keep_mask
+from _dropout_reference import keep_mask, threshold
 from test_gpu_correctness import DTYPES, make_qkv
 
 pytestmark = pytest.mark.requires_gpu
@@ -23,22 +23,26 @@ def seed_after(manual_seed: int, device) -> int:
     return int(torch.randint(0, SEED_HIGH, (1,), dtype=torch.int64, device=device).item())
 
 
-def dropout_reference(q, k, v, mask, p, causal, upcast=True):
+def dropout_reference(q, k, v, mask, p, causal, upcast=True, window=(-1, -1)):
     """(batch, seqlen_q, heads, d): softmax(scale q k^T) with the causal mask (bottom-right),
-    dropped where mask is False, scaled by 1 / (1 - p), times v; in float32 (upcast) or in
-    q's dtype (the low-precision reference of the accuracy rule)."""
+    dropped where mask is False, scaled by 1 / (1 - rate) with rate = p rounded to the
+    kernels' 1/256 steps, times v; in float32 (upcast) or in q's dtype (the low-precision
+    reference of the accuracy rule)."""
     dtype = torch.float32 if upcast else q.dtype
     qf, kf, vf = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
     groups = qf.shape[1] // kf.shape[1]
     kf, vf = kf.repeat_interleave(groups, 1), vf.repeat_interleave(groups, 1)
     scores = (qf @ kf.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
     sq, sk = scores.shape[-2:]
-    if causal:
-        row = torch.arange(sq, device=q.device)[:, None] + sk - sq
-        col = torch.arange(sk, device=q.device)[None, :]
-        scores = scores.masked_fill(col > row, float("-inf"))
+    row = torch.arange(sq, device=q.device)[:, None] + sk - sq
+    col = torch.arange(sk, device=q.device)[None, :]
+    left, right = window[0], 0 if causal else window[1]
+    if right >= 0:
+        scores = scores.masked_fill(col > row + right, float("-inf"))
+    if left >= 0:
+        scores = scores.masked_fill(col < row - left, float("-inf"))
     probs = scores.softmax(-1).nan_to_num(0.0)
-    probs = probs * mask.to(q.device) / (1 - p)
+    probs = probs * mask.to(q.device) / (1 - threshold(p) / 256)
     return (probs.to(dtype) @ vf).float().transpose(1, 2)
 
 
@@ -192,3 +196,79 @@ def test_return_attn_probs_gives_flash_attns_s_dmask(causal):
     ref = dropout_reference(q, k, v, mask.cpu(), 0.2, causal)
     low = dropout_reference(q, k, v, mask.cpu(), 0.2, causal, upcast=False)
     assert (out.float() - ref).abs().max().item() <= 2 * (low - ref).abs().max().item() + 1e-3
+
+
+@pytest.mark.parametrize("d", [32, 40, 96, 256])
+def test_forward_at_other_head_dims(d):
+    """Head dims with kernels of their own (32, 96, 256) and one padded to the next (40)."""
+    p, b, sq, sk, h = 0.3, 2, 130, 257, 2
+    q, k, v = make_qkv(b, sq, sk, h, h, d, torch.bfloat16, seed=d)
+    seed = seed_after(6, q.device)
+    torch.manual_seed(6)
+    with torch.no_grad():
+        out = flash_attn_func(q, k, v, dropout_p=p, causal=True)
+    mask = torch.from_numpy(keep_mask(seed, p, b, h, sq, sk))
+    ref = dropout_reference(q, k, v, mask, p, True)
+    low = dropout_reference(q, k, v, mask, p, True, upcast=False)
+    assert (out.float() - ref).abs().max().item() <= 2 * (low - ref).abs().max().item() + 1e-3
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_sliding_window_forward_and_gradients(deterministic):
+    from test_gpu_backward import assert_grads_within, run_with_grad
+
+    p, b, sq, sk, h, d, window = 0.15, 2, 200, 300, 4, 64, (50, 20)
+    q, k, v = make_qkv(b, sq, sk, h, h, d, torch.float16, seed=12)
+    dout = torch.randn_like(q)
+    seed = seed_after(31, q.device)
+    torch.manual_seed(31)
+    out, grads = run_with_grad(q, k, v, dout, dropout_p=p, window_size=window,
+                               deterministic=deterministic)
+    mask = torch.from_numpy(keep_mask(seed, p, b, h, sq, sk))
+    ref = dropout_reference(q, k, v, mask, p, False, window=window)
+    low = dropout_reference(q, k, v, mask, p, False, upcast=False, window=window)
+    assert (out.float() - ref).abs().max().item() <= 2 * (low - ref).abs().max().item() + 1e-3
+
+    def grads_of(upcast):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        dropout_reference(*leaves, mask, p, False, upcast=upcast, window=window).backward(
+            dout.float())
+        return [t.grad for t in leaves]
+
+    assert_grads_within(grads, grads_of(True), grads_of(False), (q, k, v))
+
+
+def test_a_captured_graph_draws_a_new_mask_each_replay():
+    """flash_attn_func with dropout inside a CUDA graph: the seed is a torch RNG op, so each
+    replay drops other scores (torch advances the captured generator's offset), and the
+    replays average to the undropped attention."""
+    q, k, v = make_qkv(1, 64, 128, 2, 2, 64, torch.float16, seed=5)
+    with torch.no_grad():
+        flash_attn_func(q, k, v, dropout_p=0.5)  # load the kernels outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = flash_attn_func(q, k, v, dropout_p=0.5)
+        outs = []
+        for _ in range(200):
+            graph.replay()
+            outs.append(out.float().clone())
+    assert not torch.equal(outs[0], outs[1])
+    mean = torch.stack(outs).mean(0)
+    undropped = flash_attn_func(q, k, v).float()
+    assert (mean - undropped).abs().mean().item() < 0.02
+
+
+def test_grad_of_a_gqa_call():
+    """Query heads sharing a K/V head each draw their own mask; dk, dv sum the group's."""
+    from test_gpu_backward import assert_grads_within, run_with_grad
+
+    p, b, sq, sk, h, hk, d = 0.25, 1, 96, 160, 6, 2, 128
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, torch.bfloat16, seed=17)
+    dout = torch.randn_like(q)
+    seed = seed_after(41, q.device)
+    torch.manual_seed(41)
+    out, grads = run_with_grad(q, k, v, dout, dropout_p=p, causal=True)
+    mask = torch.from_numpy(keep_mask(seed, p, b, h, sq, sk))
+    assert_grads_within(grads, reference_grads(q, k, v, dout, mask, p, True, True),
+                        reference_grads(q, k, v, dout, mask, p, True, False), (q, k, v))
