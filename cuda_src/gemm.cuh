@@ -139,12 +139,17 @@ struct WarpGemm {
     // O (kM, d_head / 8, 4) += P V, with P the softmax numerators still in S's registers.
     __device__ __forceinline__ void pv(float (&O)[kM][C::kOTiles][4],
                                        const float (&P)[kM][C::kSTiles][4]) const {
+        uint32_t pf[kM][C::kKvSlices][4];
+        pack_a_fragments<C::kBf16>(pf, P);
+        pv_packed(O, pf);
+    }
+
+    // The same with P already rounded to 16 bits and packed as A fragments.
+    __device__ __forceinline__ void pv_packed(float (&O)[kM][C::kOTiles][4],
+                                              const uint32_t (&pf)[kM][C::kKvSlices][4]) const {
         constexpr int kG = C::kVGroup;
         constexpr int kGroups = C::kKvSlices / kG;
         constexpr int kBufs = (C::kDoubleBuffer && kGroups > 1) ? 2 : 1;
-
-        uint32_t pf[kM][C::kKvSlices][4];
-        pack_a_fragments<C::kBf16>(pf, P);
 
         uint32_t vf[kBufs][kG][C::kOTiles / 2][4];
         auto load_group = [&](int g, int buf) {
