@@ -34,7 +34,13 @@ class Kernel:
     threads: int
     smem: int
     synchronize: bool  # CUDAFLASH_DEBUG
-    split_ctas_per_sm: int  # how many CTAs of fns.split fit on one SM (the driver's count)
+    # How many CTAs of each split entry fit on one SM (the driver's count), as (role, count)
+    # pairs: the score-modifier and kvcache entries of some configs are built for fewer CTAs
+    # per SM than the plain one, and the split count must plan waves of the entry that runs.
+    split_ctas: tuple
+
+    def split_ctas_per_sm(self, role: str) -> int:
+        return next(count for name, count in self.split_ctas if name == role)
 
 
 @dataclass(frozen=True)
@@ -178,11 +184,13 @@ def config_kernel(ctx: int, index: int, config: KernelConfig) -> Kernel:
 
 def _make_kernel(dk: DeviceKernels, entry: KernelEntry, ctx: int) -> Kernel:
     fns = _driver.get_functions(entry, dk.device.index, ctx)
-    split_smem = entry.entries["split"].smem_bytes
-    ctas = _driver.max_active_ctas(fns.split, entry.threads, split_smem, entry.name)
+    split_ctas = tuple(
+        (role, max(1, _driver.max_active_ctas(getattr(fns, role), entry.threads,
+                                              entry.entries[role].smem_bytes, entry.name)))
+        for role in fns._fields if role.startswith("split"))
     return Kernel(fns=fns, label=f"cuLaunchKernel({entry.name})", block_rows=entry.config.B_r,
                   block_cols=entry.config.B_c, threads=entry.threads, smem=entry.smem_bytes,
-                  synchronize=dk.debug, split_ctas_per_sm=max(1, ctas))
+                  synchronize=dk.debug, split_ctas=split_ctas)
 
 
 # ---- backward --------------------------------------------------------------------------------

@@ -206,8 +206,11 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
     kv_blocks = (seqlen_k + kernel.block_cols - 1) // kernel.block_cols
     if dropout is not None:  # training calls: the dropout entry is whole, never split
         num_splits = 1
+    mods = "_softcap" if softcap else "" if alibi is None else "_alibi"
     if num_splits is None:
-        slots = dispatch.device_kernels(index).device.sm_count * kernel.split_ctas_per_sm
+        split_role = "split" + mods + ("" if cache is None else "_kvcache")
+        slots = (dispatch.device_kernels(index).device.sm_count
+                 * kernel.split_ctas_per_sm(split_role))
         most = heuristics.max_splits(kv_blocks * kernel.block_cols, kv_blocks,
                                      min(rows, kernel.block_rows), batch)
         num_splits = heuristics.split_count(q_blocks * heads * batch, slots, most)
@@ -215,7 +218,6 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
     fixed_params = (fixed_params + (num_splits, per_split)
                     + (NO_CACHE_ADDRESSING if cache is None else cache.params())
                     + alibi_params(alibi) + dropout_params(dropout))
-    mods = "_softcap" if softcap else "" if alibi is None else "_alibi"
     if num_splits == 1:
         function = (kernel.fns.forward_dropout if dropout is not None
                     else _entry(kernel, "forward", mods, cache))
