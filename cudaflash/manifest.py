@@ -44,7 +44,10 @@ from .selection import Rule, parse_rules
 # and 384 bytes); each forward module adds the *_alibi roles (forward_alibi, split_alibi and
 # their _kvcache forms), its *_softcap entries also apply ALiBi, and the backward's
 # *_softcap roles are *_scoremod (softcapping and ALiBi: dkdv_scoremod, ...).
-SCHEMA = 11
+# 12: Params and BwdParams carry dropout (dropout_threshold, dropout_seed, dropout_scale: 320
+# and 400 bytes); each forward module adds the forward_dropout role (cudaflash_fwd_dropout),
+# and the backward's *_scoremod entries also apply dropout.
+SCHEMA = 12
 KINDS = ("cubin", "ptx")
 MANIFEST_NAME = "manifest.json"
 
