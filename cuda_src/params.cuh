@@ -105,7 +105,7 @@ struct Params {
     // Dropout (the *_dropout entries): a score is kept when its random byte (philox.cuh,
     // from the 64-bit seed at dropout_seed, a device tensor drawn per call by torch) is at
     // least dropout_threshold = round(dropout_p * 256) (<= 255); O is scaled by
-    // dropout_scale = 1 / (1 - dropout_threshold / 256). The lse is the undropped scores'.
+    // dropout_scale = 1 / (1 - dropout_p). The lse is the undropped scores'.
     uint32_t dropout_threshold;
     const uint64_t* dropout_seed;
     float dropout_scale;

@@ -16,8 +16,8 @@
 // two lanes computes one call (one block's quad) and they swap the halves the other needs with
 // two shuffles: one Philox call per 16 scores in every kernel, no call repeated by a partner.
 // A score is kept when its byte is >= the threshold round(dropout_p * 256) (dropout_p
-// quantized to 1/256, as flash-attn's kernels do; O and dV are scaled by 1 / (1 - threshold /
-// 256), so expectations stay exact).
+// quantized to 1/256 as flash-attn's kernels do; O and dV are scaled by 1 / (1 - dropout_p),
+// as flash-attn scales them).
 #pragma once
 #include <cstdint>
 

@@ -125,26 +125,47 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
 
 # The ops take the sliding window as flash-attn's two sides (-1: unbounded), checked by the
 # public function before the op is called (and again here: the ops can be called directly).
+# Dropout: the caller draws the seed (a traced torch.randint under torch.compile) and passes
+# it in, so the ops stay functions of their inputs and the backward op rebuilds the mask.
 @torch.library.custom_op("cudaflash::fwd", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, float? softmax_scale, "
                                 "bool causal, bool deterministic=False, int window_left=-1, "
                                 "int window_right=-1, float softcap=0.0, "
-                                "Tensor? alibi_slopes=None) -> (Tensor, Tensor)")
+                                "Tensor? alibi_slopes=None, float dropout_p=0.0, "
+                                "Tensor? dropout_seed=None) -> (Tensor, Tensor)")
 def fwd_op(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1,
-           window_right=-1, softcap=0.0, alibi_slopes=None):
+           window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
     # The compiled graph runs this body eagerly (is_compiling() is False here), so the call
     # takes flash_attn_func's plans like any eager call instead of re-checking every time.
     # Gradients are the op's registered autograd (below), not FlashAttnFunction.
     window = _checks.check_window((window_left, window_right))
     softcap = _checks.check_softcap(softcap)
+    dropout = _op_dropout(dropout_p, dropout_seed, softcap, alibi_slopes)
     with torch.no_grad():
+        if dropout is not None:  # a new seed every call: no plan
+            return _call.checked_forward(None, q, k, v, None, softmax_scale, causal, True,
+                                         window=window, dropout=dropout)
         return _call.planned_forward(q, k, v, softmax_scale, causal, True, window, softcap,
                                      alibi_slopes)
 
 
+def _op_dropout(dropout_p, dropout_seed, softcap, alibi_slopes):
+    """The ops' dropout state (None without), checked: the ops can be called directly."""
+    dropout_p = _dropout.check_dropout_p(dropout_p)
+    if not dropout_p:
+        return None
+    if softcap or alibi_slopes is not None:
+        raise NotImplementedError("dropout_p > 0 with softcap or alibi_slopes is not "
+                                  "implemented yet")
+    if dropout_seed is None:
+        raise ValueError("dropout_p > 0 needs dropout_seed, a (1,) torch.int64 tensor on q's "
+                         "device (flash_attn_func draws it with torch.randint)")
+    return _dropout.with_seed(dropout_p, dropout_seed)
+
+
 @fwd_op.register_fake
 def _(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1,
-      softcap=0.0, alibi_slopes=None):
+      softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
     batch, seqlen_q, n_heads, _ = q.shape
     return torch.empty_like(q), q.new_empty((batch, n_heads, seqlen_q), dtype=torch.float32)
 
@@ -153,41 +174,45 @@ def _(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, windo
                          schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
                                 "Tensor lse, float? softmax_scale, bool causal, "
                                 "bool deterministic, int window_left=-1, int window_right=-1, "
-                                "float softcap=0.0, Tensor? alibi_slopes=None) "
+                                "float softcap=0.0, Tensor? alibi_slopes=None, "
+                                "float dropout_p=0.0, Tensor? dropout_seed=None) "
                                 "-> (Tensor, Tensor, Tensor)")
 def bwd_op(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1,
-           window_right=-1, softcap=0.0, alibi_slopes=None):
+           window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
     # Called directly, the op checks the slopes itself (from the forward op they are checked).
     alibi_slopes = _checks.check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
+    dropout = _op_dropout(dropout_p, dropout_seed, softcap, alibi_slopes)
     return run_backward(dout, q, k, v, out, lse,
                         _checks.softmax_scale(softmax_scale, q.shape[3]), causal, deterministic,
                         heuristics.kernel_window((window_left, window_right), k.shape[1],
                                                  causal),
-                        softcap, alibi_slopes)
+                        softcap, alibi_slopes, dropout)
 
 
 @bwd_op.register_fake
 def _(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1,
-      window_right=-1, softcap=0.0, alibi_slopes=None):
+      window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _fwd_op_setup_context(ctx, inputs, output):
     (q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap,
-     alibi_slopes) = inputs
+     alibi_slopes, dropout_p, dropout_seed) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
     ctx.window = (window_left, window_right)
     ctx.softcap = softcap
     ctx.alibi_slopes = alibi_slopes
+    ctx.dropout = (dropout_p, dropout_seed)
 
 
 def _fwd_op_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = bwd_op(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                        ctx.deterministic, *ctx.window, ctx.softcap, ctx.alibi_slopes)
-    return dq, dk, dv, None, None, None, None, None, None, None
+                        ctx.deterministic, *ctx.window, ctx.softcap, ctx.alibi_slopes,
+                        *ctx.dropout)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup_context)

@@ -18,7 +18,7 @@ SEED_HIGH = 2**63 - 1  # torch.randint's exclusive bound for an int64 seed
 class Dropout(NamedTuple):
     p: float
     threshold: int  # a score is kept when its random byte is >= this: round(p * 256) <= 255
-    scale: float  # 1 / (1 - threshold / 256): the drop rate the kernels apply
+    scale: float  # 1 / (1 - p), flash-attn's scale of the kept weights
     seed: torch.Tensor  # (1,) int64 on the call's device
 
 
@@ -35,13 +35,31 @@ def draw(dropout_p: float, device: torch.device) -> Optional[Dropout]:
     """The state of one call with the checked ``dropout_p`` on ``device`` (None for 0): one
     torch.randint on the device, nothing read on the host. The kernels drop a score when its
     random byte is below round(p * 256): the rate is p rounded to a multiple of 1/256 (as in
-    flash-attn's kernels), and the kept scores are scaled by the inverse of that rate's
-    complement, so the output's expectation is the undropped one."""
+    flash-attn's kernels), and the kept scores are scaled by 1 / (1 - p), as flash-attn
+    scales them (its tests' reference does too)."""
     if dropout_p == 0.0:
         return None
-    seed = torch.randint(0, SEED_HIGH, (1,), dtype=torch.int64, device=device)
+    return with_seed(dropout_p, draw_seed(device))
+
+
+def draw_seed(device: torch.device) -> torch.Tensor:
+    """A call's (1,) int64 seed tensor on ``device``: one torch.randint (under torch.compile
+    a traced RNG op, so the graph draws a new one at each run)."""
+    return torch.randint(0, SEED_HIGH, (1,), dtype=torch.int64, device=device)
+
+
+def with_seed(dropout_p: float, seed: torch.Tensor) -> Optional[Dropout]:
+    """The state of a call with the checked ``dropout_p`` and a given seed tensor (the
+    torch.compile ops take it as an input; None for p = 0)."""
+    if dropout_p == 0.0:
+        return None
+    if not (isinstance(seed, torch.Tensor) and seed.dtype == torch.int64
+            and tuple(seed.shape) == (1,)):
+        raise ValueError(f"dropout_seed must be a (1,) torch.int64 tensor, got "
+                         f"{seed.dtype if isinstance(seed, torch.Tensor) else type(seed)} of "
+                         f"shape {tuple(getattr(seed, 'shape', ()))}")
     threshold = min(round(dropout_p * 256), 255)
-    return Dropout(dropout_p, threshold, 256.0 / (256 - threshold), seed)
+    return Dropout(dropout_p, threshold, 1.0 / (1.0 - dropout_p), seed)
 
 
 # ---- return_attn_probs: flash-attn's S_dmask, computed with torch ops (a testing hook) ------

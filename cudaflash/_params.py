@@ -74,7 +74,7 @@ class Params(ctypes.Structure):
         ("alibi_slopes", ctypes.c_void_p),
         ("alibi_batch_stride", ctypes.c_int32),  # 0: one slope per head for every batch entry
         # dropout (the *_dropout entries): threshold round(p * 256), 0 when unused; the
-        # seed tensor's pointer; 1 / (1 - threshold / 256)
+        # seed tensor's pointer; 1 / (1 - p)
         ("dropout_threshold", ctypes.c_uint32),
         ("dropout_seed", ctypes.c_void_p),
         ("dropout_scale", ctypes.c_float),

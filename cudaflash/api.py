@@ -93,7 +93,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             the same out, cudaflash's lse is the formula's). Gradients too (none for the
             slopes), always in the deterministic scheme. Repeat calls take a plan keyed with
             the slopes' address (the kernel reads their values at each call).
-        dropout_p: only 0.0; anything else raises NotImplementedError (no dropout yet).
+        dropout_p: the probability of dropping each attention weight, in [0, 1): one
+            mask per call from torch's CUDA generator (torch.manual_seed reproduces it),
+            rebuilt by the backward (always the deterministic scheme); the rate is p rounded
+            to a multiple of 1/256 and kept weights are scaled by 1 / (1 - p), as in
+            flash-attn (README). Not combined with softcap or alibi_slopes yet.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype, laid out like q (torch.empty_like,
@@ -181,16 +185,23 @@ def _attention_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, s
 
 def _dropout_attention(q, k, v, dropout_p, softmax_scale, causal, window, softcap,
                        alibi_slopes, deterministic, return_attn_probs):
-    """flash_attn_func with dropout (work in progress: plain scores; gradients through
-    FlashAttnFunction, in the deterministic scheme). Each call draws its own seed (one
-    torch.randint on q's device, after q, k, v are checked): no plan. return_attn_probs
-    adds flash-attn's S_dmask, built with torch ops (_dropout.attention_matrix: a testing
-    hook, O(seqlen_q * seqlen_k) memory)."""
+    """flash_attn_func with dropout (plain scores; gradients through FlashAttnFunction, or
+    the custom op's autograd under torch.compile, in the deterministic scheme). Each call
+    draws its own seed (one torch.randint on q's device, after q, k, v are checked): no
+    plan. return_attn_probs adds flash-attn's S_dmask, built with torch ops
+    (_dropout.attention_matrix: a testing hook, O(seqlen_q * seqlen_k) memory)."""
     if softcap or alibi_slopes is not None:
         raise NotImplementedError("dropout_p > 0 with softcap or alibi_slopes is not "
                                   "implemented yet")
     if _is_compiling():
-        raise NotImplementedError("dropout_p > 0 under torch.compile is not implemented yet")
+        if return_attn_probs:
+            raise NotImplementedError("return_attn_probs=True with dropout_p > 0 under "
+                                      "torch.compile is not implemented (S_dmask reads the "
+                                      "seed on the host: call it eagerly)")
+        # The seed is a traced torch.randint: each run of the graph draws a new mask.
+        out, _ = fwd_op(q, k, v, softmax_scale, causal, deterministic, *window, 0.0, None,
+                        dropout_p, _dropout.draw_seed(q.device))
+        return out
     with torch.no_grad():  # (check_qkv refuses leaves that require grad: the autograd
         _checks.check_qkv(q, k, v)  # function below takes them)
     _checks.check_on_gpu(q)
@@ -224,7 +235,8 @@ def _dropout_attention(q, k, v, dropout_p, softmax_scale, causal, window, softca
 def _dropout_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
                     deterministic, return_attn_probs, block_table):
-    """flash_attn_varlen_func with dropout (work in progress, as _dropout_attention)."""
+    """flash_attn_varlen_func with dropout, as _dropout_attention (under torch.compile the
+    call runs eagerly: a graph break, as varlen calls with gradients do)."""
     if softcap or alibi_slopes is not None or block_table is not None:
         raise NotImplementedError("dropout_p > 0 with softcap, alibi_slopes or block_table is "
                                   "not implemented yet")
@@ -232,7 +244,9 @@ def _dropout_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         raise NotImplementedError("return_attn_probs=True with dropout_p > 0 (flash-attn's "
                                   "dropped-entry matrix) is not implemented yet")
     if _is_compiling():
-        raise NotImplementedError("dropout_p > 0 under torch.compile is not implemented yet")
+        return _dropout_varlen_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k, dropout_p, softmax_scale, causal, window,
+                                       deterministic)
     if _checks.wants_grad(q, k, v):
         return FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                              max_seqlen_k, softmax_scale, causal, deterministic,
@@ -419,6 +433,16 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
                                   softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+@torch.compiler.disable  # outside the graph: flash_attn_varlen_func's eager path
+def _dropout_varlen_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            dropout_p, softmax_scale, causal, window, deterministic):
+    """out of flash_attn_varlen_func with dropout run eagerly, gradients included."""
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                                  causal=causal, window_size=window,
+                                  deterministic=deterministic)
 
 
 @torch.compiler.disable  # outside the graph: flash_attn_varlen_func's eager path

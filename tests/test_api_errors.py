@@ -183,8 +183,8 @@ def test_bad_dropout_p(p):
 
 
 def test_dropout_parts_not_built_yet_are_refused():
-    """Work in progress: the forward with plain scores runs (the device check here), the
-    rest raises NotImplementedError naming what is missing."""
+    """Dropout with plain scores runs (the device check here); with softcap or ALiBi it
+    raises NotImplementedError naming what is missing."""
     with pytest.raises(ValueError, match="cudaflash runs on CUDA GPUs only"):
         flash_attn_func(*qkv(), dropout_p=0.1)
     with pytest.raises(NotImplementedError, match="softcap or alibi_slopes"):

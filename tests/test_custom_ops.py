@@ -20,7 +20,9 @@ def test_ops_are_registered_with_their_schemas():
     assert fwd.startswith("cudaflash::fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale, "
                           "bool causal, bool deterministic=False, int window_left=-1, "
                           "int window_right=-1, float softcap=0.")
+    assert fwd.endswith("float dropout_p=0., Tensor? dropout_seed=None) -> (Tensor, Tensor)")
     assert "Tensor lse" in str(torch.ops.cudaflash.bwd.default._schema)
+    assert "Tensor? dropout_seed=None" in str(torch.ops.cudaflash.bwd.default._schema)
     assert "int max_seqlen_q" in str(torch.ops.cudaflash.varlen_fwd.default._schema)
 
 
@@ -61,3 +63,38 @@ def test_traced_flash_attn_func_is_one_op():
     assert [str(n.target) for n in calls] == ["cudaflash.fwd.default"]
     args = calls[0].args
     assert args[4] is True and tuple(args[6:8]) == (64, 0)  # causal, window
+
+
+class DropoutAttention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return cudaflash.flash_attn_func(q, k, v, dropout_p=0.25, causal=True)
+
+
+def test_traced_dropout_draws_its_seed_in_the_graph():
+    """Under tracing the seed is a torch.randint node of the graph (a new mask each run)
+    and the op takes dropout_p and that seed, so its backward rebuilds the same mask."""
+    q = torch.randn(1, 128, 4, 64, dtype=torch.bfloat16)
+    k = v = torch.randn(1, 128, 2, 64, dtype=torch.bfloat16)
+    try:
+        exported = torch.export.export(DropoutAttention(), (q, k, v))
+    except Exception as e:  # an export limitation of this torch, not of cudaflash
+        if "cudaflash" in str(e):
+            raise
+        pytest.skip(f"torch {torch.__version__} cannot export this module: {e}")
+    nodes = [n for n in exported.graph.nodes if n.op == "call_function"]
+    calls = [n for n in nodes if "cudaflash" in str(n.target)]
+    assert [str(n.target) for n in calls] == ["cudaflash.fwd.default"]
+    args = calls[0].args
+    assert args[10] == 0.25
+    seed = args[11]
+    assert "randint" in str(seed.target)
+    assert seed.meta["val"].dtype == torch.int64 and tuple(seed.meta["val"].shape) == (1,)
+
+
+def test_ops_refuse_dropout_without_a_seed():
+    q, k, v = (torch.randn(1, 16, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(ValueError, match="dropout_p > 0 needs dropout_seed"):
+        torch.ops.cudaflash.fwd(q, k, v, None, False, False, -1, -1, 0.0, None, 0.5, None)
+    with pytest.raises(ValueError, match=r"dropout_p=1.5; it must be a number in \[0, 1\)"):
+        torch.ops.cudaflash.fwd(q, k, v, None, False, False, -1, -1, 0.0, None, 1.5,
+                                torch.zeros(1, dtype=torch.int64))

@@ -126,7 +126,7 @@ def test_torch_keep_mask_equals_the_numpy_one():
 
     from cudaflash import _dropout
 
-    d = _dropout.Dropout(0.3, threshold(0.3), 256 / (256 - threshold(0.3)),
+    d = _dropout.Dropout(0.3, threshold(0.3), 1 / 0.7,
                          torch.tensor([0x0123_4567_89AB_CDEF], dtype=torch.int64))
     got = _dropout.keep_mask(d, 2, 3, 40, 70, torch.device("cpu")).numpy()
     assert np.array_equal(got, keep_mask(0x0123_4567_89AB_CDEF, 0.3, 2, 3, 40, 70))

@@ -12,7 +12,7 @@ import torch
 
 from cudaflash import flash_attn_func
 from cudaflash._dropout import SEED_HIGH
-from _dropout_reference import keep_mask, threshold
+from _dropout_reference import keep_mask
 from test_gpu_correctness import DTYPES, make_qkv
 
 pytestmark = pytest.mark.requires_gpu
@@ -25,9 +25,9 @@ def seed_after(manual_seed: int, device) -> int:
 
 def dropout_reference(q, k, v, mask, p, causal, upcast=True, window=(-1, -1)):
     """(batch, seqlen_q, heads, d): softmax(scale q k^T) with the causal mask (bottom-right),
-    dropped where mask is False, scaled by 1 / (1 - rate) with rate = p rounded to the
-    kernels' 1/256 steps, times v; in float32 (upcast) or in q's dtype (the low-precision
-    reference of the accuracy rule)."""
+    dropped where mask is False, scaled by 1 / (1 - p) (flash-attn's scale; the mask's rate
+    is p rounded to the kernels' 1/256 steps), times v; in float32 (upcast) or in q's dtype
+    (the low-precision reference of the accuracy rule)."""
     dtype = torch.float32 if upcast else q.dtype
     qf, kf, vf = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
     groups = qf.shape[1] // kf.shape[1]
@@ -42,7 +42,7 @@ def dropout_reference(q, k, v, mask, p, causal, upcast=True, window=(-1, -1)):
     if left >= 0:
         scores = scores.masked_fill(col < row - left, float("-inf"))
     probs = scores.softmax(-1).nan_to_num(0.0)
-    probs = probs * mask.to(q.device) / (1 - threshold(p) / 256)
+    probs = probs * mask.to(q.device) / (1 - p)
     return (probs.to(dtype) @ vf).float().transpose(1, 2)
 
 
@@ -272,3 +272,60 @@ def test_grad_of_a_gqa_call():
     mask = torch.from_numpy(keep_mask(seed, p, b, h, sq, sk))
     assert_grads_within(grads, reference_grads(q, k, v, dout, mask, p, True, True),
                         reference_grads(q, k, v, dout, mask, p, True, False), (q, k, v))
+
+
+def test_custom_op_with_a_given_seed_and_its_gradients():
+    """torch.compile's op (cudaflash::fwd with dropout_p and a seed tensor) and its
+    registered autograd: out and grads against the host's mask for that seed."""
+    from test_gpu_backward import assert_grads_within
+
+    p, b, sq, sk, h, hk, d = 0.3, 2, 100, 180, 4, 2, 64
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, torch.bfloat16, seed=23)
+    dout = torch.randn_like(q)
+    seed = 0x0123_4567_89AB_CDEF
+    seed_tensor = torch.tensor([seed], dtype=torch.int64, device=q.device)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, _ = torch.ops.cudaflash.fwd(*leaves, None, True, False, -1, -1, 0.0, None, p,
+                                     seed_tensor)
+    out.backward(dout)
+    mask = torch.from_numpy(keep_mask(seed, p, b, h, sq, sk))
+    ref = dropout_reference(q, k, v, mask, p, True)
+    low = dropout_reference(q, k, v, mask, p, True, upcast=False)
+    assert (out.float() - ref).abs().max().item() <= 2 * (low - ref).abs().max().item() + 1e-3
+    assert_grads_within([t.grad for t in leaves],
+                        reference_grads(q, k, v, dout, mask, p, True, True),
+                        reference_grads(q, k, v, dout, mask, p, True, False), (q, k, v))
+
+
+def test_torch_compile_fullgraph_draws_a_mask_per_run():
+    """flash_attn_func with dropout compiles into one graph (the seed a traced randint):
+    each run drops other weights, runs average to the undropped attention, and the
+    backward runs through the op."""
+    torch._dynamo.reset()
+    q, k, v = make_qkv(1, 64, 128, 2, 2, 64, torch.float16, seed=6)
+    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, dropout_p=0.5),
+                             fullgraph=True)
+    with torch.no_grad():
+        outs = [compiled(q, k, v).float() for _ in range(200)]
+    assert not torch.equal(outs[0], outs[1])
+    undropped = flash_attn_func(q, k, v).float()
+    assert (torch.stack(outs).mean(0) - undropped).abs().mean().item() < 0.02
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    compiled(*leaves).sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
+
+
+def test_varlen_under_torch_compile_runs_eagerly():
+    from cudaflash import flash_attn_varlen_func
+
+    torch._dynamo.reset()
+    lens = [30, 70]
+    cu = torch.tensor([0, 30, 100], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(100, 2, 64, device="cuda", dtype=torch.float16,
+                           requires_grad=True) for _ in range(3))
+    compiled = torch.compile(lambda q, k, v: flash_attn_varlen_func(
+        q, k, v, cu, cu, max(lens), max(lens), dropout_p=0.2, causal=True))
+    out = compiled(q, k, v)
+    out.sum().backward()
+    assert out.shape == q.shape
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
