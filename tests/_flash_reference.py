@@ -34,10 +34,14 @@ def check_alibi_slopes(alibi_slopes, batch, heads):
 
 
 def attention(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None):
+              alibi_slopes=None, dropout_p=0.0):
     """flash_attn_func: q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, heads_k, d);
     causal and windows aligned to the bottom-right corner; rows that see no key give 0.
-    alibi_slopes: flash-attn's ALiBi (alibi_bias), added to the scaled (and capped) scores."""
+    alibi_slopes: flash-attn's ALiBi (alibi_bias), added to the scaled (and capped) scores.
+    dropout_p: torch's dropout on the probabilities (kept ones scaled by 1 / (1 - p)), a float
+    in [0, 1) as cudaflash insists."""
+    if not (isinstance(dropout_p, float) and 0.0 <= dropout_p < 1.0):
+        raise TypeError(f"dropout_p={dropout_p!r} is not a float in [0, 1)")
     if not (isinstance(window_size, tuple) and len(window_size) == 2
             and all(type(w) is int for w in window_size)):
         raise TypeError(f"window_size={window_size!r} is not a tuple of two ints")
@@ -69,12 +73,14 @@ def attention(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), s
     sees_a_key = allowed.any(-1, keepdim=True)
     scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(~sees_a_key, 0.0)
     probs = scores.softmax(-1) * sees_a_key
+    if dropout_p:
+        probs = torch.nn.functional.dropout(probs, dropout_p)
     return (probs @ vf).transpose(1, 2).to(q.dtype)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                     alibi_slopes=None):
+                     alibi_slopes=None, dropout_p=0.0):
     """flash_attn_varlen_func: packed (total, heads, d) rows, int32 offsets, int maxima;
     alibi_slopes (heads,) or (batch, heads), sequence b's bias from its own lengths."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -93,5 +99,5 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         slopes = (alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1
                   else alibi_slopes[b:b + 1])
         outs.append(attention(q[None, qs], k[None, ks], v[None, ks], softmax_scale, causal,
-                              window_size, softcap, slopes)[0])
+                              window_size, softcap, slopes, dropout_p)[0])
     return torch.cat(outs)

@@ -307,17 +307,49 @@ def test_torch_compile_without_a_mask_is_right_but_materialized(kernel_calls):
 # ---- refusals ----------------------------------------------------------------------------------
 
 
-def test_attention_dropout_in_training_is_refused(kernel_calls):
+def test_attention_dropout_in_training_reaches_the_kernels(kernel_calls, monkeypatch):
+    """A config's attention_dropout reaches flash_attn_func's dropout_p in training mode (the
+    dense and the packed paths), 0.0 in eval mode, and a step's gradients flow."""
+    seen = []
+    dense, varlen = integration.api.flash_attn_func, integration.api.flash_attn_varlen_func
+
+    def dense_seen(*args, **kwargs):
+        seen.append(kwargs.get("dropout_p"))
+        return dense(*args, **kwargs)
+
+    def varlen_seen(*args, **kwargs):
+        seen.append(kwargs.get("dropout_p"))
+        return varlen(*args, **kwargs)
+
+    monkeypatch.setattr(integration.api, "flash_attn_func", dense_seen)
+    monkeypatch.setattr(integration.api, "flash_attn_varlen_func", varlen_seen)
     config = hf.config("llama")
     config.attention_dropout = 0.1
     torch.manual_seed(0)
     m = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=NAME)
     m = m.to(torch.bfloat16).train()
-    ids, mask = hf.batch("none")
-    with pytest.raises(NotImplementedError, match=r"attention dropout 0\.1"):
-        m(input_ids=ids, attention_mask=mask)
+    for padding in ("none", "left"):
+        seen.clear()
+        ids, mask = hf.batch(padding)
+        m(input_ids=ids, attention_mask=mask).logits.float().sum().backward()
+        assert seen and set(seen) == {0.1}, (padding, seen)
+        assert all(p.grad is not None for p in m.parameters() if p.requires_grad)
+    assert set(kernel_calls) == {"dense", "varlen"}
+    seen.clear()
     with torch.no_grad():
-        m.eval()(input_ids=ids, attention_mask=mask)  # eval mode passes dropout 0
+        m.eval()(input_ids=ids, attention_mask=mask)
+    assert set(seen) == {0.0}
+
+
+def test_attention_dropout_with_softcap_is_refused(kernel_calls):
+    config = hf.config("gemma2")
+    config.attention_dropout = 0.1
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=NAME)
+    m = m.to(torch.bfloat16).train()
+    ids, mask = hf.batch("none")
+    with pytest.raises(NotImplementedError, match=r"attention dropout 0\.1 with softcap"):
+        m(input_ids=ids, attention_mask=mask)
 
 
 def test_float32_outside_autocast_is_refused(kernel_calls):

@@ -38,9 +38,11 @@ bidirectional sliding windows, a 4D mask of the caller's) run on PyTorch math wi
 materialized mask, with a warning naming the reason: correct, not fast. Note that traced
 mask builders always add the packed-sequence overlay when no attention_mask is given, so a
 compiled model should get one (README).
-Refused with NotImplementedError: attention dropout during training, attention sinks
-(s_aux), position biases, value head dims unlike the query's; float32 attention inputs
-outside autocast raise TypeError (load the model in bfloat16 or float16).
+Attention dropout in training mode (the config's attention_dropout) reaches the kernels'
+dropout_p (PyTorch's dropout on the materialized-mask path). Refused with
+NotImplementedError: attention dropout together with softcapping, attention sinks (s_aux),
+position biases, value head dims unlike the query's; float32 attention inputs outside
+autocast raise TypeError (load the model in bfloat16 or float16).
 """
 
 from __future__ import annotations
@@ -210,11 +212,12 @@ def _half_precision(query, key, value):
                     "run it under torch.autocast")
 
 
-def _refuse_unsupported(module, query, value, dropout, kwargs) -> None:
-    if dropout:
+def _refuse_unsupported(module, query, value, dropout, softcap, kwargs) -> None:
+    if dropout and softcap:
         raise NotImplementedError(
-            f"attention dropout {dropout!r} while training: cudaflash has no dropout; set the "
-            "config's attention_dropout to 0.0 (or use eval mode)")
+            f"attention dropout {dropout!r} with softcap {softcap!r} while training: cudaflash "
+            "has no dropout with softcapping yet; set the config's attention_dropout to 0.0 "
+            "(or use eval mode)")
     for name in ("s_aux", "position_bias"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"{type(module).__name__} passes {name}: cudaflash has no "
@@ -231,7 +234,7 @@ def _refuse_unsupported(module, query, value, dropout, kwargs) -> None:
 
 @torch.compiler.disable  # reads the mask on the host; the packing's shapes depend on it
 def _packed_attention(q, k, v, tokens: _token_layout.TokenLayout, causal: bool, scale,
-                      window_size, softcap):
+                      window_size, softcap, dropout):
     """Attention of a padded (batch, seqlen, heads, head_dim) batch on its real tokens only:
     gathered, run by flash_attn_varlen_func, scattered back (zeros on padding rows); or
     flash_attn_func on the batch as it is where the mask turns out to hide nothing."""
@@ -239,21 +242,21 @@ def _packed_attention(q, k, v, tokens: _token_layout.TokenLayout, causal: bool, 
         raise ValueError(f"the mask describes {tokens.key_valid.shape[1]} keys but the layer "
                          f"has {k.shape[1]}: the cache and the mask disagree")
     if tokens.dense():
-        return api.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal,
-                                   window_size=window_size, softcap=softcap)
+        return api.flash_attn_func(q, k, v, dropout_p=dropout, softmax_scale=scale,
+                                   causal=causal, window_size=window_size, softcap=softcap)
     p = tokens.packed()
     gather = _token_layout.gather
     out = api.flash_attn_varlen_func(
         gather(q, p.q_rows), gather(k, p.k_rows), gather(v, p.k_rows), p.cu_seqlens_q,
-        p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k, softmax_scale=scale, causal=causal,
-        window_size=window_size, softcap=softcap)
+        p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k, dropout_p=dropout, softmax_scale=scale,
+        causal=causal, window_size=window_size, softcap=softcap)
     return _token_layout.scatter(out, p.q_rows, q.shape[0], q.shape[1])
 
 
-def _materialized_attention(module, query, key, value, additive, scale, softcap):
+def _materialized_attention(module, query, key, value, additive, scale, softcap, dropout):
     """PyTorch attention under an additive mask, for the patterns the kernels cannot
     express; (batch, heads, seqlen, head_dim) inputs as transformers gives them, out as
-    (batch, seqlen, heads, head_dim)."""
+    (batch, seqlen, heads, head_dim). ``dropout``: torch's, on the probabilities."""
     groups = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(groups, dim=1)
     value = value.repeat_interleave(groups, dim=1)
@@ -261,7 +264,7 @@ def _materialized_attention(module, query, key, value, additive, scale, softcap)
         additive = additive.to(query.dtype) if additive.dtype != torch.bool else additive
     if not softcap:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=additive,
-                                             scale=scale)
+                                             scale=scale, dropout_p=dropout)
     else:
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
@@ -269,7 +272,8 @@ def _materialized_attention(module, query, key, value, additive, scale, softcap)
         if additive is not None:
             scores = (scores.masked_fill(~additive, float("-inf"))
                       if additive.dtype == torch.bool else scores + additive.float())
-        out = torch.matmul(scores.softmax(-1), value.float()).to(query.dtype)
+        out = torch.matmul(scores.softmax(-1), value.float()).to(query.dtype)  # (softcap:
+        # no dropout, refused above)
     return out.transpose(1, 2)
 
 
@@ -281,7 +285,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     as the model's attention module gives them (after the cache update); attention_mask
     what ``mask_interface`` returned (or None where the model built no mask, or a 4D mask
     the caller supplied). Returns (out (batch, q_len, heads, head_dim), None)."""
-    _refuse_unsupported(module, query, value, dropout, kwargs)
+    _refuse_unsupported(module, query, value, dropout, softcap, kwargs)
+    dropout = float(dropout) if dropout else 0.0  # transformers passes 0.0 in eval mode
     if isinstance(attention_mask, torch.Tensor):
         attention_mask = MaterializedMask(attention_mask, "a 4D mask given by the caller")
     if isinstance(attention_mask, MaterializedMask):
@@ -290,7 +295,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                           "attention runs PyTorch math with the materialized mask (correct, "
                           "slower)", stacklevel=2)
         return _materialized_attention(module, query, key, value, attention_mask.additive,
-                                       scaling, softcap), None
+                                       scaling, softcap, dropout), None
     if attention_mask is None:
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         layout = MaskLayout(causal, sliding_window, None)
@@ -305,11 +310,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     window_size = _kernel_window(layout.window, layout.causal)
     cap = float(softcap) if softcap else 0.0
     if layout.tokens is None:
-        out = api.flash_attn_func(q, k, v, softmax_scale=scaling, causal=layout.causal,
-                                  window_size=window_size, softcap=cap)
+        out = api.flash_attn_func(q, k, v, dropout_p=dropout, softmax_scale=scaling,
+                                  causal=layout.causal, window_size=window_size, softcap=cap)
     else:
         out = _packed_attention(q, k, v, layout.tokens, layout.causal, scaling, window_size,
-                                cap)
+                                cap, dropout)
     return out, None
 
 
