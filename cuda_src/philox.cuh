@@ -126,27 +126,6 @@ struct KeepThreshold {
     }
 };
 
-// The keep test of four bytes at once (SWAR): bit 7 of byte b of the result is set when byte b
-// of `w` is >= the threshold. Per byte, (w | 0x80) - (t & 0x7F) has bit 7 set when w's low
-// seven bits are >= t's (no borrow leaves a byte); the high bits then decide: w7 > t7, or
-// w7 == t7 and the low test. Three instructions for four bytes.
-struct KeepSwar {
-    uint32_t all;   // the threshold in every byte
-    uint32_t low7;  // its low seven bits in every byte
-    __device__ __forceinline__ explicit KeepSwar(uint32_t threshold)
-        : all(threshold * 0x01010101u), low7((threshold & 0x7Fu) * 0x01010101u) {}
-    __device__ __forceinline__ uint32_t flags(uint32_t w) const {
-        const uint32_t d = (w | 0x80808080u) - low7;
-        return (w & ~all) | (~(w ^ all) & d);  // one lop3; only bit 7 of each byte counts
-    }
-};
-
-// Masks of 16-bit pairs from keep flags: bytes 2n and 2n + 1 of `flags` give the low and the
-// high half (0xFFFF where kept, prmt's sign replication of bit 7).
-__device__ __forceinline__ uint32_t pair_mask(uint32_t flags, int n) {
-    return __byte_perm(flags, 0u, n ? 0xBBAAu : 0x9988u);
-}
-
 // Whether element (nj, e) of an m16n8 accumulator tile is kept, given the bytes of its 16 x 16
 // blocks (bytes[nj / 2]; row half e / 2, column half nj % 2, column parity e % 2).
 template <int kBlocks>

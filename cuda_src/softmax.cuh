@@ -178,31 +178,45 @@ struct OnlineSoftmax {
 
     // Dropout (params.cuh, philox.cuh): P = 0 where the score is dropped, after update() took
     // the row sums (the softmax's denominator is the undropped one; O is scaled by
-    // 1 / (1 - p) at the end), on P packed as A fragments (pack_a_fragments: register 2 n +
-    // rr of slice j holds columns 8 n + {0, 1} of row half rr of 16 x 16 block j, low half
-    // first). `q16` is the warp's first query row / 16 (within its sequence), `k16` the
-    // tile's first key / 16, `head_index` = batch * n_heads + head.
-    // Each KeepBytes word rr tests its four bytes at once (KeepSwar) and prmt turns bytes
-    // 2n, 2n + 1 into the register's 16-bit mask. kRolled: the Philox rounds as a loop, for
-    // kernels whose registers cannot hold the unrolled calls (the mma.sync configs).
-    template <bool kRolled = false>
+    // 1 / (1 - p) at the end). `q16` is the warp's first query row / 16 (within its
+    // sequence), `k16` the tile's first key / 16, `head_index` = batch * n_heads + head.
+    __device__ __forceinline__ static void dropout(float (&P)[kM][C::kSTiles][4], uint64_t seed,
+                                                   int q16, int k16, int head_index,
+                                                   uint32_t threshold, int lane) {
+        const KeepThreshold t(threshold);
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi) {
+            KeepBytes bytes[C::kSTiles / 2];
+            dropout_bytes<false>(bytes, seed, q16 + mi, k16, 0, 1, head_index, lane);
+#pragma unroll
+            for (int nj = 0; nj < C::kSTiles; ++nj)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!kept(bytes, t, nj, e)) P[mi][nj][e] = 0.f;
+        }
+    }
+
+    // The same on P already packed as A fragments (pack_a_fragments: register 2 n + rr of
+    // slice j holds columns 8 n + {0, 1} of row half rr of 16 x 16 block j, low half first):
+    // for kernels whose registers cannot hold the float P and the random numbers at once.
     __device__ __forceinline__ static void dropout_packed(uint32_t (&pf)[kM][C::kKvSlices][4],
                                                           uint64_t seed, int q16, int k16,
                                                           int head_index, uint32_t threshold,
                                                           int lane) {
-        const KeepSwar t(threshold);
+        const KeepThreshold t(threshold);
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi) {
             KeepBytes bytes[C::kKvSlices];
-            dropout_bytes<false, C::kKvSlices, kRolled>(bytes, seed, q16 + mi, k16, 0, 1,
-                                                        head_index, lane);
+            dropout_bytes<false, C::kKvSlices, true>(bytes, seed, q16 + mi, k16, 0, 1,
+                                                     head_index, lane);
 #pragma unroll
             for (int j = 0; j < C::kKvSlices; ++j)
 #pragma unroll
-                for (int rr = 0; rr < 2; ++rr) {
-                    const uint32_t flags = t.flags(bytes[j].w[rr]);
-                    pf[mi][j][rr] &= pair_mask(flags, 0);      // register 2 * 0 + rr
-                    pf[mi][j][2 + rr] &= pair_mask(flags, 1);  // register 2 * 1 + rr
+                for (int reg = 0; reg < 4; ++reg) {
+                    const int nj = 2 * j + reg / 2, e = 2 * (reg % 2);  // (nj, e), (nj, e + 1)
+                    const uint32_t low = kept(bytes, t, nj, e) ? 0x0000FFFFu : 0u;
+                    const uint32_t high = kept(bytes, t, nj, e + 1) ? 0xFFFF0000u : 0u;
+                    pf[mi][j][reg] &= low | high;
                 }
         }
     }
