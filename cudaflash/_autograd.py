@@ -84,18 +84,16 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, deterministic, window=(-1, -1), softcap=0.0,
-                alibi_slopes=None, dropout_p=0.0):
+                alibi_slopes=None, dropout=None):
+        # dropout: the call's _dropout.Dropout (its seed drawn by the caller) or None
         _checks.check_deterministic(deterministic)
-        if dropout_p:  # each call its own seed: no plan
-            _checks.check_qkv(q, k, v, varlen=True)
-            _checks.check_on_gpu(q)
-            ctx.dropout = _dropout.draw(dropout_p, q.device)
+        ctx.dropout = dropout
+        if dropout is not None:  # each call its own seed: no plan
             out, lse = _call.checked_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                     max_seqlen_q, max_seqlen_k, softmax_scale,
                                                     causal, True, window, softcap,
-                                                    alibi_slopes, ctx.dropout)
+                                                    alibi_slopes, dropout)
         else:
-            ctx.dropout = None
             out, lse = _call.planned_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                     max_seqlen_q, max_seqlen_k, softmax_scale,
                                                     causal, True, window, softcap, alibi_slopes)

@@ -87,22 +87,76 @@ def philox4x32_10(c0, c1, c2, c3, k0: int, k1: int):
 
 
 def keep_mask(dropout: Dropout, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
-              device) -> torch.Tensor:
+              device, entry: Optional[int] = None) -> torch.Tensor:
     """(batch, heads, seqlen_q, seqlen_k) bool: the scores the kernels keep for this call
-    (philox.cuh's counters and bytes), computed with torch ops; reads the seed on the host."""
+    (philox.cuh's counters and bytes), computed with torch ops; reads the seed on the host.
+    ``entry``: only batch entry ``entry``'s heads, (1, heads, seqlen_q, seqlen_k) (a packed
+    batch's sequence ``entry`` draws that entry's numbers)."""
     seed = int(dropout.seed.item()) & 0xFFFFFFFFFFFFFFFF
     q_idx = torch.arange(seqlen_q, device=device)[:, None].expand(seqlen_q, seqlen_k)
     k_idx = torch.arange(seqlen_k, device=device)[None, :].expand(seqlen_q, seqlen_k)
     quad = 4 * (q_idx % 8 // 2) + k_idx % 8 // 2
     word_at = q_idx % 2 + 2 * (q_idx % 16 // 8)
     byte_at = k_idx % 2 + 2 * (k_idx % 16 // 8)
+    entries = range(batch) if entry is None else (entry,)
     masks = []
-    for bh in range(batch * heads):
+    for bh in (b * heads + h for b in entries for h in range(heads)):
         words = philox4x32_10(q_idx // 16, k_idx // 16, torch.full_like(q_idx, bh), quad,
                               seed & _MASK32, seed >> 32)
         word = torch.stack(words, -1).gather(-1, word_at[..., None])[..., 0]
         masks.append((word >> (8 * byte_at)) & 0xFF >= dropout.threshold)
-    return torch.stack(masks).view(batch, heads, seqlen_q, seqlen_k)
+    return torch.stack(masks).view(len(entries), heads, seqlen_q, seqlen_k)
+
+
+def visible(seqlen_q: int, seqlen_k: int, causal: bool, window, device) -> torch.Tensor:
+    """(seqlen_q, seqlen_k) bool: the keys each query row sees (causal and the window
+    aligned to the bottom-right corner, flash-attn's rule)."""
+    left, right = window
+    right = 0 if causal else right
+    row = torch.arange(seqlen_q, device=device)[:, None] + seqlen_k - seqlen_q
+    col = torch.arange(seqlen_k, device=device)[None, :]
+    allowed = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        allowed &= col <= row + right
+    if left >= 0:
+        allowed &= col >= row - left
+    return allowed
+
+
+def attention_probs(q, k, scale: float, causal: bool, window, dropout: Dropout):
+    """flash_attn_func's S_dmask for a dropout call: q (batch, seqlen_q, heads, d), k
+    (batch, seqlen_k, heads_k, d) -> float32 (batch, heads, seqlen_q, seqlen_k)."""
+    batch, seqlen_q, heads, _ = q.shape
+    seqlen_k = k.shape[1]
+    keep = keep_mask(dropout, batch, heads, seqlen_q, seqlen_k, q.device)
+    return attention_matrix(q.detach(), k.detach(), scale,
+                            visible(seqlen_q, seqlen_k, causal, window, q.device), dropout,
+                            keep)
+
+
+def varlen_attention_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                           max_seqlen_k: int, scale: float, causal: bool, window,
+                           dropout: Dropout):
+    """flash_attn_varlen_func's S_dmask for a dropout call: q (total_q, heads, d), k
+    (total_k, heads_k, d) -> float32 (batch, heads, max_seqlen_q, max_seqlen_k), sequence b
+    in entry b's top-left corner (its rows and keys counted within the sequence), zeros
+    elsewhere. Reads the offsets on the host."""
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    batch, heads = len(starts_q) - 1, q.shape[1]
+    probs = torch.zeros(batch, heads, max_seqlen_q, max_seqlen_k, dtype=torch.float32,
+                        device=q.device)
+    for b in range(batch):
+        len_q = min(starts_q[b + 1] - starts_q[b], max_seqlen_q)
+        len_k = min(starts_k[b + 1] - starts_k[b], max_seqlen_k)
+        if len_q <= 0 or len_k <= 0:
+            continue
+        qb = q[None, starts_q[b]:starts_q[b] + len_q]
+        kb = k[None, starts_k[b]:starts_k[b] + len_k]
+        keep = keep_mask(dropout, batch, heads, len_q, len_k, q.device, entry=b)
+        probs[b, :, :len_q, :len_k] = attention_matrix(
+            qb.detach(), kb.detach(), scale, visible(len_q, len_k, causal, window, q.device),
+            dropout, keep)[0]
+    return probs
 
 
 def block_size_n(head_dim: int, device) -> int:

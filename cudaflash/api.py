@@ -215,21 +215,8 @@ def _dropout_attention(q, k, v, dropout_p, softmax_scale, causal, window, softca
                                          dropout=dropout)
     if not return_attn_probs:
         return out
-    batch, seqlen_q, heads, d_head = q.shape
-    seqlen_k = k.shape[1]
-    left, right = window
-    right = 0 if causal else right
-    row = torch.arange(seqlen_q, device=q.device)[:, None] + seqlen_k - seqlen_q
-    col = torch.arange(seqlen_k, device=q.device)[None, :]
-    allowed = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
-    if right >= 0:
-        allowed &= col <= row + right
-    if left >= 0:
-        allowed &= col >= row - left
-    keep = _dropout.keep_mask(dropout, batch, heads, seqlen_q, seqlen_k, q.device)
-    scale = _checks.softmax_scale(softmax_scale, d_head)
-    return out, lse, _dropout.attention_matrix(q.detach(), k.detach(), scale, allowed, dropout,
-                                               keep)
+    scale = _checks.softmax_scale(softmax_scale, q.shape[3])
+    return out, lse, _dropout.attention_probs(q, k, scale, causal, window, dropout)
 
 
 def _dropout_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -240,23 +227,34 @@ def _dropout_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     if softcap or alibi_slopes is not None or block_table is not None:
         raise NotImplementedError("dropout_p > 0 with softcap, alibi_slopes or block_table is "
                                   "not implemented yet")
-    if return_attn_probs:
-        raise NotImplementedError("return_attn_probs=True with dropout_p > 0 (flash-attn's "
-                                  "dropped-entry matrix) is not implemented yet")
     if _is_compiling():
+        if return_attn_probs:
+            raise NotImplementedError("return_attn_probs=True with dropout_p > 0 under "
+                                      "torch.compile is not implemented (S_dmask reads the "
+                                      "seed on the host: call it eagerly)")
         return _dropout_varlen_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, dropout_p, softmax_scale, causal, window,
                                        deterministic)
-    if _checks.wants_grad(q, k, v):
-        return FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                             max_seqlen_k, softmax_scale, causal, deterministic,
-                                             window, 0.0, None, dropout_p)[0]
-    _checks.check_qkv(q, k, v, varlen=True)
+    with torch.no_grad():  # (check_qkv refuses leaves that require grad)
+        _checks.check_qkv(q, k, v, varlen=True)
     _checks.check_on_gpu(q)
-    out, _ = _call.checked_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                          max_seqlen_k, softmax_scale, causal, False, window,
-                                          0.0, dropout=_dropout.draw(dropout_p, q.device))
-    return out
+    dropout = _dropout.draw(dropout_p, q.device)
+    if _checks.wants_grad(q, k, v):
+        out, lse = FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                 max_seqlen_q, max_seqlen_k, softmax_scale,
+                                                 causal, deterministic, window, 0.0, None,
+                                                 dropout)
+    else:
+        out, lse = _call.checked_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                max_seqlen_q, max_seqlen_k, softmax_scale,
+                                                causal, bool(return_attn_probs), window, 0.0,
+                                                dropout=dropout)
+    if not return_attn_probs:
+        return out
+    scale = _checks.softmax_scale(softmax_scale, q.shape[2])
+    return out, lse, _dropout.varlen_attention_probs(q, k, cu_seqlens_q, cu_seqlens_k,
+                                                     max_seqlen_q, max_seqlen_k, scale, causal,
+                                                     window, dropout)
 
 
 def _attention_with_options(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes,

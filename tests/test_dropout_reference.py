@@ -155,3 +155,33 @@ def test_attention_matrix_recovers_the_softmax_flash_attn_style():
     probs = torch.cat([p * torch.exp(running[..., n, None] - lse[..., None])
                        for n, p in enumerate(parts)], -1)
     assert torch.allclose(probs, scores.softmax(-1), atol=1e-6)
+
+
+def test_varlen_s_dmask_is_each_sequences_own_matrix():
+    """flash_attn_varlen_func's S_dmask (_dropout.varlen_attention_probs): sequence b in entry
+    b's corner, built from its own rows and keys with batch entry b's numbers, zeros
+    elsewhere; the same as the padded batch's matrix of that sequence alone."""
+    import torch
+
+    from cudaflash import _dropout
+
+    torch.manual_seed(1)
+    lens_q, lens_k, heads, d = [5, 40, 17], [30, 40, 1], 2, 64
+    cu_q = torch.tensor([0, 5, 45, 62], dtype=torch.int32)
+    cu_k = torch.tensor([0, 30, 70, 71], dtype=torch.int32)
+    q, k = torch.randn(62, heads, d), torch.randn(71, heads, d)
+    drop = _dropout.Dropout(0.3, threshold(0.3), 1 / 0.7, torch.tensor([1234], dtype=torch.int64))
+    for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (8, 3))):
+        probs = _dropout.varlen_attention_probs(q, k, cu_q, cu_k, 40, 40, 0.125, causal, window,
+                                                drop)
+        assert probs.shape == (3, heads, 40, 40)
+        for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+            qb = q[None, int(cu_q[b]):int(cu_q[b]) + lq]
+            kb = k[None, int(cu_k[b]):int(cu_k[b]) + lk]
+            keep = _dropout.keep_mask(drop, 3, heads, lq, lk, torch.device("cpu"))[b:b + 1]
+            assert torch.equal(keep, _dropout.keep_mask(drop, 3, heads, lq, lk,
+                                                        torch.device("cpu"), entry=b))
+            want = _dropout.attention_matrix(qb, kb, 0.125, _dropout.visible(
+                lq, lk, causal, window, torch.device("cpu")), drop, keep)[0]
+            assert torch.equal(probs[b, :, :lq, :lk], want)
+            assert not probs[b, :, lq:].any() and not probs[b, :, :, lk:].any()

@@ -329,3 +329,35 @@ def test_varlen_under_torch_compile_runs_eagerly():
     out.sum().backward()
     assert out.shape == q.shape
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_varlen_return_attn_probs_gives_each_sequences_s_dmask():
+    """flash_attn_varlen_func's (out, lse, S_dmask) with dropout: sequence b's block of
+    S_dmask has the signs of batch entry b's mask and its out is consistent with it."""
+    from cudaflash import flash_attn_varlen_func
+
+    p, h, d = 0.25, 2, 64
+    lens_q, lens_k = [20, 64], [50, 64]
+    cu_q = torch.tensor([0, 20, 84], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 50, 114], dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q = torch.randn(84, h, d, device="cuda", dtype=torch.float16, generator=gen)
+    k = torch.randn(114, h, d, device="cuda", dtype=torch.float16, generator=gen)
+    v = torch.randn_like(k)
+    seed = seed_after(13, q.device)
+    torch.manual_seed(13)
+    with torch.no_grad():
+        out, lse, s_dmask = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 64, 64, dropout_p=p,
+                                                   causal=True, return_attn_probs=True)
+    assert s_dmask.shape == (2, h, 64, 64) and lse.shape == (h, 84)
+    for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        mask = torch.from_numpy(keep_mask(seed, p, 2, h, sq, sk)[b:b + 1])
+        block = s_dmask[b:b + 1, :, :sq, :sk]
+        visible = block != 0
+        assert torch.equal((block > 0)[visible].cpu(), mask.to(visible.device)[visible].cpu())
+        rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        ref = dropout_reference(q[None, rows], k[None, keys], v[None, keys], mask, p, True)
+        low = dropout_reference(q[None, rows], k[None, keys], v[None, keys], mask, p, True,
+                                upcast=False)
+        assert (out[None, rows].float() - ref).abs().max().item() <= \
+            2 * (low - ref).abs().max().item() + 1e-3
