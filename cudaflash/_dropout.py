@@ -6,6 +6,8 @@ are recorded, and the backward rebuilds the same keep mask from the saved tensor
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import numbers
 from typing import NamedTuple, Optional
@@ -39,7 +41,7 @@ def draw(dropout_p: float, device: torch.device) -> Optional[Dropout]:
     scales them (its tests' reference does too)."""
     if dropout_p == 0.0:
         return None
-    return with_seed(dropout_p, draw_seed(device))
+    return with_seed(dropout_p, draw_seed(device), device)
 
 
 def draw_seed(device: torch.device) -> torch.Tensor:
@@ -48,9 +50,11 @@ def draw_seed(device: torch.device) -> torch.Tensor:
     return torch.randint(0, SEED_HIGH, (1,), dtype=torch.int64, device=device)
 
 
-def with_seed(dropout_p: float, seed: torch.Tensor) -> Optional[Dropout]:
-    """The state of a call with the checked ``dropout_p`` and a given seed tensor (the
-    torch.compile ops take it as an input; None for p = 0)."""
+def with_seed(dropout_p: float, seed: torch.Tensor, device: torch.device) -> Optional[Dropout]:
+    """The state of a call on ``device`` with the checked ``dropout_p`` and a given seed
+    tensor (the torch.compile ops take it as an input). None where nothing is dropped: p = 0,
+    and p < 1/512, whose threshold round(p * 256) is 0 (the kernels then run no dropout at
+    all, so no 1 / (1 - p) either: the backward takes a zero threshold as no dropout)."""
     if dropout_p == 0.0:
         return None
     if not (isinstance(seed, torch.Tensor) and seed.dtype == torch.int64
@@ -58,7 +62,12 @@ def with_seed(dropout_p: float, seed: torch.Tensor) -> Optional[Dropout]:
         raise ValueError(f"dropout_seed must be a (1,) torch.int64 tensor, got "
                          f"{seed.dtype if isinstance(seed, torch.Tensor) else type(seed)} of "
                          f"shape {tuple(getattr(seed, 'shape', ()))}")
+    if seed.device != torch.device(device):
+        raise ValueError(f"dropout_seed is on {seed.device} but q is on {device}; the kernels "
+                         "read it on q's device")
     threshold = min(round(dropout_p * 256), 255)
+    if threshold == 0:
+        return None
     return Dropout(dropout_p, threshold, 1.0 / (1.0 - dropout_p), seed)
 
 
@@ -123,12 +132,14 @@ def visible(seqlen_q: int, seqlen_k: int, causal: bool, window, device) -> torch
     return allowed
 
 
-def attention_probs(q, k, scale: float, causal: bool, window, dropout: Dropout):
+def attention_probs(q, k, scale: float, causal: bool, window, dropout: Optional[Dropout]):
     """flash_attn_func's S_dmask for a dropout call: q (batch, seqlen_q, heads, d), k
-    (batch, seqlen_k, heads_k, d) -> float32 (batch, heads, seqlen_q, seqlen_k)."""
+    (batch, seqlen_k, heads_k, d) -> float32 (batch, heads, seqlen_q, seqlen_k). ``dropout``
+    None (a p too small to drop anything): every score kept."""
     batch, seqlen_q, heads, _ = q.shape
     seqlen_k = k.shape[1]
-    keep = keep_mask(dropout, batch, heads, seqlen_q, seqlen_k, q.device)
+    keep = (torch.ones(batch, heads, seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
+            if dropout is None else keep_mask(dropout, batch, heads, seqlen_q, seqlen_k, q.device))
     return attention_matrix(q.detach(), k.detach(), scale,
                             visible(seqlen_q, seqlen_k, causal, window, q.device), dropout,
                             keep)
@@ -136,7 +147,7 @@ def attention_probs(q, k, scale: float, causal: bool, window, dropout: Dropout):
 
 def varlen_attention_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                            max_seqlen_k: int, scale: float, causal: bool, window,
-                           dropout: Dropout):
+                           dropout: Optional[Dropout]):
     """flash_attn_varlen_func's S_dmask for a dropout call: q (total_q, heads, d), k
     (total_k, heads_k, d) -> float32 (batch, heads, max_seqlen_q, max_seqlen_k), sequence b
     in entry b's top-left corner (its rows and keys counted within the sequence), zeros
@@ -152,11 +163,29 @@ def varlen_attention_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
             continue
         qb = q[None, starts_q[b]:starts_q[b] + len_q]
         kb = k[None, starts_k[b]:starts_k[b] + len_k]
-        keep = keep_mask(dropout, batch, heads, len_q, len_k, q.device, entry=b)
+        keep = (torch.ones(1, heads, len_q, len_k, dtype=torch.bool, device=q.device)
+                if dropout is None else keep_mask(dropout, batch, heads, len_q, len_k,
+                                                  q.device, entry=b))
         probs[b, :, :len_q, :len_k] = attention_matrix(
             qb.detach(), kb.detach(), scale, visible(len_q, len_k, causal, window, q.device),
             dropout, keep)[0]
     return probs
+
+
+# The head dim flash-attn's tests see: a call padded to the next kernel's head dim builds
+# S_dmask inside the padded call, but flash-attn's block size is the caller's head dim's.
+_caller_head_dim: contextvars.ContextVar = contextvars.ContextVar("cudaflash_caller_head_dim",
+                                                                 default=None)
+
+
+@contextlib.contextmanager
+def caller_head_dim(d_head: int):
+    """Within it, S_dmask's key blocks are sized for ``d_head`` (_padding's padded calls)."""
+    token = _caller_head_dim.set(d_head)
+    try:
+        yield
+    finally:
+        _caller_head_dim.reset(token)
 
 
 def block_size_n(head_dim: int, device) -> int:
@@ -186,7 +215,7 @@ def attention_matrix(q, k, softmax_scale: float, allowed: torch.Tensor, dropout:
     kf = k.float().repeat_interleave(groups, dim=2).transpose(1, 2)
     scores = (qf @ kf.transpose(-1, -2)) * softmax_scale
     scores = scores.masked_fill(~allowed, float("-inf"))
-    block = block_size_n(q.shape[-1], q.device)
+    block = block_size_n(_caller_head_dim.get() or q.shape[-1], q.device)
     blocks = scores.split(block, dim=-1)
     block_max = torch.stack([b.amax(-1) for b in blocks], -1)
     running = torch.cummax(block_max.flip(-1), -1).values.flip(-1)

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from . import _checks
+from . import _checks, _dropout
 from .backward_config import BWD_D_HEADS
 from .config import D_HEADS
 
@@ -57,7 +57,9 @@ def with_padded_head_dim(function, padded: int, q, k, v, softmax_scale, kwargs: 
         return None if t is None else torch.nn.functional.pad(t, (0, padded - d_head))
 
     padded_caches = tuple(pad(c) for c in caches)
-    result = function(pad(q), *padded_caches, pad(k), pad(v), softmax_scale=scale, **kwargs)
+    with _dropout.caller_head_dim(d_head):  # (a dropout call's S_dmask: the caller's blocks)
+        result = function(pad(q), *padded_caches, pad(k), pad(v), softmax_scale=scale,
+                          **kwargs)
     if k is not None:  # for kvcache: an append happened (it has no k without one)
         for cache, padded_cache in zip(caches, padded_caches):
             cache.copy_(padded_cache[..., :d_head])

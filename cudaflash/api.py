@@ -339,10 +339,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return _padding.with_padded_head_dim(
             flash_attn_varlen_func, padded, q, k, v, softmax_scale,
             dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
-                 window_size=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                 deterministic=deterministic, return_attn_probs=return_attn_probs,
-                 block_table=block_table))
+                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
+                 causal=causal, window_size=window, softcap=softcap,
+                 alibi_slopes=alibi_slopes, deterministic=deterministic,
+                 return_attn_probs=return_attn_probs, block_table=block_table))
     if dropout_p:
         return _dropout_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,

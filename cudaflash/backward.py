@@ -136,8 +136,9 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     forward's checked slopes (None: none); either needs the deterministic scheme (scheme())."""
     scoremod = bool(softcap) or alibi_slopes is not None or dropout is not None
     if scoremod and scheme != "deterministic":
-        raise ValueError(f"softcap={softcap} and ALiBi ({alibi_slopes is not None}) run in the "
-                         f"deterministic scheme, not {scheme!r}")
+        raise ValueError(f"softcap={softcap}, ALiBi ({alibi_slopes is not None}) and dropout "
+                         f"({dropout is not None}) run in the deterministic scheme, not "
+                         f"{scheme!r}")
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
     dout = _kernel_dout(dout, q)

@@ -488,3 +488,21 @@ def test_out_next_to_an_input_is_fine():
 def test_internal_overlap(shape, strides, overlaps):
     t = torch.empty(4096, dtype=F16).as_strided(shape, strides)
     assert internals.internal_overlap(t) is overlaps
+
+
+def test_varlen_padded_head_dim_keeps_dropout(monkeypatch):
+    """A head dim without a kernel of its own (96) runs padded: dropout_p must reach the
+    padded call (it did not: the padded call ran without dropout)."""
+    from cudaflash import _padding, flash_attn_varlen_func
+
+    seen = {}
+
+    def padded_call(function, padded, q, k, v, softmax_scale, kwargs, caches=()):
+        seen.update(kwargs)
+        return "padded"
+
+    monkeypatch.setattr(_padding, "with_padded_head_dim", padded_call)
+    q = torch.randn(10, 2, 96, dtype=torch.float16)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    assert flash_attn_varlen_func(q, q, q, cu, cu, 10, 10, dropout_p=0.3) == "padded"
+    assert seen["dropout_p"] == 0.3

@@ -185,3 +185,50 @@ def test_varlen_s_dmask_is_each_sequences_own_matrix():
                 lq, lk, causal, window, torch.device("cpu")), drop, keep)[0]
             assert torch.equal(probs[b, :, :lq, :lk], want)
             assert not probs[b, :, lq:].any() and not probs[b, :, :, lk:].any()
+
+
+def test_a_probability_too_small_to_drop_anything_runs_no_dropout():
+    """p < 1/512 has threshold 0: nothing is dropped, so no state at all (the forward would
+    otherwise scale O by 1 / (1 - p) while the backward, which reads threshold 0 as no
+    dropout, would not)."""
+    import torch
+
+    from cudaflash import _dropout
+
+    seed = torch.zeros(1, dtype=torch.int64)
+    assert _dropout.with_seed(0.0019, seed, torch.device("cpu")) is None
+    assert _dropout.with_seed(0.002, seed, torch.device("cpu")).threshold == 1
+
+
+def test_a_seed_on_another_device_is_refused():
+    import pytest
+    import torch
+
+    from cudaflash import _dropout
+
+    with pytest.raises(ValueError, match="dropout_seed is on cpu but q is on meta"):
+        _dropout.with_seed(0.3, torch.zeros(1, dtype=torch.int64), torch.device("meta"))
+
+
+def test_padded_head_dims_keep_the_callers_s_dmask_blocks():
+    """A head dim padded to the next kernel's (96 -> 128) builds S_dmask inside the padded
+    call; flash-attn's tests normalize it with the caller's block size (64 for d 96, 32 for
+    d 128), which _padding's caller_head_dim restores."""
+    import torch
+
+    from cudaflash import _dropout
+
+    torch.manual_seed(3)
+    q, k = torch.randn(1, 40, 2, 96), torch.randn(1, 150, 2, 96)
+    pad = (0, 32)
+    allowed = torch.ones(40, 150, dtype=torch.bool)
+    keep = torch.rand(1, 2, 40, 150) > 0.2
+    want = _dropout.attention_matrix(q, k, 0.1, allowed, None, keep)
+    with _dropout.caller_head_dim(96):
+        got = _dropout.attention_matrix(torch.nn.functional.pad(q, pad),
+                                        torch.nn.functional.pad(k, pad), 0.1, allowed, None,
+                                        keep)
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(_dropout.attention_matrix(torch.nn.functional.pad(q, pad),
+                                                        torch.nn.functional.pad(k, pad), 0.1,
+                                                        allowed, None, keep), want)
