@@ -300,7 +300,7 @@ def test_custom_op_with_a_given_seed_and_its_gradients():
 def test_torch_compile_fullgraph_draws_a_mask_per_run():
     """flash_attn_func with dropout compiles into one graph (the seed a traced randint):
     each run drops other weights, runs average to the undropped attention, and the
-    backward runs through the op."""
+    backward (through the op) uses the forward's mask."""
     torch._dynamo.reset()
     q, k, v = make_qkv(1, 64, 128, 2, 2, 64, torch.float16, seed=6)
     compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, dropout_p=0.5),
@@ -310,9 +310,17 @@ def test_torch_compile_fullgraph_draws_a_mask_per_run():
     assert not torch.equal(outs[0], outs[1])
     undropped = flash_attn_func(q, k, v).float()
     assert (torch.stack(outs).mean(0) - undropped).abs().mean().item() < 0.02
+    # The backward must rebuild the forward's mask: out = A v with A the dropped, scaled
+    # probabilities, so dv = A^T dout and <out, dout> = <v, dv> exactly (a backward with
+    # another mask breaks the identity by far more than rounding).
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    compiled(*leaves).sum().backward()
+    out = compiled(*leaves)
+    dout = torch.randn_like(out)
+    out.backward(dout)
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
+    lhs = (out.float() * dout.float()).sum().item()
+    rhs = (v.float() * leaves[2].grad.float()).sum().item()
+    assert abs(lhs - rhs) <= 2e-2 * max(abs(lhs), 1.0), (lhs, rhs)
 
 
 def test_varlen_under_torch_compile_runs_eagerly():
