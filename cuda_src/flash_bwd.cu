@@ -139,8 +139,9 @@ __device__ __forceinline__ void gemm_rows_rows(float (&acc)[1][kN][4], const Lan
     }
 }
 
-// acc (16 x d_head) += A (16 x 16 * kK, from registers: accumulators of a previous GEMM) *
-// B (tile `b`: kK * 16 rows, d_head columns): dV += P^T dO, dK += dS^T Q, dQ += dS K.
+// acc (16 x d_head) += A (16 x 16 * kK, 16-bit A fragments from registers: a previous GEMM's
+// accumulators, packed) * B (tile `b`: kK * 16 rows, d_head columns): dV += P^T dO,
+// dK += dS^T Q, dQ += dS K.
 template <int kRowsB, int kK>
 __device__ __forceinline__ void gemm_packed_tile(float (&acc)[kD / 8][4],
                                                  const uint32_t (&a)[1][kK][4],
@@ -173,21 +174,14 @@ __device__ __forceinline__ void pack_dropped(uint32_t (&a)[1][kNTiles / 2][4],
     }
 }
 
+// The same with A still in float accumulators (rounded and packed here).
 template <int kRowsB, int kK>
 __device__ __forceinline__ void gemm_regs_tile(float (&acc)[kD / 8][4],
                                                const float (&a_acc)[1][2 * kK][4],
                                                const LaneOffsets& lo, uint32_t b_tile) {
     uint32_t a[1][kK][4];
     pack_a_fragments<C::kBf16>(a, a_acc);
-#pragma unroll
-    for (int kk = 0; kk < kK; ++kk)
-#pragma unroll
-        for (int nd2 = 0; nd2 < kD / 16; ++nd2) {
-            uint32_t b[4];
-            load_b_trans<kRowsB>(b, lo, b_tile, kk * 16, nd2);
-            mma_m16n8k16<C::kBf16>(acc[2 * nd2], a[0][kk], b[0], b[1]);
-            mma_m16n8k16<C::kBf16>(acc[2 * nd2 + 1], a[0][kk], b[2], b[3]);
-        }
+    gemm_packed_tile<kRowsB, kK>(acc, a, lo, b_tile);
 }
 
 // The lse of one query row as the exponent offset in log2 units. A row that saw no key in the
