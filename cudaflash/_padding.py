@@ -2,6 +2,7 @@
 come in 64, 128 and 256, so the public functions run a head dim in between zero-padded to the
 next built one (padded_head_dim decides, with_padded_head_dim pads and slices back)."""
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -57,7 +58,9 @@ def with_padded_head_dim(function, padded: int, q, k, v, softmax_scale, kwargs: 
         return None if t is None else torch.nn.functional.pad(t, (0, padded - d_head))
 
     padded_caches = tuple(pad(c) for c in caches)
-    with _dropout.caller_head_dim(d_head):  # (a dropout call's S_dmask: the caller's blocks)
+    # A dropout call's S_dmask is built inside the padded call, with the caller's key blocks.
+    s_dmask = kwargs.get("dropout_p") and kwargs.get("return_attn_probs")
+    with _dropout.caller_head_dim(d_head) if s_dmask else contextlib.nullcontext():
         result = function(pad(q), *padded_caches, pad(k), pad(v), softmax_scale=scale,
                           **kwargs)
     if k is not None:  # for kvcache: an append happened (it has no k without one)

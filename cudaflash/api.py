@@ -183,6 +183,11 @@ def _attention_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, s
     return (out, lse, None) if want_lse else out
 
 
+# S_dmask reads the call's seed on the host: not under torch.compile.
+_COMPILED_S_DMASK = ("return_attn_probs=True with dropout_p > 0 under torch.compile is not "
+                     "implemented (S_dmask reads the seed on the host: call it eagerly)")
+
+
 def _dropout_attention(q, k, v, dropout_p, softmax_scale, causal, window, softcap,
                        alibi_slopes, deterministic, return_attn_probs):
     """flash_attn_func with dropout (plain scores; gradients through FlashAttnFunction, or
@@ -195,9 +200,7 @@ def _dropout_attention(q, k, v, dropout_p, softmax_scale, causal, window, softca
                                   "implemented yet")
     if _is_compiling():
         if return_attn_probs:
-            raise NotImplementedError("return_attn_probs=True with dropout_p > 0 under "
-                                      "torch.compile is not implemented (S_dmask reads the "
-                                      "seed on the host: call it eagerly)")
+            raise NotImplementedError(_COMPILED_S_DMASK)
         # The seed is a traced torch.randint: each run of the graph draws a new mask.
         out, _ = fwd_op(q, k, v, softmax_scale, causal, deterministic, *window, 0.0, None,
                         dropout_p, _dropout.draw_seed(q.device))
@@ -229,9 +232,7 @@ def _dropout_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                                   "not implemented yet")
     if _is_compiling():
         if return_attn_probs:
-            raise NotImplementedError("return_attn_probs=True with dropout_p > 0 under "
-                                      "torch.compile is not implemented (S_dmask reads the "
-                                      "seed on the host: call it eagerly)")
+            raise NotImplementedError(_COMPILED_S_DMASK)
         return _dropout_varlen_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, dropout_p, softmax_scale, causal, window,
                                        deterministic)

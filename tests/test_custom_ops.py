@@ -42,6 +42,19 @@ def test_fake_implementations_give_shapes_and_dtypes():
     assert (lse.shape, lse.dtype) == ((8, 250), torch.float32)
 
 
+def exported_nodes(module, *args) -> list:
+    """The call_function nodes of ``module`` exported with ``args`` (torch.export traces with
+    fake tensors, through dynamo as torch.compile does); skips where this torch cannot export
+    it for reasons not cudaflash's."""
+    try:
+        exported = torch.export.export(module, args)
+    except Exception as e:  # an export limitation of this torch, not of cudaflash
+        if "cudaflash" in str(e):
+            raise
+        pytest.skip(f"torch {torch.__version__} cannot export this module: {e}")
+    return [n for n in exported.graph.nodes if n.op == "call_function"]
+
+
 class Attention(torch.nn.Module):
     def forward(self, q, k, v):
         return cudaflash.flash_attn_func(q, k, v, causal=True, window_size=(64, 0))
@@ -52,14 +65,7 @@ def test_traced_flash_attn_func_is_one_op():
     torch.compile does: the graph must hold cudaflash::fwd with the call's arguments."""
     q = torch.randn(1, 128, 4, 64, dtype=torch.bfloat16)
     k = v = torch.randn(1, 128, 2, 64, dtype=torch.bfloat16)
-    try:
-        exported = torch.export.export(Attention(), (q, k, v))
-    except Exception as e:  # an export limitation of this torch, not of cudaflash
-        if "cudaflash" in str(e):
-            raise
-        pytest.skip(f"torch {torch.__version__} cannot export this module: {e}")
-    calls = [n for n in exported.graph.nodes if n.op == "call_function"
-             and "cudaflash" in str(n.target)]
+    calls = [n for n in exported_nodes(Attention(), q, k, v) if "cudaflash" in str(n.target)]
     assert [str(n.target) for n in calls] == ["cudaflash.fwd.default"]
     args = calls[0].args
     assert args[4] is True and tuple(args[6:8]) == (64, 0)  # causal, window
@@ -75,14 +81,8 @@ def test_traced_dropout_draws_its_seed_in_the_graph():
     and the op takes dropout_p and that seed, so its backward rebuilds the same mask."""
     q = torch.randn(1, 128, 4, 64, dtype=torch.bfloat16)
     k = v = torch.randn(1, 128, 2, 64, dtype=torch.bfloat16)
-    try:
-        exported = torch.export.export(DropoutAttention(), (q, k, v))
-    except Exception as e:  # an export limitation of this torch, not of cudaflash
-        if "cudaflash" in str(e):
-            raise
-        pytest.skip(f"torch {torch.__version__} cannot export this module: {e}")
-    nodes = [n for n in exported.graph.nodes if n.op == "call_function"]
-    calls = [n for n in nodes if "cudaflash" in str(n.target)]
+    calls = [n for n in exported_nodes(DropoutAttention(), q, k, v)
+             if "cudaflash" in str(n.target)]
     assert [str(n.target) for n in calls] == ["cudaflash.fwd.default"]
     args = calls[0].args
     assert args[10] == 0.25
