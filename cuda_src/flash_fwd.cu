@@ -387,6 +387,13 @@ extern "C" __global__ void __launch_bounds__(cudaflash::KernelConfig::kThreads,
     cudaflash::forward_body<false, false, false, false, true>(p);
 }
 
+// Dropout with ALiBi (flash-attn combines them; softcapping with dropout it refuses).
+extern "C" __global__ void __launch_bounds__(cudaflash::KernelConfig::kThreads,
+                                             cudaflash::kRoomyMinCtasPerSm)
+    cudaflash_fwd_dropout_alibi(const __grid_constant__ cudaflash::Params p) {
+    cudaflash::forward_body<false, false, true, false, true>(p);
+}
+
 extern "C" __global__ void __launch_bounds__(cudaflash::kCombineThreads)
     cudaflash_combine(const __grid_constant__ cudaflash::Params p) {
     cudaflash::combine_splits<cudaflash::KernelConfig>(p);

@@ -142,7 +142,8 @@ def fwd_op(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1,
     with torch.no_grad():
         if dropout is not None:  # a new seed every call: no plan
             return _call.checked_forward(None, q, k, v, None, softmax_scale, causal, True,
-                                         window=window, dropout=dropout)
+                                         window=window, alibi_slopes=alibi_slopes,
+                                         dropout=dropout)
         return _call.planned_forward(q, k, v, softmax_scale, causal, True, window, softcap,
                                      alibi_slopes)
 
@@ -152,9 +153,9 @@ def _op_dropout(dropout_p, dropout_seed, softcap, alibi_slopes, device):
     dropout_p = _dropout.check_dropout_p(dropout_p)
     if not dropout_p:
         return None
-    if softcap or alibi_slopes is not None:
-        raise NotImplementedError("dropout_p > 0 with softcap or alibi_slopes is not "
-                                  "implemented yet")
+    if softcap:
+        raise NotImplementedError("dropout_p > 0 with softcap is not implemented (flash-attn "
+                                  "refuses it too)")
     if dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed, a (1,) torch.int64 tensor on q's "
                          "device (flash_attn_func draws it with torch.randint)")

@@ -132,22 +132,36 @@ def visible(seqlen_q: int, seqlen_k: int, causal: bool, window, device) -> torch
     return allowed
 
 
-def attention_probs(q, k, scale: float, causal: bool, window, dropout: Optional[Dropout]):
+def alibi_bias(alibi_slopes, batch: int, heads: int, seqlen_q: int, seqlen_k: int):
+    """flash-attn's ALiBi bias, float32 (batch or 1, heads, seqlen_q, seqlen_k): query i and
+    key j get -slope * |i + seqlen_k - seqlen_q - j|; None without slopes. ``alibi_slopes``:
+    (heads,) or (batch, heads) float32 (checked by the forward)."""
+    if alibi_slopes is None:
+        return None
+    device = alibi_slopes.device
+    rows = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
+    distance = (rows - torch.arange(seqlen_k, device=device)[None, :]).abs().float()
+    slopes = alibi_slopes.float().reshape(-1, heads)  # (1 or batch, heads)
+    return -slopes[:, :, None, None] * distance
+
+
+def attention_probs(q, k, scale: float, causal: bool, window, dropout: Optional[Dropout],
+                    alibi_slopes=None):
     """flash_attn_func's S_dmask for a dropout call: q (batch, seqlen_q, heads, d), k
     (batch, seqlen_k, heads_k, d) -> float32 (batch, heads, seqlen_q, seqlen_k). ``dropout``
-    None (a p too small to drop anything): every score kept."""
+    None (a p too small to drop anything): every score kept. ``alibi_slopes``: the call's."""
     batch, seqlen_q, heads, _ = q.shape
     seqlen_k = k.shape[1]
     keep = (torch.ones(batch, heads, seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
             if dropout is None else keep_mask(dropout, batch, heads, seqlen_q, seqlen_k, q.device))
     return attention_matrix(q.detach(), k.detach(), scale,
                             visible(seqlen_q, seqlen_k, causal, window, q.device), dropout,
-                            keep)
+                            keep, alibi_bias(alibi_slopes, batch, heads, seqlen_q, seqlen_k))
 
 
 def varlen_attention_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                            max_seqlen_k: int, scale: float, causal: bool, window,
-                           dropout: Optional[Dropout]):
+                           dropout: Optional[Dropout], alibi_slopes=None):
     """flash_attn_varlen_func's S_dmask for a dropout call: q (total_q, heads, d), k
     (total_k, heads_k, d) -> float32 (batch, heads, max_seqlen_q, max_seqlen_k), sequence b
     in entry b's top-left corner (its rows and keys counted within the sequence), zeros
@@ -166,9 +180,11 @@ def varlen_attention_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
         keep = (torch.ones(1, heads, len_q, len_k, dtype=torch.bool, device=q.device)
                 if dropout is None else keep_mask(dropout, batch, heads, len_q, len_k,
                                                   q.device, entry=b))
+        slopes = (alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1
+                  else alibi_slopes[b])
         probs[b, :, :len_q, :len_k] = attention_matrix(
             qb.detach(), kb.detach(), scale, visible(len_q, len_k, causal, window, q.device),
-            dropout, keep)[0]
+            dropout, keep, alibi_bias(slopes, 1, heads, len_q, len_k))[0]
     return probs
 
 
@@ -204,16 +220,19 @@ def block_size_n(head_dim: int, device) -> int:
 
 
 def attention_matrix(q, k, softmax_scale: float, allowed: torch.Tensor, dropout: Dropout,
-                     keep: torch.Tensor) -> torch.Tensor:
+                     keep: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """flash-attn's S_dmask of a dropout call, float32 (batch, heads, seqlen_q, seqlen_k): the
     exponentials exp(s - M_n) of FlashAttention-2's kernel, M_n the largest score of key block
     n and the blocks after it (it walks them last to first), negated where dropped, 0 where
     `allowed` (the causal/window mask, broadcastable) hides the score. q: (batch, seqlen_q,
-    heads, d), k: (batch, seqlen_k, heads_k, d)."""
+    heads, d), k: (batch, seqlen_k, heads_k, d); ``bias``: added to the scaled scores
+    (ALiBi's, broadcastable), as flash-attn's kernel and tests add it."""
     groups = q.shape[2] // k.shape[2]
     qf = q.float().transpose(1, 2)
     kf = k.float().repeat_interleave(groups, dim=2).transpose(1, 2)
     scores = (qf @ kf.transpose(-1, -2)) * softmax_scale
+    if bias is not None:
+        scores = scores + bias
     scores = scores.masked_fill(~allowed, float("-inf"))
     block = block_size_n(_caller_head_dim.get() or q.shape[-1], q.device)
     blocks = scores.split(block, dim=-1)

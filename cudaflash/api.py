@@ -97,7 +97,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             mask per call from torch's CUDA generator (torch.manual_seed reproduces it),
             rebuilt by the backward (always the deterministic scheme); the rate is p rounded
             to a multiple of 1/256 and kept weights are scaled by 1 / (1 - p), as in
-            flash-attn (README). Not combined with softcap or alibi_slopes yet.
+            flash-attn (README). With alibi_slopes too; not with softcap.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype, laid out like q (torch.empty_like,
@@ -195,15 +195,15 @@ def _dropout_attention(q, k, v, dropout_p, softmax_scale, causal, window, softca
     draws its own seed (one torch.randint on q's device, after q, k, v are checked): no
     plan. return_attn_probs adds flash-attn's S_dmask, built with torch ops
     (_dropout.attention_matrix: a testing hook, O(seqlen_q * seqlen_k) memory)."""
-    if softcap or alibi_slopes is not None:
-        raise NotImplementedError("dropout_p > 0 with softcap or alibi_slopes is not "
-                                  "implemented yet")
+    if softcap:
+        raise NotImplementedError("dropout_p > 0 with softcap is not implemented (flash-attn "
+                                  "refuses it too)")
     if _is_compiling():
         if return_attn_probs:
             raise NotImplementedError(_COMPILED_S_DMASK)
         # The seed is a traced torch.randint: each run of the graph draws a new mask.
-        out, _ = fwd_op(q, k, v, softmax_scale, causal, deterministic, *window, 0.0, None,
-                        dropout_p, _dropout.draw_seed(q.device))
+        out, _ = fwd_op(q, k, v, softmax_scale, causal, deterministic, *window, 0.0,
+                        alibi_slopes, dropout_p, _dropout.draw_seed(q.device))
         return out
     with torch.no_grad():  # (check_qkv refuses leaves that require grad: the autograd
         _checks.check_qkv(q, k, v)  # function below takes them)
@@ -211,15 +211,16 @@ def _dropout_attention(q, k, v, dropout_p, softmax_scale, causal, window, softca
     dropout = _dropout.draw(dropout_p, q.device)
     if _checks.wants_grad(q, k, v):
         out, lse = FlashAttnFunction.apply(q, k, v, softmax_scale, causal, deterministic,
-                                           window, 0.0, None, dropout)
+                                           window, 0.0, alibi_slopes, dropout)
     else:
         out, lse = _call.checked_forward(None, q, k, v, None, softmax_scale, causal,
                                          bool(return_attn_probs), window=window,
-                                         dropout=dropout)
+                                         alibi_slopes=alibi_slopes, dropout=dropout)
     if not return_attn_probs:
         return out
     scale = _checks.softmax_scale(softmax_scale, q.shape[3])
-    return out, lse, _dropout.attention_probs(q, k, scale, causal, window, dropout)
+    return out, lse, _dropout.attention_probs(q, k, scale, causal, window, dropout,
+                                              alibi_slopes)
 
 
 def _dropout_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -227,15 +228,15 @@ def _dropout_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                     deterministic, return_attn_probs, block_table):
     """flash_attn_varlen_func with dropout, as _dropout_attention (under torch.compile the
     call runs eagerly: a graph break, as varlen calls with gradients do)."""
-    if softcap or alibi_slopes is not None or block_table is not None:
-        raise NotImplementedError("dropout_p > 0 with softcap, alibi_slopes or block_table is "
-                                  "not implemented yet")
+    if softcap or block_table is not None:
+        raise NotImplementedError("dropout_p > 0 with softcap or block_table is not "
+                                  "implemented (flash-attn refuses softcap with dropout too)")
     if _is_compiling():
         if return_attn_probs:
             raise NotImplementedError(_COMPILED_S_DMASK)
         return _dropout_varlen_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, dropout_p, softmax_scale, causal, window,
-                                       deterministic)
+                                       deterministic, alibi_slopes)
     with torch.no_grad():  # (check_qkv refuses leaves that require grad)
         _checks.check_qkv(q, k, v, varlen=True)
     _checks.check_on_gpu(q)
@@ -243,19 +244,19 @@ def _dropout_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     if _checks.wants_grad(q, k, v):
         out, lse = FlashAttnVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                  max_seqlen_q, max_seqlen_k, softmax_scale,
-                                                 causal, deterministic, window, 0.0, None,
-                                                 dropout)
+                                                 causal, deterministic, window, 0.0,
+                                                 alibi_slopes, dropout)
     else:
         out, lse = _call.checked_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                 max_seqlen_q, max_seqlen_k, softmax_scale,
                                                 causal, bool(return_attn_probs), window, 0.0,
-                                                dropout=dropout)
+                                                alibi_slopes, dropout=dropout)
     if not return_attn_probs:
         return out
     scale = _checks.softmax_scale(softmax_scale, q.shape[2])
     return out, lse, _dropout.varlen_attention_probs(q, k, cu_seqlens_q, cu_seqlens_k,
                                                      max_seqlen_q, max_seqlen_k, scale, causal,
-                                                     window, dropout)
+                                                     window, dropout, alibi_slopes)
 
 
 def _attention_with_options(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes,
@@ -436,11 +437,12 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 
 @torch.compiler.disable  # outside the graph: flash_attn_varlen_func's eager path
 def _dropout_varlen_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            dropout_p, softmax_scale, causal, window, deterministic):
+                            dropout_p, softmax_scale, causal, window, deterministic,
+                            alibi_slopes):
     """out of flash_attn_varlen_func with dropout run eagerly, gradients included."""
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale,
-                                  causal=causal, window_size=window,
+                                  causal=causal, window_size=window, alibi_slopes=alibi_slopes,
                                   deterministic=deterministic)
 
 

@@ -165,8 +165,9 @@ class KernelConfig:
                        "smem_bytes"),
              # flash_attn_with_kvcache's append of new keys and values (AppendParams)
              EntryRole("append_kv", "cudaflash_append_kv"),
-             # with dropout (Params.dropout_*): whole, plain scores
-             EntryRole("forward_dropout", "cudaflash_fwd_dropout", "smem_bytes"))
+             # with dropout (Params.dropout_*): whole, plain scores or ALiBi
+             EntryRole("forward_dropout", "cudaflash_fwd_dropout", "smem_bytes"),
+             EntryRole("forward_dropout_alibi", "cudaflash_fwd_dropout_alibi", "smem_bytes"))
     ENTRIES = tuple(role.symbol for role in ROLES)
 
     # ---- derived quantities ---------------------------------------------------------------

@@ -205,6 +205,8 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
         seqlen_k = min(seqlen_k, window[0] + min(rows, kernel.block_rows) + max(window[1], 0))
     kv_blocks = (seqlen_k + kernel.block_cols - 1) // kernel.block_cols
     if dropout is not None:  # training calls: the dropout entry is whole, never split
+        if softcap:  # (the public functions refuse the pair before they get here)
+            raise ValueError("dropout with softcap has no kernel entry")
         num_splits = 1
     mods = "_softcap" if softcap else "" if alibi is None else "_alibi"
     if num_splits is None:
@@ -219,7 +221,8 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
                     + (NO_CACHE_ADDRESSING if cache is None else cache.params())
                     + alibi_params(alibi) + dropout_params(dropout))
     if num_splits == 1:
-        function = (kernel.fns.forward_dropout if dropout is not None
+        function = ((kernel.fns.forward_dropout if alibi is None
+                     else kernel.fns.forward_dropout_alibi) if dropout is not None
                     else _entry(kernel, "forward", mods, cache))
         return _driver.Launcher(
             function, kernel.label,

@@ -47,7 +47,9 @@ from .selection import Rule, parse_rules
 # 12: Params and BwdParams carry dropout (dropout_threshold, dropout_seed, dropout_scale: 320
 # and 400 bytes); each forward module adds the forward_dropout role (cudaflash_fwd_dropout),
 # and the backward's *_scoremod entries also apply dropout.
-SCHEMA = 12
+# 13: each forward module adds the forward_dropout_alibi role (cudaflash_fwd_dropout_alibi:
+# dropout with ALiBi).
+SCHEMA = 13
 KINDS = ("cubin", "ptx")
 MANIFEST_NAME = "manifest.json"
 

@@ -187,8 +187,8 @@ def test_dropout_parts_not_built_yet_are_refused():
     raises NotImplementedError naming what is missing."""
     with pytest.raises(ValueError, match="cudaflash runs on CUDA GPUs only"):
         flash_attn_func(*qkv(), dropout_p=0.1)
-    with pytest.raises(NotImplementedError, match="softcap or alibi_slopes"):
-        flash_attn_func(*qkv(), dropout_p=0.1, alibi_slopes=torch.ones(2))
+    with pytest.raises(NotImplementedError, match="dropout_p > 0 with softcap"):
+        flash_attn_func(*qkv(), dropout_p=0.1, softcap=5.0)
     with pytest.raises(ValueError, match="cudaflash runs on CUDA GPUs only"):
         flash_attn_func(*qkv(), dropout_p=0.1, return_attn_probs=True)
     q, k, v = (t.requires_grad_() for t in qkv())

@@ -185,6 +185,10 @@ ptxas info    : Compiling entry function 'cudaflash_fwd_dropout' for 'sm_90'
 ptxas info    : Function properties for cudaflash_fwd_dropout
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 250 registers, used 1 barriers, 1024 bytes smem
+ptxas info    : Compiling entry function 'cudaflash_fwd_dropout_alibi' for 'sm_90'
+ptxas info    : Function properties for cudaflash_fwd_dropout_alibi
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 251 registers, used 1 barriers, 1024 bytes smem
 ptxas info    : Compiling entry function 'cudaflash_append_kv' for 'sm_90'
 ptxas info    : Function properties for cudaflash_append_kv
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
@@ -194,7 +198,7 @@ ptxas info    : Used 20 registers, used 1 barriers, 1024 bytes smem
 
 def test_parse_ptxas():
     # Registers and smem of the forward, the split forward's registers, spills summed over
-    # all fifteen entries, the largest stack frame.
+    # all sixteen entries, the largest stack frame.
     assert build_cubins.parse_ptxas(PTXAS_LOG) == {
         "registers": 255, "split_registers": 254, "spill_bytes": 88, "stack_bytes": 16,
         "static_smem": 1024, "wgmma_serialized": False}
@@ -444,7 +448,7 @@ ENTRIES = ["cudaflash_fwd", "cudaflash_fwd_split", "cudaflash_combine", "cudafla
            "cudaflash_fwd_kvcache", "cudaflash_fwd_split_kvcache",
            "cudaflash_fwd_softcap_kvcache", "cudaflash_fwd_split_softcap_kvcache",
            "cudaflash_fwd_alibi_kvcache", "cudaflash_fwd_split_alibi_kvcache",
-           "cudaflash_append_kv", "cudaflash_fwd_dropout"]
+           "cudaflash_append_kv", "cudaflash_fwd_dropout", "cudaflash_fwd_dropout_alibi"]
 
 
 def check_entries(k: dict, cfg, symbols: list) -> None:
@@ -459,7 +463,7 @@ def check_entries(k: dict, cfg, symbols: list) -> None:
 
 def check_manifest(m: dict, out_dir: Path) -> None:
     assert set(m) == TOP_KEYS
-    assert m["schema"] == build_cubins.manifest.SCHEMA == 12
+    assert m["schema"] == build_cubins.manifest.SCHEMA == 13
     assert re.fullmatch(r"\d+\.\d+\.\d+", m["nvcc_version"])
     assert re.fullmatch(r"\d+\.\d+\.\d+", m["ptxas_version"])
     # Every file's driver floor is what its own header / .version line says.
@@ -601,6 +605,7 @@ KVCACHE_STAND_IN(cudaflash_fwd_split_alibi, alibi_scale)
 KVCACHE_STAND_IN(cudaflash_fwd_alibi_kvcache, alibi_batch_stride)
 KVCACHE_STAND_IN(cudaflash_fwd_split_alibi_kvcache, alibi_scale)
 KVCACHE_STAND_IN(cudaflash_fwd_dropout, dropout_scale)
+KVCACHE_STAND_IN(cudaflash_fwd_dropout_alibi, dropout_threshold)
 extern "C" __global__ void cudaflash_append_kv(const __grid_constant__ cudaflash::AppendParams p) {
     static_cast<int*>(p.k_cache)[threadIdx.x] = p.seqlen_new;
 }

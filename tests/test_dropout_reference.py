@@ -232,3 +232,34 @@ def test_padded_head_dims_keep_the_callers_s_dmask_blocks():
     assert not torch.allclose(_dropout.attention_matrix(torch.nn.functional.pad(q, pad),
                                                         torch.nn.functional.pad(k, pad), 0.1,
                                                         allowed, None, keep), want)
+
+
+def test_s_dmask_with_alibi_adds_the_bias_before_the_block_maxima():
+    """S_dmask of a dropout call with ALiBi: flash-attn's kernel (and its tests'
+    normalization) add the bias to the scores before the block maxima."""
+    import torch
+
+    from cudaflash import _dropout
+
+    torch.manual_seed(4)
+    q, k = torch.randn(2, 30, 2, 64), torch.randn(2, 90, 2, 64)
+    slopes = torch.tensor([[0.5, 0.25], [0.125, 1.0]])
+    drop = _dropout.Dropout(0.2, threshold(0.2), 1 / 0.8, torch.tensor([77], dtype=torch.int64))
+    got = _dropout.attention_probs(q, k, 0.125, True, (-1, -1), drop, slopes)
+    keep = _dropout.keep_mask(drop, 2, 2, 30, 90, torch.device("cpu"))
+    bias = -slopes[:, :, None, None] * (torch.arange(30)[:, None] + 60
+                                        - torch.arange(90)[None, :]).abs().float()
+    want = _dropout.attention_matrix(q, k, 0.125, _dropout.visible(30, 90, True, (-1, -1),
+                                                                   torch.device("cpu")),
+                                     drop, keep, bias)
+    torch.testing.assert_close(got, want)
+    scores = (q.transpose(1, 2) @ k.transpose(1, 2).transpose(-1, -2)) * 0.125 + bias
+    scores = scores.masked_fill(~_dropout.visible(30, 90, True, (-1, -1),
+                                                  torch.device("cpu")), float("-inf"))
+    lse = scores.logsumexp(-1)
+    blocks = scores.split(64, -1)
+    running = torch.cummax(torch.stack([b.amax(-1) for b in blocks], -1).flip(-1),
+                           -1).values.flip(-1)
+    probs = torch.cat([p.abs() * torch.exp(running[..., n, None] - lse[..., None])
+                       for n, p in enumerate(got.split(64, -1))], -1)
+    torch.testing.assert_close(probs, scores.softmax(-1), atol=1e-6, rtol=0)

@@ -23,7 +23,8 @@ def seed_after(manual_seed: int, device) -> int:
     return int(torch.randint(0, SEED_HIGH, (1,), dtype=torch.int64, device=device).item())
 
 
-def dropout_reference(q, k, v, mask, p, causal, upcast=True, window=(-1, -1)):
+def dropout_reference(q, k, v, mask, p, causal, upcast=True, window=(-1, -1),
+                      alibi_slopes=None):
     """(batch, seqlen_q, heads, d): softmax(scale q k^T) with the causal mask (bottom-right),
     dropped where mask is False, scaled by 1 / (1 - p) (flash-attn's scale; the mask's rate
     is p rounded to the kernels' 1/256 steps), times v; in float32 (upcast) or in q's dtype
@@ -34,6 +35,9 @@ def dropout_reference(q, k, v, mask, p, causal, upcast=True, window=(-1, -1)):
     kf, vf = kf.repeat_interleave(groups, 1), vf.repeat_interleave(groups, 1)
     scores = (qf @ kf.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
     sq, sk = scores.shape[-2:]
+    if alibi_slopes is not None:  # flash-attn's bias: -slope * |i + sk - sq - j|
+        from cudaflash import _dropout
+        scores = scores + _dropout.alibi_bias(alibi_slopes, q.shape[0], q.shape[2], sq, sk)
     row = torch.arange(sq, device=q.device)[:, None] + sk - sq
     col = torch.arange(sk, device=q.device)[None, :]
     left, right = window[0], 0 if causal else window[1]
@@ -369,3 +373,32 @@ def test_varlen_return_attn_probs_gives_each_sequences_s_dmask():
                                 upcast=False)
         assert (out[None, rows].float() - ref).abs().max().item() <= \
             2 * (low - ref).abs().max().item() + 1e-3
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("slopes_shape", ["heads", "batch_heads"])
+def test_alibi_with_dropout_forward_and_gradients(causal, slopes_shape):
+    """Dropout with ALiBi (cudaflash_fwd_dropout_alibi; the backward's scoremod entries):
+    out and grads against the torch math with the bias and the host's mask."""
+    from test_gpu_backward import assert_grads_within, run_with_grad
+
+    p, b, sq, sk, h, hk, d = 0.2, 2, 150, 200, 4, 2, 128
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, torch.bfloat16, seed=51)
+    shape = (h,) if slopes_shape == "heads" else (b, h)
+    slopes = torch.rand(shape, device="cuda", dtype=torch.float32) * 0.5
+    dout = torch.randn_like(q)
+    seed = seed_after(61, q.device)
+    torch.manual_seed(61)
+    out, grads = run_with_grad(q, k, v, dout, dropout_p=p, causal=causal, alibi_slopes=slopes)
+    mask = torch.from_numpy(keep_mask(seed, p, b, h, sq, sk))
+    ref = dropout_reference(q, k, v, mask, p, causal, alibi_slopes=slopes)
+    low = dropout_reference(q, k, v, mask, p, causal, upcast=False, alibi_slopes=slopes)
+    assert (out.float() - ref).abs().max().item() <= 2 * (low - ref).abs().max().item() + 1e-3
+
+    def grads_of(upcast):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        dropout_reference(*leaves, mask, p, causal, upcast=upcast,
+                          alibi_slopes=slopes).backward(dout.float())
+        return [t.grad for t in leaves]
+
+    assert_grads_within(grads, grads_of(True), grads_of(False), (q, k, v))

@@ -293,7 +293,7 @@ def test_module_loaded_once_with_its_smem_attribute(fake, fake_kernel_dir):
             "cudaflash_fwd_kvcache", "cudaflash_fwd_softcap_kvcache",
             "cudaflash_fwd_split_kvcache", "cudaflash_fwd_split_softcap_kvcache",
             "cudaflash_fwd_alibi_kvcache", "cudaflash_fwd_split_alibi_kvcache",
-            "cudaflash_fwd_dropout"))
+            "cudaflash_fwd_dropout", "cudaflash_fwd_dropout_alibi"))
     for _, attribute, value in fake.attributes:
         assert attribute.name == "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES"
         assert value == entry.smem_bytes
