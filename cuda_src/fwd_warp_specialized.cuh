@@ -1,11 +1,14 @@
 // The warp-specialized forward kernel on Hopper (config field warp_specialized; sm_90a), the
-// FlashAttention-3 structure on cp.async instead of TMA:
+// FlashAttention-3 structure:
 //
 //   warpgroup 0, the producer: loads Q, then each KV block's K and V into a ring of kKvStages
-//     shared-memory stages, ahead of the consumers by up to the ring's depth. It waits for
-//     its own copies, fences them for the tensor cores (async proxy) and signals a "full"
-//     mbarrier per tile; it reuses a stage once its "empty" mbarrier says every consumer warp
-//     is done with it. It needs few registers and gives the rest away (setmaxnreg).
+//     shared-memory stages, ahead of the consumers by up to the ring's depth, and signals a
+//     "full" mbarrier per tile; it reuses a stage once its "empty" mbarrier says every
+//     consumer warp is done with it. Where the host gave tensor maps (Params::tma_loads: a
+//     padded batch without cache addressing) one thread issues a TMA copy per tile, whose
+//     bytes complete the barrier; otherwise (packed batches, paged or indexed caches) its 128
+//     threads copy with cp.async, wait for their own copies, fence them for the tensor cores
+//     (async proxy) and arrive. It needs few registers and gives the rest away (setmaxnreg).
 //   warpgroups 1 and 2, the consumers: 64 query rows each (B_r = 128), the same softmax and
 //     epilogue as flash_fwd. Each step issues Q K^T of this block and P V of the previous
 //     one; this block's softmax runs as soon as Q K^T lands, under P V (O's rescale waits for
@@ -78,12 +81,17 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     // The KV block of step i: last to first (kv_reverse) or first to last.
     auto block_of = [&](int i) { return C::kKvReverse ? range.end - 1 - i : range.begin + i; };
 
+    // TMA loads (Params::tma_loads): one producer thread fills each tile, so a "full"
+    // barrier takes its one arrival (with the tile's bytes as the transaction count) instead
+    // of the 128 cp.async threads'. Calls with cache addressing never take them.
+    const bool tma = !kKvcache && p.tma_loads != 0;
     if (threadIdx.x == 0) {
-        mbarrier_init(&q_full, 128);
+        const int fill_arrivals = tma ? 1 : 128;
+        mbarrier_init(&q_full, fill_arrivals);
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
-            mbarrier_init(&k_full[s], 128);
-            mbarrier_init(&v_full[s], 128);
+            mbarrier_init(&k_full[s], fill_arrivals);
+            mbarrier_init(&v_full[s], fill_arrivals);
             mbarrier_init(&k_empty[s], C::kWarps);
             mbarrier_init(&v_empty[s], C::kWarps);
         }
@@ -93,6 +101,29 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     if (warp < 4) {
         // ---- producer -----------------------------------------------------------------
         warpgroup_reg_dealloc<kProducerRegs>();
+        if (tma) {
+            // One thread issues every copy: a tile is one TMA box (all its slabs), so the
+            // addresses are the copy engine's, not 128 threads' (docs/perf-log.md, "TMA").
+            if (threadIdx.x != 0) return;
+            tma_prefetch_map(p.tma_k);
+            tma_prefetch_map(p.tma_v);
+            mbarrier_arrive_expect_tx(&q_full, C::kBr * C::kDHead * sizeof(elem_t));
+            tma_load_5d(smem_addr(sQ), p.tma_q, &q_full, 0, q_row0, 0, at.head, at.batch);
+            for (int i = 0; i < n_steps; ++i) {
+                const int stage = i % kStages;
+                const int reuse = ((i / kStages) & 1) ^ 1;  // parity of the stage's last release
+                const int row = block_of(i) * C::kBc;
+                mbarrier_wait(&k_empty[stage], reuse);
+                mbarrier_arrive_expect_tx(&k_full[stage], kStageBytes);
+                tma_load_5d(smem_addr(sK + stage * C::kBc * C::kDHead), p.tma_k, &k_full[stage],
+                            0, row, 0, at.head_k, at.batch);
+                mbarrier_wait(&v_empty[stage], reuse);
+                mbarrier_arrive_expect_tx(&v_full[stage], kStageBytes);
+                tma_load_5d(smem_addr(sV + stage * C::kBc * C::kDHead), p.tma_v, &v_full[stage],
+                            0, row, 0, at.head_k, at.batch);
+            }
+            return;
+        }
         const unsigned tid = threadIdx.x;
         const HeadTiles<C> tiles = head_tiles<C, kKvcache>(p, at, seq, q_row0);
         load_rows_by<C, C::kBr, C::kCopyThreads>(sQ, tiles.q, p.q_seq_stride, q_rows, tid);

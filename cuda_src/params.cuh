@@ -109,13 +109,27 @@ struct Params {
     uint32_t dropout_threshold;
     const uint64_t* dropout_seed;
     float dropout_scale;
-    int32_t reserved;
+    // 1: the warp-specialized kernel's producer loads Q, K and V through the tensor maps
+    // below (TMA) instead of cp.async. The host sets it only for calls the maps describe
+    // whole: a padded batch without cache addressing, one query row per position (no GQA
+    // decoding rows), 16-byte aligned pointers and strides (cudaflash/_tma.py).
+    int32_t tma_loads;
 
     float* o_accum;
     float* lse_accum;
+
+    // The tensor maps (CUtensorMap, 128 opaque bytes each, encoded by the driver on the host
+    // per call: cudaflash/_tma.py) of q, k and v when tma_loads is 1, else not read. Each
+    // map is 5-D, innermost first: (64 columns of a 64-column slab, sequence position, slab,
+    // head, batch entry); its box is (64, rows of a tile, all slabs, 1, 1) with the 128-byte
+    // swizzle, so that one copy writes a whole tile in SmemTile's slab-major swizzled layout
+    // (smem_layout.cuh: the wgmma descriptors'), positions past the sequence as zeros.
+    alignas(64) unsigned char tma_q[128];
+    alignas(64) unsigned char tma_k[128];
+    alignas(64) unsigned char tma_v[128];
 };
 
-constexpr int kParamsBytes = 320;
+constexpr int kParamsBytes = 704;
 static_assert(sizeof(Params) == kParamsBytes, "Params layout changed: update cudaflash/_params.py");
 
 // AppendParams: the argument of cudaflash_append_kv, which writes flash_attn_with_kvcache's new

@@ -198,6 +198,36 @@ __device__ __forceinline__ void bulk_wait() {
 #endif
 }
 
+// Tensor-map loads (TMA, sm_90): one thread asks the copy engine for a whole box of a tensor
+// described by a CUtensorMap (params.cuh, Params::tma_*), which lands in shared memory in the
+// map's swizzled layout, rows outside the tensor filled with zeros. The box's bytes count down
+// an mbarrier's transaction count: the issuing thread first arrives on it with expect_tx (the
+// box's size), and the barrier's phase completes once those bytes have landed. `map` is the
+// generic address of a map in kernel-parameter, constant or global memory.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+                 "r"(bytes)
+                 : "memory");
+#endif
+}
+__device__ __forceinline__ void tma_prefetch_map(const void* map) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
+#endif
+}
+// The box at coordinates (c0, .., c4), innermost dimension first, into shared memory at dst.
+__device__ __forceinline__ void tma_load_5d(uint32_t dst, const void* map, uint64_t* bar, int c0,
+                                            int c1, int c2, int c3, int c4) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n" ::"r"(dst),
+        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(smem_addr(bar))
+        : "memory");
+#endif
+}
+
 // setmaxnreg (sm_90a): this warpgroup's registers per thread move to kRegs (a multiple of 8 in
 // 24..256), giving them back to the CTA's pool (dec) or taking them from it (inc).
 template <int kRegs>

@@ -323,15 +323,20 @@ def _load(module: KernelModule, device_index: int):
 # ---- launch ----------------------------------------------------------------------------------
 
 
-# cuLaunchKernel's ``extra`` option keys (cuda.h's CU_LAUNCH_PARAM_*_AS_INT values): the
-# Params struct goes to the driver as one packed buffer, the use ``extra`` is meant for.
+# cuLaunchKernel's ``extra`` option keys (cuda.h's CU_LAUNCH_PARAM_*_AS_INT values):
+# PackedArgs' structs (BwdParams, AppendParams) go to the driver as one packed buffer, the use
+# ``extra`` is meant for (the forward's Params cannot: _ArgBuffer).
 _LAUNCH_PARAM_END, _LAUNCH_PARAM_BUFFER_POINTER, _LAUNCH_PARAM_BUFFER_SIZE = 0, 1, 2
 
 
 class _ArgBuffer(threading.local):
-    """Per thread: one Params struct and the ``extra`` array that hands it to cuLaunchKernel
-    as a packed buffer. (A one-element ``kernelParams`` array pointing at the struct costs the
-    same: on the H100 host the two differed by -0.3 and +0.2 us in two runs, i.e. noise.)
+    """Per thread: one Params struct and the one-element ``kernelParams`` array that hands it
+    to cuLaunchKernel. Not ``extra``'s packed buffer (what PackedArgs uses): the driver copies
+    that to the start of the parameter space, while a kernel whose parameter is aligned to
+    more than the space's base (Params is 64-byte aligned for its tensor maps) reads it at
+    the next aligned offset, so every field came out shifted (compute-sanitizer: a load at
+    k + 0x200 with k read as 0). kernelParams lets the driver place the struct where the
+    kernel reads it; the two cost the same (-0.3 and +0.2 us on the H100 host, noise).
 
     cuLaunchKernel copies the parameters before it returns (also into a graph node under
     stream capture), so every launch of a thread reuses the same buffers; per thread,
@@ -340,15 +345,13 @@ class _ArgBuffer(threading.local):
 
     def __init__(self) -> None:
         # The ctypes objects must live as long as the thread: the driver reads them by address.
-        self.params = Params()  # aligned like the CUDA struct
-        self.size = ctypes.c_size_t(PARAMS_BYTES)
-        self.extra = (ctypes.c_void_p * 5)(
-            _LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(self.params),
-            _LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(self.size), _LAUNCH_PARAM_END)
+        self.params = Params()
+        self.kernel_params = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
         # What a launch reads, as one attribute (each read of a threading.local attribute
         # costs a lookup of the thread's state): a byte view of params for struct.pack_into,
-        # and the address of the extra array.
-        self.pack_target = (memoryview(self.params).cast("B"), ctypes.addressof(self.extra))
+        # the address of the kernelParams array, and params' own (where the tensor maps go).
+        self.pack_target = (memoryview(self.params).cast("B"),
+                            ctypes.addressof(self.kernel_params), ctypes.addressof(self.params))
 
 
 _arg_buffer = _ArgBuffer()
@@ -388,16 +391,19 @@ class Launcher:
     """
 
     __slots__ = ("fn", "label", "grid", "threads", "smem", "synchronize", "device_index",
-                 "_fixed", "_cuLaunchKernel")
+                 "_fixed", "_maps", "_cuLaunchKernel")
 
     def __init__(self, fn, label: str, grid: tuple[int, int, int], threads: int, smem: int,
-                 synchronize: bool, fixed_params: tuple, device_index: int) -> None:
+                 synchronize: bool, fixed_params: tuple, device_index: int,
+                 maps=None) -> None:
         self.fn, self.label, self.grid = fn, label, grid
         self.threads, self.smem, self.synchronize = threads, smem, synchronize
         # fn's device: a failed launch checks that the thread's context is this device's
         self.device_index = device_index
         # The Params fields between the pointers and the workspace pointers, in order.
         self._fixed = _pack_fixed(*fixed_params)
+        # _tma.TensorMaps when fixed_params set tma_loads: each launch writes its pointers' maps
+        self._maps = maps
         self._cuLaunchKernel = _cu().cuLaunchKernel  # one attribute lookup less per call
 
     def launch(self, stream: int, q: int, k: int, v: int, o: int, lse: int, cu_seqlens_q: int,
@@ -405,17 +411,19 @@ class Launcher:
         """Launch on ``stream`` (a raw CUstream handle, 0 for the legacy default stream) with
         these data pointers (``lse`` 0: the kernel writes no lse; ``cu_seqlens_*`` 0: not a
         packed batch)."""
-        params_bytes, extra_address = _arg_buffer.pack_target
+        params_bytes, kernel_params, params_address = _arg_buffer.pack_target
         _pack_params(params_bytes, 0, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, self._fixed)
+        if self._maps is not None:
+            self._maps.write(params_address, q, k, v)
         stream_obj = _stream_objects.get(stream)
         if stream_obj is None:
             stream_obj = _new_stream_object(stream)
         gx, gy, gz = self.grid
         # The cheapest argument types for cuda.bindings: a CUfunction and a CUstream object
-        # (an int is converted through a new object on each call), no kernelParams, the extra
-        # array as an int address (taken as-is), plain ints for the geometry.
+        # (an int is converted through a new object on each call), the kernelParams array as
+        # an int address (taken as-is), extra 0 (None raises here), plain ints for the geometry.
         result = self._cuLaunchKernel(self.fn, gx, gy, gz, self.threads, 1, 1, self.smem,
-                                      stream_obj, None, extra_address)
+                                      stream_obj, kernel_params, 0)
         if result[0]:  # check() inline: this is the per-call path
             # A repeat call's launch skips current_context (its cost is per call), so on a
             # thread whose first CUDA work is such a call (a new thread: no context yet) the
@@ -424,7 +432,7 @@ class Launcher:
             if not _bind_context(self.device_index)[1]:
                 check(result, self.label)
             check(self._cuLaunchKernel(self.fn, gx, gy, gz, self.threads, 1, 1, self.smem,
-                                       stream_obj, None, extra_address), self.label)
+                                       stream_obj, kernel_params, 0), self.label)
         if self.synchronize:
             _synchronize_unless_capturing(stream, self.label)
 
@@ -449,7 +457,8 @@ def _synchronize_unless_capturing(stream: int, label: str) -> None:
 class PackedArgs:
     """An already packed kernel argument struct and the ``extra`` array that hands it to
     cuLaunchKernel, for launches outside the Launcher's per-call economies (the backward's:
-    three heavy launches per step share one). Keep it alive until the launches return."""
+    three heavy launches per step share one). Keep it alive until the launches return.
+    Only for structs aligned to 8 bytes (BwdParams, AppendParams): see _ArgBuffer."""
 
     def __init__(self, params: bytes) -> None:
         self.buffer = ctypes.create_string_buffer(params, len(params))

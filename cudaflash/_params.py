@@ -78,9 +78,16 @@ class Params(ctypes.Structure):
         ("dropout_threshold", ctypes.c_uint32),
         ("dropout_seed", ctypes.c_void_p),
         ("dropout_scale", ctypes.c_float),
-        ("reserved", ctypes.c_int32),
+        # 1: the warp-specialized kernel loads through the tensor maps below (_tma.py)
+        ("tma_loads", ctypes.c_int32),
         ("o_accum", ctypes.c_void_p),
         ("lse_accum", ctypes.c_void_p),
+        # the tensor maps of q, k and v (CUtensorMap, 64-byte aligned in the CUDA struct:
+        # the fields before them end at a multiple of 64); written per call by _tma.py, never
+        # packed through the struct formats below
+        ("tma_q", ctypes.c_ubyte * 128),
+        ("tma_k", ctypes.c_ubyte * 128),
+        ("tma_v", ctypes.c_ubyte * 128),
     ]
 
 
@@ -91,7 +98,9 @@ def struct_format(cls: type, first: str | None = None, last: str | None = None) 
     """The ``struct`` format (standard sizes, no implicit padding: ``=``) of the fields
     ``first`` to ``last`` (inclusive; default: the whole struct) of the ctypes structure
     ``cls``, with nested structures flattened and C padding written out as ``x`` bytes, so
-    that ``struct.pack`` lays the values out exactly as the C struct (ctypes' offsets)."""
+    that ``struct.pack`` lays the values out exactly as the C struct (ctypes' offsets).
+    Byte arrays (Params' tensor maps) are padding too: nothing packs them, _tma.py copies
+    them in."""
     names = [name for name, _ in cls._fields_]
     lo = names.index(first) if first else 0
     hi = names.index(last) + 1 if last else len(names)
@@ -104,6 +113,8 @@ def struct_format(cls: type, first: str | None = None, last: str | None = None) 
         codes += ["x"] * (offset - at)
         if issubclass(ctype, ctypes.Structure):
             codes += _counted(struct_format(ctype)[1:])
+        elif issubclass(ctype, ctypes.Array):  # Params' tensor maps: written by _tma.py
+            codes += ["x"] * ctypes.sizeof(ctype)
         else:
             codes.append(_STRUCT_CODES[ctype])
         at = offset + ctypes.sizeof(ctype)
@@ -140,13 +151,14 @@ def _runs(codes: list[str]) -> str:
 # table, cache_batch_idx or cache_leftpad makes no plan: it packs its own); the split-KV
 # workspace pointers at the end change per call of a split launch and are 0 otherwise.
 PARAMS_POINTERS_FORMAT = struct_format(Params, "q", "cu_seqlens_k")
-PARAMS_FIXED_FORMAT = struct_format(Params, "q_batch_stride", "reserved")
+PARAMS_FIXED_FORMAT = struct_format(Params, "q_batch_stride", "tma_loads")
 # The fixed fields' tail when no cache addressing is used: block_table to paged_keys.
 NO_CACHE_ADDRESSING = (0, 0, 0, 0, 0, 0, 0)
-# ... and when no ALiBi and no dropout are: alibi_slopes to reserved.
+# ... and when no ALiBi and no dropout are: alibi_slopes to dropout_scale.
 NO_ALIBI = (0, 0)
-NO_DROPOUT = (0, 0, 1.0, 0)
+NO_DROPOUT = (0, 0, 1.0)
 PARAMS_WORKSPACE_FORMAT = struct_format(Params, "o_accum", "lse_accum")
+PARAMS_MAPS_OFFSET = Params.tma_q.offset  # the three tensor maps, to the struct's end
 PARAMS_POINTERS_BYTES = Params.q_batch_stride.offset
 PARAMS_WORKSPACE_OFFSET = Params.o_accum.offset
 PARAMS_STRUCT_FORMAT = struct_format(Params)
@@ -248,8 +260,8 @@ def alibi_params(alibi_slopes) -> tuple[int, int]:
 
 
 def dropout_params(dropout) -> tuple:
-    """Params' (and BwdParams') dropout_threshold, dropout_seed, dropout_scale and reserved
-    fields for a ``Dropout`` (_dropout.py) or None."""
+    """Params' (and BwdParams') dropout_threshold, dropout_seed and dropout_scale fields for
+    a ``Dropout`` (_dropout.py) or None."""
     if dropout is None:
         return NO_DROPOUT
-    return dropout.threshold, dropout.seed.data_ptr(), dropout.scale, 0
+    return dropout.threshold, dropout.seed.data_ptr(), dropout.scale

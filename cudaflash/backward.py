@@ -171,7 +171,8 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         0 if dq_accum is None else dq_accum.data_ptr(), *strides, n_heads * seqlen_q, seqlen_q,
         batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal), *scales[:2],
         0, 0, 0, 0,  # not a packed batch
-        *window, *scales[2:], *alibi_params(alibi_slopes), *dropout_params(dropout)))
+        *window, *scales[2:], *alibi_params(alibi_slopes), *dropout_params(dropout),
+        0))  # reserved
 
     go = _Launches(kernel, current_stream(index), args, seqlen_q,
                    seqlen_k, n_heads, n_heads_k, batch)
@@ -219,7 +220,8 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0,
         *strides, 0, total_q, batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal),
         *scales[:2], cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), total_q, total_k,
-        *window, *scales[2:], *alibi_params(alibi_slopes), *dropout_params(dropout)))
+        *window, *scales[2:], *alibi_params(alibi_slopes), *dropout_params(dropout),
+        0))  # reserved
 
     go = _Launches(kernel, current_stream(index), args, seqlen_q,
                    seqlen_k, n_heads, n_heads_k, batch)

@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _driver, _plans, dispatch, heuristics
+from . import _driver, _plans, _tma, dispatch, heuristics
 from ._params import (APPEND_PARAMS_FORMAT, NO_CACHE_ADDRESSING, alibi_params, dropout_params,
                       score_scales)
 from ._torch import current_stream, float32
@@ -92,10 +92,15 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
                     os_[0], o_seq, o_head, n_heads * seqlen_q, rows, batch, heads, n_heads_k,
                     rows, seqlen_k, int(causal), 0, 0, *kernel_window,
                     *score_scales(scale, softcap))
+    # Tensor maps describe whole (batch, seqlen, heads, d_head) tensors: not cache addressing,
+    # not key counts (keys past a count may be garbage that cp.async's zero fill hides), not
+    # GQA decoding's rows.
+    maps_ok = cache is None and seqused_k is None and rows == seqlen_q
     launch = launch_function(kernel, index, q.device, fixed_params, num_splits, rows=rows,
                              heads=heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
                              window=kernel_window, softcap=bool(softcap), cache=cache,
-                             alibi=alibi, dropout=dropout)
+                             alibi=alibi, dropout=dropout,
+                             tma_tensors=(q, k, v) if maps_ok else None)
     # lse 0: writes no lse; cu_seqlens_q 0: not packed; cu_seqlens_k: the key counts, if any
     launch(current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
            0 if lse is None else lse.data_ptr(), 0,
@@ -190,7 +195,7 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
                     fixed_params: tuple, num_splits: Optional[int], *, rows: int, heads: int,
                     batch: int, seqlen_k: int, d_head: int, window=(-1, -1),
                     softcap: bool = False, cache: Optional[CacheAddressing] = None,
-                    alibi=None, dropout=None):
+                    alibi=None, dropout=None, tma_tensors=None):
     """The launch of a call: ``fixed_params`` (every Params field between the pointers and
     the split counts) plus the split counts, the cache addressing and ALiBi's fields, as one
     Launcher, or a split-KV pair (the *_softcap entries with ``softcap``, the *_alibi ones
@@ -199,7 +204,9 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
     (heuristics.split_count). With a left window bound (``window``: the kernel's) a CTA
     visits at most its rows plus the window's keys, and its split-KV runs start at its first
     visible block: they are sized over that span. With a ``cache`` (its Params fields packed
-    with the fixed ones) the *_kvcache entries run."""
+    with the fixed ones) the *_kvcache entries run. ``tma_tensors``: (q, k, v) where tensor
+    maps may describe the call (a padded batch, see run), for a kernel that loads through
+    them (_tma.py: a whole, big enough call)."""
     q_blocks = (rows + kernel.block_rows - 1) // kernel.block_rows
     if window[0] >= 0:
         seqlen_k = min(seqlen_k, window[0] + min(rows, kernel.block_rows) + max(window[1], 0))
@@ -217,9 +224,15 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
                                      min(rows, kernel.block_rows), batch)
         num_splits = heuristics.split_count(q_blocks * heads * batch, slots, most)
     num_splits, per_split = heuristics.split_sizes(num_splits, kv_blocks, batch)
+    maps = None
+    if (tma_tensors is not None and kernel.tma_loads and num_splits == 1
+            and _tma.worth_maps(rows, seqlen_k, heads, batch,
+                                causal=window[1] == 0 and window[0] < 0)):
+        maps = _tma.tensor_maps(_driver._cu(), *tma_tensors, kernel.block_rows,
+                                kernel.block_cols)
     fixed_params = (fixed_params + (num_splits, per_split)
                     + (NO_CACHE_ADDRESSING if cache is None else cache.params())
-                    + alibi_params(alibi) + dropout_params(dropout))
+                    + alibi_params(alibi) + dropout_params(dropout) + (int(maps is not None),))
     if num_splits == 1:
         function = ((kernel.fns.forward_dropout if alibi is None
                      else kernel.fns.forward_dropout_alibi) if dropout is not None
@@ -228,7 +241,7 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
             function, kernel.label,
             grid=(q_blocks, heads, batch),
             threads=kernel.threads, smem=kernel.smem, synchronize=kernel.synchronize,
-            fixed_params=fixed_params, device_index=index).launch
+            fixed_params=fixed_params, device_index=index, maps=maps).launch
     return _split_launch(kernel, index, device, fixed_params, q_blocks=q_blocks, heads=heads,
                          batch=batch, rows=rows, d_head=d_head, num_splits=num_splits,
                          mods=mods, cache=cache)

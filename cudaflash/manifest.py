@@ -49,7 +49,9 @@ from .selection import Rule, parse_rules
 # and the backward's *_scoremod entries also apply dropout.
 # 13: each forward module adds the forward_dropout_alibi role (cudaflash_fwd_dropout_alibi:
 # dropout with ALiBi).
-SCHEMA = 13
+# 14: Params carries the tensor maps of q, k and v and tma_loads (in place of reserved):
+# 704 bytes; the warp-specialized forward loads through them when tma_loads is 1.
+SCHEMA = 14
 KINDS = ("cubin", "ptx")
 MANIFEST_NAME = "manifest.json"
 

@@ -14,7 +14,8 @@ import pytest
 from cudaflash import backward, manifest
 from cudaflash._params import (APPEND_PARAMS_BYTES, APPEND_PARAMS_FORMAT, AppendParams,
                                BWD_PARAMS_BYTES, PARAMS_BYTES, PARAMS_FIXED_FORMAT,
-                               PARAMS_POINTERS_BYTES, PARAMS_POINTERS_FORMAT, PARAMS_STRUCT_FORMAT,
+                               PARAMS_MAPS_OFFSET, PARAMS_POINTERS_BYTES, PARAMS_POINTERS_FORMAT,
+                               PARAMS_STRUCT_FORMAT,
                                PARAMS_WORKSPACE_FORMAT, PARAMS_WORKSPACE_OFFSET, BwdParams, Params,
                                Strides, struct_format)
 
@@ -24,23 +25,27 @@ _CUDA_TYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p,
                "float*": ctypes.c_void_p, "const float*": ctypes.c_void_p,
                "const int32_t*": ctypes.c_void_p,
                "int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32,
-               "float": ctypes.c_float}
+               "float": ctypes.c_float, "unsigned char": ctypes.c_ubyte}
 
 
 def test_sizes_agree():
-    assert ctypes.sizeof(Params) == PARAMS_BYTES == 320
+    assert ctypes.sizeof(Params) == PARAMS_BYTES == 704
+    assert PARAMS_MAPS_OFFSET % 64 == 0  # alignas(64) in the CUDA struct: no padding there
     assert ctypes.sizeof(BwdParams) == BWD_PARAMS_BYTES == 400
     assert struct.calcsize(PARAMS_STRUCT_FORMAT) == PARAMS_BYTES
 
 
 def test_struct_format_fills_every_field_in_order():
     """Distinct values packed with the launcher's format read back field by field."""
+    packed = [(name, ctype) for name, ctype in Params._fields_
+              if not issubclass(ctype, ctypes.Array)]  # the tensor maps: padding to the format
+    assert [name for name, _ in Params._fields_[len(packed):]] == ["tma_q", "tma_k", "tma_v"]
     values = []
-    for i, (name, ctype) in enumerate(Params._fields_):
+    for i, (name, ctype) in enumerate(packed):
         values.append(float(i) + 0.5 if ctype is ctypes.c_float else 1000 + i)
     p = Params()
     struct.pack_into(PARAMS_STRUCT_FORMAT, p, 0, *values)
-    assert [getattr(p, name) for name, _ in Params._fields_] == values
+    assert [getattr(p, name) for name, _ in packed] == values
 
 
 def test_pointers_fixed_fields_and_workspace_split_the_struct():
@@ -52,9 +57,11 @@ def test_pointers_fixed_fields_and_workspace_split_the_struct():
         Params.q_batch_stride.offset
     assert PARAMS_POINTERS_BYTES + struct.calcsize(PARAMS_FIXED_FORMAT) == \
         PARAMS_WORKSPACE_OFFSET == Params.o_accum.offset
-    assert PARAMS_WORKSPACE_OFFSET + struct.calcsize(PARAMS_WORKSPACE_FORMAT) == PARAMS_BYTES
+    assert PARAMS_WORKSPACE_OFFSET + struct.calcsize(PARAMS_WORKSPACE_FORMAT) == \
+        PARAMS_MAPS_OFFSET == Params.tma_q.offset
+    assert PARAMS_MAPS_OFFSET + 3 * 128 == PARAMS_BYTES
     assert PARAMS_STRUCT_FORMAT == (PARAMS_POINTERS_FORMAT + PARAMS_FIXED_FORMAT[1:]
-                                    + PARAMS_WORKSPACE_FORMAT[1:])
+                                    + PARAMS_WORKSPACE_FORMAT[1:] + "384x")
 
 
 def test_struct_format_writes_c_padding_out():
@@ -80,9 +87,13 @@ def cuda_struct_fields(text: str, struct_name: str) -> list:
         decl = " ".join(decl.split())
         if not decl:
             continue
-        m = re.fullmatch(r"((?:const )?\w+\*?) (.+)", decl)
+        decl = re.sub(r"^alignas\(\d+\) ", "", decl)
+        m = re.fullmatch(r"((?:const |unsigned )?\w+\*?) (.+)", decl)
         ctype = Strides if m.group(1) == "Strides" else _CUDA_TYPES[m.group(1)]
-        fields += [(name.strip(), ctype) for name in m.group(2).split(",")]
+        for name in m.group(2).split(","):
+            array = re.fullmatch(r"(\w+)\[(\d+)\]", name.strip())
+            fields.append((array.group(1), ctype * int(array.group(2))) if array
+                          else (name.strip(), ctype))
     return fields
 
 

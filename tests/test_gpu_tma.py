@@ -1,0 +1,148 @@
+"""The warp-specialized forward's TMA loads (Params.tma_loads, cudaflash/_tma.py) on a GPU.
+
+A call big enough for tensor maps (_tma.worth_maps) has its producer load Q, K and V through
+them; a smaller one, or any call with cache addressing, key counts or a packed batch, keeps
+cp.async. Both producers fill the same shared-memory tiles (zeros past a sequence's end), so
+the two paths must give bit-identical outputs and log-sum-exps: each case below runs once with
+maps (MIN_SCORES and MIN_KEYS lowered to 0) and once without (MIN_SCORES out of reach),
+checks that the maps were written (or not), compares the two bit for bit, and checks the TMA
+result against the attention math (FlashAttention's accuracy rule, test_gpu_correctness).
+
+The cases aim at what a map describes: tails of query and key blocks (TMA's out-of-bounds
+zero fill), GQA (the K/V map's head), strided views of a packed qkv tensor (the maps'
+strides), batch entries, causal masks, windows, softcap, ALiBi, dropout (the same mask
+either way), new tensors on a repeat call (the launcher's cache of maps) and a grid of one
+query row.
+"""
+
+import pytest
+import torch
+
+from cudaflash import _plans, _tma, flash_attn_func, forward, list_kernels
+from test_gpu_correctness import (check_attention,
+                                  fp32_reference_without_tf32,  # noqa: F401 (autouse fixture)
+                                  make_qkv)
+
+pytestmark = pytest.mark.requires_gpu
+
+WS = "fwd_{}_d128_br128_bc128_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1_ws"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.fixture(autouse=True)
+def hopper_with_ws_kernel():
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("tensor-map loads: the warp-specialized kernel, sm_90 only")
+    names = {k.name for k in list_kernels(0)}
+    if not {WS.format(dtype) for dtype in DTYPES} <= names:
+        pytest.fail("the warp-specialized d128 configs are not built")
+
+
+class MapWrites:
+    """Counts TensorMaps.write calls (a launch that loads through maps)."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        write = _tma.TensorMaps.write
+
+        def counting(maps, *args):
+            self.count += 1
+            return write(maps, *args)
+
+        monkeypatch.setattr(_tma.TensorMaps, "write", counting)
+
+
+def both_paths(monkeypatch, call):
+    """call() with tensor maps, then without (plans cleared in between: a plan keeps its
+    launcher's choice); returns both results and asserts which path each took."""
+    writes = MapWrites(monkeypatch)
+    results = []
+    monkeypatch.setattr(_tma, "MIN_KEYS", 0)
+    for min_scores in (0, 1 << 62):
+        _plans.plans.clear()
+        monkeypatch.setattr(_tma, "MIN_SCORES", min_scores)
+        before = writes.count
+        results.append(call())
+        torch.cuda.synchronize()
+        took_maps = writes.count > before
+        assert took_maps == (min_scores == 0), f"MIN_SCORES={min_scores}: maps {took_maps}"
+    _plans.plans.clear()
+    return results
+
+
+def assert_identical(with_maps, without_maps):
+    for a, b in zip(with_maps, without_maps):
+        if a is None:
+            assert b is None
+            continue
+        assert torch.equal(a, b), f"TMA and cp.async differ: max |diff| {(a - b).abs().max()}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,sq,sk,h,hk,causal", [
+    (2, 1000, 1000, 4, 4, False),  # tails of query and key blocks
+    (2, 300, 700, 4, 4, True),  # bottom-right causal, unequal lengths
+    (1, 512, 2048, 8, 2, False),  # GQA
+    (3, 129, 129, 2, 1, True),  # MQA, one row past a block
+    (1, 1, 5000, 4, 4, False),  # one query row: a Q box mostly zero fill
+])
+def test_forward_matches_cp_async(monkeypatch, dtype, b, sq, sk, h, hk, causal):
+    q, k, v = make_qkv(b, sq, sk, h, hk, 128, DTYPES[dtype], seed=sq + sk)
+    config = WS.format(dtype)
+    (out, lse), (out_ref, lse_ref) = both_paths(
+        monkeypatch, lambda: forward(config, q, k, v, causal=causal, num_splits=1))
+    assert_identical((out, lse), (out_ref, lse_ref))
+    check_attention(out, lse, q, k, v, causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_views_of_packed_qkv(monkeypatch, dtype):
+    """q, k, v as views of one (batch, seqlen, 3, nheads, d) tensor: sequence stride 3 x
+    nheads x d, batch stride 3 x seqlen x nheads x d; the maps take them as given."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    qkv = torch.randn(2, 777, 3, 4, 128, generator=g, device="cuda", dtype=DTYPES[dtype])
+    q, k, v = qkv.unbind(2)
+    (out, lse), (out_ref, lse_ref) = both_paths(
+        monkeypatch, lambda: forward(WS.format(dtype), q, k, v, causal=True, num_splits=1))
+    assert_identical((out, lse), (out_ref, lse_ref))
+    check_attention(out, lse, q, k, v, True)
+
+
+def test_score_modifiers(monkeypatch):
+    """A window, softcap and ALiBi change only the consumers: same result either way."""
+    q, k, v = make_qkv(2, 640, 900, 4, 2, 128, torch.bfloat16, seed=3)
+    slopes = torch.rand(4, device="cuda") * 0.5 + 0.1
+    for kwargs in ({"window_size": (100, 50)}, {"softcap": 30.0},
+                   {"alibi_slopes": slopes, "causal": True}):
+        results = both_paths(monkeypatch, lambda: forward(WS.format("bf16"), q, k, v,
+                                                          num_splits=1, **kwargs))
+        assert_identical(*results)
+
+
+def test_dropout_same_mask(monkeypatch):
+    """flash_attn_func with dropout: the same seed gives the same output with and without
+    maps (the cudaflash_fwd_dropout entry also takes them)."""
+    q, k, v = make_qkv(2, 1024, 1024, 8, 8, 128, torch.bfloat16, seed=5)
+
+    def call():
+        torch.manual_seed(11)
+        return flash_attn_func(q, k, v, dropout_p=0.2, causal=False), None
+
+    assert_identical(*both_paths(monkeypatch, call))
+
+
+def test_repeat_calls_with_new_tensors(monkeypatch):
+    """flash_attn_func's plan keeps its launcher and the maps it encoded: new tensors of the
+    same signature get their own maps, and the first tensors again take the cached ones."""
+    monkeypatch.setattr(_tma, "MIN_SCORES", 0)
+    monkeypatch.setattr(_tma, "MIN_KEYS", 0)
+    writes = MapWrites(monkeypatch)
+    _plans.plans.clear()
+    first = make_qkv(2, 1024, 1024, 4, 4, 128, torch.bfloat16, seed=1)
+    second = make_qkv(2, 1024, 1024, 4, 4, 128, torch.bfloat16, seed=2)
+    outs = [flash_attn_func(*t, causal=False) for t in (first, second, first, second)]
+    assert writes.count == 4
+    for out, t in zip(outs, (first, second, first, second)):
+        check_attention(out, None, *t, False)
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+    _plans.plans.clear()

@@ -1,0 +1,146 @@
+"""cudaflash/_tma.py without a GPU: the tensor maps' layouts (what cuTensorMapEncodeTiled is
+given), the launcher's cache of encoded maps, the fallbacks to cp.async and the size rule.
+The maps' effect on the kernel is tests/test_gpu_tma.py's."""
+
+import ctypes
+from types import SimpleNamespace
+
+import pytest
+import torch
+from cuda.bindings import driver as real_driver
+
+from cudaflash import _tma
+from cudaflash._params import PARAMS_BYTES
+
+
+class FakeEncoder:
+    """cuda.bindings.driver's cuTensorMapEncodeTiled and enums: records each call and returns
+    a map whose 128 bytes start with the call's number and the global address."""
+
+    CUtensorMapDataType = real_driver.CUtensorMapDataType
+    CUtensorMapInterleave = real_driver.CUtensorMapInterleave
+    CUtensorMapSwizzle = real_driver.CUtensorMapSwizzle
+    CUtensorMapL2promotion = real_driver.CUtensorMapL2promotion
+    CUtensorMapFloatOOBfill = real_driver.CUtensorMapFloatOOBfill
+    CUresult = real_driver.CUresult
+    cuuint64_t = real_driver.cuuint64_t
+    cuuint32_t = real_driver.cuuint32_t
+
+    def __init__(self, result=real_driver.CUresult.CUDA_SUCCESS):
+        self.calls = []
+        self.result = result
+
+    def cuTensorMapEncodeTiled(self, dtype, rank, address, dims, strides, box, element_strides,
+                               interleave, swizzle, promotion, fill):
+        self.calls.append(SimpleNamespace(
+            dtype=dtype, rank=rank, address=address, dims=[int(x) for x in dims],
+            strides=[int(x) for x in strides], box=[int(x) for x in box], swizzle=swizzle,
+            fill=fill))
+        tensor_map = real_driver.CUtensorMap()
+        tag = bytes([len(self.calls)]) + address.to_bytes(8, "little")
+        ctypes.memmove(tensor_map.getPtr(), tag, len(tag))
+        return self.result, tensor_map
+
+
+def bshd(batch, seqlen, heads, d=128, dtype=torch.bfloat16):
+    return torch.zeros(batch, seqlen, heads, d, dtype=dtype)
+
+
+def test_map_layout_is_slab_major_5d():
+    """(64 columns, position, slab, head, batch entry), byte strides of dims 1.., a box of
+    (64, tile rows, every slab, 1, 1), the 128-byte swizzle and zero fill."""
+    cu = FakeEncoder()
+    q, k = bshd(2, 1000, 8), bshd(2, 700, 2)
+    maps = _tma.tensor_maps(cu, q, k, k, 128, 64)
+    assert maps is not None
+    qc, kc, vc = cu.calls  # the trial encodes, one per tensor
+    assert qc.rank == 5 and qc.dims == [64, 1000, 2, 8, 2]
+    assert qc.strides == [8 * 128 * 2, 128, 128 * 2, 1000 * 8 * 128 * 2]
+    assert qc.box == [64, 128, 2, 1, 1] and kc.box == [64, 64, 2, 1, 1]
+    assert kc.dims == [64, 700, 2, 2, 2] and qc.address == q.data_ptr()
+    assert qc.dtype == real_driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    assert qc.swizzle == real_driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B
+    assert qc.fill == real_driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
+
+
+def test_strided_views_keep_their_strides():
+    """q of a packed (batch, seqlen, 3, heads, d) tensor: the maps take its strides as given."""
+    cu = FakeEncoder()
+    qkv = torch.zeros(2, 100, 3, 4, 128, dtype=torch.float16)
+    q, k, v = qkv.unbind(2)
+    assert _tma.tensor_maps(cu, q, k, v, 128, 128) is not None
+    assert cu.calls[0].strides == [3 * 4 * 128 * 2, 128, 128 * 2, 100 * 3 * 4 * 128 * 2]
+    assert cu.calls[0].dtype == real_driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+
+
+def test_unit_dimension_strides_may_be_anything():
+    """A batch of one with a batch stride TMA cannot take (here 0, an expanded view) still
+    gets maps: a dimension of one position is never stepped."""
+    cu = FakeEncoder()
+    q = bshd(1, 256, 4)
+    k = torch.zeros(256, 4, 128, dtype=torch.bfloat16).as_strided((1, 256, 4, 128),
+                                                                   (0, 512, 128, 1))
+    assert _tma.tensor_maps(cu, q, k, k, 128, 128) is not None
+    assert cu.calls[1].strides[3] == 16
+
+
+def test_undescribable_layouts_keep_cp_async():
+    """A sequence stride TMA cannot take, a head dim that is not whole slabs, fp32, or a
+    layout the driver refuses: no maps (the kernel loads with cp.async)."""
+    cu = FakeEncoder()
+    q = bshd(2, 64, 2)
+    odd = torch.zeros(2, 64, 2, 136, dtype=torch.bfloat16)[..., :128]  # seq stride 272 B: fine
+    assert _tma.tensor_maps(cu, q, odd, odd, 128, 128) is not None
+    bad = torch.zeros(2, 64, 1, 128 + 4, dtype=torch.bfloat16)[..., :128]  # 264 B: not x16
+    assert _tma.tensor_maps(cu, q, bad, bad, 128, 128) is None
+    assert _tma.tensor_maps(cu, bshd(2, 64, 2, d=96), bshd(2, 64, 2, d=96),
+                            bshd(2, 64, 2, d=96), 128, 128) is None
+    f32 = torch.zeros(2, 64, 2, 128)
+    assert _tma.tensor_maps(cu, f32, f32, f32, 128, 128) is None
+    refusing = FakeEncoder(result=real_driver.CUresult.CUDA_ERROR_INVALID_VALUE)
+    assert _tma.tensor_maps(refusing, q, q, q, 128, 128) is None
+
+
+def test_write_encodes_each_pointer_triple_once():
+    """write() puts the three maps after Params' fixed fields; a triple seen before is copied
+    from the cache, a new one encoded; the cache starts over when full."""
+    cu = FakeEncoder()
+    q = bshd(1, 128, 2)
+    maps = _tma.tensor_maps(cu, q, q, q, 128, 128)
+    trial = len(cu.calls)
+    buf = ctypes.create_string_buffer(PARAMS_BYTES)
+    at = ctypes.addressof(buf)
+
+    def written():
+        raw = buf.raw[_tma.MAPS_OFFSET:]
+        return [int.from_bytes(raw[i * 128 + 1:i * 128 + 9], "little") for i in range(3)]
+
+    maps.write(at, 0x1000, 0x2000, 0x3000)
+    assert written() == [0x1000, 0x2000, 0x3000] and len(cu.calls) == trial + 3
+    maps.write(at, 0x4000, 0x5000, 0x6000)
+    maps.write(at, 0x1000, 0x2000, 0x3000)
+    assert written() == [0x1000, 0x2000, 0x3000] and len(cu.calls) == trial + 6
+    assert len(buf.raw) == _tma.MAPS_OFFSET + 3 * _tma.MAP_BYTES
+
+
+def test_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(_tma, "MAX_CACHED", 2)
+    cu = FakeEncoder()
+    q = bshd(1, 128, 2)
+    maps = _tma.tensor_maps(cu, q, q, q, 128, 128)
+    buf = ctypes.create_string_buffer(PARAMS_BYTES)
+    for i in range(5):
+        maps.write(ctypes.addressof(buf), 0x1000 * i, 1, 2)
+    assert len(maps._cache) <= 2
+
+
+@pytest.mark.parametrize("rows,seqlen_k,heads,batch,causal,want", [
+    (1024, 1024, 16, 16, False, True),
+    (512, 512, 16, 32, False, True),  # 512 keys a CTA
+    (512, 512, 16, 32, True, False),  # causal: 256 on average
+    (1024, 1024, 16, 16, True, True),
+    (128, 128, 1, 1, False, False),  # tiny: the host's encode would not hide
+    (1, 65536, 32, 8, False, True),  # one query row over a long sequence, many heads
+])
+def test_worth_maps(rows, seqlen_k, heads, batch, causal, want):
+    assert _tma.worth_maps(rows, seqlen_k, heads, batch, causal) is want
