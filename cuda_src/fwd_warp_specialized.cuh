@@ -58,8 +58,9 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     elem_t* sK = sQ + C::kBr * C::kDHead;              // kStages x (B_c, d_head)
     elem_t* sV = sK + kStages * C::kBc * C::kDHead;    // kStages x (B_c, d_head)
     // The mbarriers, after the tiles (kBarrierBytes; cudaflash.config counts them). full: the
-    // producer's 128 threads arrive when their copies of the tile have landed. empty: lane 0
-    // of each consumer warp arrives when its warpgroup's GEMM has read it.
+    // producer's 128 threads arrive when their copies of the tile have landed (cp.async), or
+    // its one TMA thread arrives with the tile's byte count, which the copy counts down.
+    // empty: lane 0 of each consumer warp arrives when its warpgroup's GEMM has read it.
     uint64_t* bars = reinterpret_cast<uint64_t*>(sV + kStages * C::kBc * C::kDHead);
     uint64_t& q_full = bars[0];
     uint64_t* k_full = bars + 1;
@@ -83,8 +84,9 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
 
     // TMA loads (Params::tma_loads): one producer thread fills each tile, so a "full"
     // barrier takes its one arrival (with the tile's bytes as the transaction count) instead
-    // of the 128 cp.async threads'. Calls with cache addressing never take them.
-    const bool tma = !kKvcache && p.tma_loads != 0;
+    // of the 128 cp.async threads'. The host sets them for whole, unsplit calls only; the
+    // split and cache-addressing entries compile without them.
+    const bool tma = !kSplit && !kKvcache && p.tma_loads != 0;
     if (threadIdx.x == 0) {
         const int fill_arrivals = tma ? 1 : 128;
         mbarrier_init(&q_full, fill_arrivals);
@@ -95,6 +97,9 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
             mbarrier_init(&k_empty[s], C::kWarps);
             mbarrier_init(&v_empty[s], C::kWarps);
         }
+        // The copy engine (the async proxy) completes transactions on the "full" barriers:
+        // it must see them initialised (the CUDA guide's TMA pattern).
+        if (tma) fence_proxy_async_shared();
     }
     __syncthreads();
 

@@ -1,4 +1,5 @@
-"""The only module that calls the CUDA driver (``cuda.bindings.driver`` from cuda-python).
+"""The only module that calls the CUDA driver (``cuda.bindings.driver`` from cuda-python):
+modules, launches, and the TMA tensor maps' encoding (``tensor_map_encoder``, for _tma.py).
 
 cuda.bindings is imported on first use, so importing cudaflash needs neither a GPU nor a
 driver. Every driver call goes through ``check``. Kernels run in torch's context: the primary
@@ -22,7 +23,7 @@ from typing import Mapping, Protocol
 
 from ._env import log
 from .driver_compat import cuda_version_text, describe_driver, driver_branch
-from ._params import (PARAMS_BYTES, PARAMS_FIXED_FORMAT, PARAMS_POINTERS_BYTES,
+from ._params import (PARAMS_FIXED_FORMAT, PARAMS_POINTERS_BYTES,
                       PARAMS_POINTERS_FORMAT, PARAMS_WORKSPACE_FORMAT, PARAMS_WORKSPACE_OFFSET,
                       Params)
 
@@ -318,6 +319,38 @@ def _load(module: KernelModule, device_index: int):
     log.debug("loaded %s (%s sm_%d) from %s", module.name, module.kind, module.arch,
               module.path)
     return fns
+
+
+# ---- tensor maps -----------------------------------------------------------------------------
+
+
+def tensor_map_encoder(dtype: str, dims: tuple, strides: tuple, box: tuple):
+    """A function (pointer, destination address) that encodes the TMA tensor map of a tensor
+    at ``pointer`` with this layout (innermost dimension first: ``dims``, the byte
+    ``strides`` of dims 1.., the ``box``; 128-byte swizzle, zeros past the tensor) and copies
+    its 128 bytes to the destination; raises CudaError if the driver refuses it. ``dtype``:
+    a CUtensorMapDataType member name. Layouts and their use: _tma.py."""
+    cu = _cu()
+    data_type = getattr(cu.CUtensorMapDataType, dtype)
+    dims_arg = [cu.cuuint64_t(x) for x in dims]
+    strides_arg = [cu.cuuint64_t(x) for x in strides]
+    box_arg = [cu.cuuint32_t(x) for x in box]
+    element_strides = [cu.cuuint32_t(1)] * len(dims)
+    interleave = cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE
+    swizzle = cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B
+    promotion = cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+    fill = cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE  # zeros
+    encode_tiled = cu.cuTensorMapEncodeTiled
+
+    def encode(pointer: int, destination: int) -> None:
+        tensor_map = check(encode_tiled(data_type, len(dims), pointer, dims_arg, strides_arg,
+                                        box_arg, element_strides, interleave, swizzle,
+                                        promotion, fill),
+                           f"cuTensorMapEncodeTiled(address {pointer:#x}, dims {dims}, "
+                           f"byte strides {strides}, box {box})")
+        ctypes.memmove(destination, tensor_map.getPtr(), 128)
+
+    return encode
 
 
 # ---- launch ----------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """cudaflash/_tma.py without a GPU: the tensor maps' layouts (what cuTensorMapEncodeTiled is
-given), the launcher's cache of encoded maps, the fallbacks to cp.async and the size rule.
-The maps' effect on the kernel is tests/test_gpu_tma.py's."""
+given, through _driver.tensor_map_encoder), the caches of layouts and of encoded maps, the
+fallbacks to cp.async and the size rule. The maps' effect on the kernel is
+tests/test_gpu_tma.py's."""
 
 import ctypes
 from types import SimpleNamespace
@@ -9,7 +10,7 @@ import pytest
 import torch
 from cuda.bindings import driver as real_driver
 
-from cudaflash import _tma
+from cudaflash import _driver, _tma
 from cudaflash._params import PARAMS_BYTES
 
 
@@ -42,16 +43,25 @@ class FakeEncoder:
         return self.result, tensor_map
 
 
+@pytest.fixture
+def cu(monkeypatch):
+    """A fresh FakeEncoder as the driver, and empty layout tables."""
+    fake = FakeEncoder()
+    monkeypatch.setattr(_driver, "_cu", lambda: fake)
+    monkeypatch.setattr(_driver, "_error_text", lambda err: f"CUresult {int(err)}")
+    monkeypatch.setattr(_tma, "_layouts", {})
+    return fake
+
+
 def bshd(batch, seqlen, heads, d=128, dtype=torch.bfloat16):
     return torch.zeros(batch, seqlen, heads, d, dtype=dtype)
 
 
-def test_map_layout_is_slab_major_5d():
+def test_map_layout_is_slab_major_5d(cu):
     """(64 columns, position, slab, head, batch entry), byte strides of dims 1.., a box of
     (64, tile rows, every slab, 1, 1), the 128-byte swizzle and zero fill."""
-    cu = FakeEncoder()
     q, k = bshd(2, 1000, 8), bshd(2, 700, 2)
-    maps = _tma.tensor_maps(cu, q, k, k, 128, 64)
+    maps = _tma.tensor_maps(q, k, k, 128, 64)
     assert maps is not None
     qc, kc, vc = cu.calls  # the trial encodes, one per tensor
     assert qc.rank == 5 and qc.dims == [64, 1000, 2, 8, 2]
@@ -63,50 +73,78 @@ def test_map_layout_is_slab_major_5d():
     assert qc.fill == real_driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
 
 
-def test_strided_views_keep_their_strides():
+def test_strided_views_keep_their_strides(cu):
     """q of a packed (batch, seqlen, 3, heads, d) tensor: the maps take its strides as given."""
-    cu = FakeEncoder()
     qkv = torch.zeros(2, 100, 3, 4, 128, dtype=torch.float16)
     q, k, v = qkv.unbind(2)
-    assert _tma.tensor_maps(cu, q, k, v, 128, 128) is not None
+    assert _tma.tensor_maps(q, k, v, 128, 128) is not None
     assert cu.calls[0].strides == [3 * 4 * 128 * 2, 128, 128 * 2, 100 * 3 * 4 * 128 * 2]
     assert cu.calls[0].dtype == real_driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16
 
 
-def test_unit_dimension_strides_may_be_anything():
+def test_unit_dimension_strides_may_be_anything(cu):
     """A batch of one with a batch stride TMA cannot take (here 0, an expanded view) still
     gets maps: a dimension of one position is never stepped."""
-    cu = FakeEncoder()
     q = bshd(1, 256, 4)
     k = torch.zeros(256, 4, 128, dtype=torch.bfloat16).as_strided((1, 256, 4, 128),
                                                                    (0, 512, 128, 1))
-    assert _tma.tensor_maps(cu, q, k, k, 128, 128) is not None
+    assert _tma.tensor_maps(q, k, k, 128, 128) is not None
     assert cu.calls[1].strides[3] == 16
 
 
-def test_undescribable_layouts_keep_cp_async():
+def test_undescribable_layouts_keep_cp_async(cu):
     """A sequence stride TMA cannot take, a head dim that is not whole slabs, fp32, or a
     layout the driver refuses: no maps (the kernel loads with cp.async)."""
-    cu = FakeEncoder()
     q = bshd(2, 64, 2)
     odd = torch.zeros(2, 64, 2, 136, dtype=torch.bfloat16)[..., :128]  # seq stride 272 B: fine
-    assert _tma.tensor_maps(cu, q, odd, odd, 128, 128) is not None
+    assert _tma.tensor_maps(q, odd, odd, 128, 128) is not None
     bad = torch.zeros(2, 64, 1, 128 + 4, dtype=torch.bfloat16)[..., :128]  # 264 B: not x16
-    assert _tma.tensor_maps(cu, q, bad, bad, 128, 128) is None
-    assert _tma.tensor_maps(cu, bshd(2, 64, 2, d=96), bshd(2, 64, 2, d=96),
+    assert _tma.tensor_maps(q, bad, bad, 128, 128) is None
+    assert _tma.tensor_maps(bshd(2, 64, 2, d=96), bshd(2, 64, 2, d=96),
                             bshd(2, 64, 2, d=96), 128, 128) is None
     f32 = torch.zeros(2, 64, 2, 128)
-    assert _tma.tensor_maps(cu, f32, f32, f32, 128, 128) is None
-    refusing = FakeEncoder(result=real_driver.CUresult.CUDA_ERROR_INVALID_VALUE)
-    assert _tma.tensor_maps(refusing, q, q, q, 128, 128) is None
+    assert _tma.tensor_maps(f32, f32, f32, 128, 128) is None
+    cu.result = real_driver.CUresult.CUDA_ERROR_INVALID_VALUE
+    refused = bshd(3, 64, 2)
+    assert _tma.tensor_maps(refused, refused, refused, 128, 128) is None
+    calls = len(cu.calls)
+    assert _tma.tensor_maps(refused, refused, refused, 128, 128) is None
+    assert len(cu.calls) == calls  # the layout's refusal is remembered
 
 
-def test_write_encodes_each_pointer_triple_once():
+def test_a_layout_is_encoded_once_and_shared(cu):
+    """Calls of one layout (dtype, shapes, strides, tile rows) share one TensorMaps, whose
+    cache starts with the first call's maps (the trial encode): the checked path that
+    autograd's forward takes on every call encodes nothing after the first. Another layout,
+    or other tile rows, gets its own."""
+    q, k, v = bshd(2, 256, 4), bshd(2, 256, 4), bshd(2, 256, 4)
+    maps = _tma.tensor_maps(q, k, v, 128, 128)
+    assert len(cu.calls) == 3
+    buf = ctypes.create_string_buffer(PARAMS_BYTES)
+    maps.write(ctypes.addressof(buf), q.data_ptr(), k.data_ptr(), v.data_ptr())
+    assert _tma.tensor_maps(q, k, v, 128, 128) is maps and len(cu.calls) == 3
+    tags = buf.raw[_tma.MAPS_OFFSET::128][:3]
+    assert list(tags) == [1, 2, 3]  # the trial encodes' maps, from the cache
+    q2, k2, v2 = bshd(2, 256, 4), bshd(2, 256, 4), bshd(2, 256, 4)
+    assert _tma.tensor_maps(q2, k2, v2, 128, 128) is maps  # same layout, new tensors
+    assert _tma.tensor_maps(q, k, v, 128, 64) is not maps
+    view = torch.zeros(2, 256, 8, 128, dtype=torch.bfloat16)[:, :, :4]  # other strides
+    assert _tma.tensor_maps(view, k, v, 128, 128) is not maps
+
+
+def test_layout_table_is_bounded(cu, monkeypatch):
+    monkeypatch.setattr(_tma, "MAX_LAYOUTS", 2)
+    for seqlen in (128, 256, 384, 512):
+        t = bshd(1, seqlen, 2)
+        _tma.tensor_maps(t, t, t, 128, 128)
+    assert len(_tma._layouts) <= 2
+
+
+def test_write_encodes_each_pointer_triple_once(cu):
     """write() puts the three maps after Params' fixed fields; a triple seen before is copied
     from the cache, a new one encoded; the cache starts over when full."""
-    cu = FakeEncoder()
     q = bshd(1, 128, 2)
-    maps = _tma.tensor_maps(cu, q, q, q, 128, 128)
+    maps = _tma.tensor_maps(q, q, q, 128, 128)
     trial = len(cu.calls)
     buf = ctypes.create_string_buffer(PARAMS_BYTES)
     at = ctypes.addressof(buf)
@@ -123,11 +161,10 @@ def test_write_encodes_each_pointer_triple_once():
     assert len(buf.raw) == _tma.MAPS_OFFSET + 3 * _tma.MAP_BYTES
 
 
-def test_cache_is_bounded(monkeypatch):
+def test_cache_is_bounded(cu, monkeypatch):
     monkeypatch.setattr(_tma, "MAX_CACHED", 2)
-    cu = FakeEncoder()
     q = bshd(1, 128, 2)
-    maps = _tma.tensor_maps(cu, q, q, q, 128, 128)
+    maps = _tma.tensor_maps(q, q, q, 128, 128)
     buf = ctypes.create_string_buffer(PARAMS_BYTES)
     for i in range(5):
         maps.write(ctypes.addressof(buf), 0x1000 * i, 1, 2)
