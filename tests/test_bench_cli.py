@@ -188,7 +188,8 @@ def test_suite_filters():
     ("softcap", ("forward", "train"), ("plain", "softcap")),
     ("alibi", ("forward", "train"), ("plain", "alibi")),
     ("dropout", ("forward", "train"), ("plain", "dropout")),
-    ("kvcache", ("forward",), ("kvcache", "full", "sdpa-eff", "paged16", "paged64", "paged256")),
+    ("kvcache", ("forward",), ("kvcache", "full", "sdpa-eff", "paged16", "paged64", "paged256",
+                               "copy")),
     ("hf", ("prefill", "decode", "train"), ("cudaflash", "sdpa", "flash_attention_2")),
 ])
 def test_suite_defaults(suite, phases, variants):
@@ -443,14 +444,17 @@ def test_kvcache_table_shows_us_and_gbps(tmp_path):
     opts = bench.resolve_suite(parse("bench", "--suite", "kvcache"))
     results, _ = measure_fake(opts, lambda phase, v: {"kvcache": 0.05, "full": 0.1,
                                                       "sdpa-eff": 0.2, "paged16": 0.0625,
-                                                      "paged64": 0.05, "paged256": 0.05}[v])
+                                                      "paged64": 0.05, "paged256": 0.05,
+                                                      "copy": 0.045}[v])
     r = results[0]
     assert r.us("forward", "kvcache") == pytest.approx(50.0)
     assert r.gbps("forward", "kvcache") == pytest.approx(r.row.bytes / 50e-6 / 1e9)
     assert r.ratio("forward", "kvcache", "sdpa-eff") == pytest.approx(4.0)
+    # the copy moves as many bytes as kvcache reads: kvc/copy is kvcache's bandwidth share
+    assert r.ratio("forward", "kvcache", "copy") == pytest.approx(0.9)
     text = suites.format_results(opts, results)
-    assert ("kvcache us  full us  sdpa-eff us  paged16 us  paged64 us  paged256 us  "
-            "kvcache GB/s  kvc/full  kvc/sdpa  p16/kvc  p64/kvc  p256/kvc") in text
+    assert ("kvcache us  full us  sdpa-eff us  paged16 us  paged64 us  paged256 us  copy us  "
+            "kvcache GB/s  kvc/full  kvc/sdpa  p16/kvc  p64/kvc  p256/kvc  kvc/copy") in text
     assert r.ratio("forward", "paged16", "kvcache") == pytest.approx(0.8)  # paged's speed
     data = suites.to_json(opts, {}, {}, results)
     assert data["results"][0]["phases"]["forward"]["kvcache"]["gbps"] == \
@@ -637,9 +641,12 @@ def test_kvcache_calls_cover_every_variant():
 
     opts = bench.resolve_suite(parse("bench", "--suite", "kvcache"))
     row = suites.Row((("dtype", "bf16"), ("d", 128), ("B", 2), ("cache", 256),
-                      ("mean len", 40), ("H", 32), ("H_k", 8)), 1.0, lengths=(30, 50))
+                      ("mean len", 40), ("H", 32), ("H_k", 8)), 1.0,
+                     bytes=2 * 80 * 8 * 128 * 2, lengths=(30, 50))
     calls = suite_calls.build_calls(opts, row, torch.device("cpu"))
     assert set(calls) == {("forward", v) for v in opts.variants}
+    fn, _ = calls[("forward", "copy")]
+    assert fn().numel() == row.bytes // 2  # the copy moves what kvcache reads
 
 
 # ---- tune: arguments, table, path ----------------------------------------------------------

@@ -144,9 +144,13 @@ def kvcache_calls(opts: Options, row: Row, device) -> dict:
                 return fn()
         return call
 
+    if "copy" in opts.variants:  # the bandwidth peer: as many bytes moved as kvcache reads
+        copy_src = torch.empty(row.bytes // 2, dtype=torch.uint8, device=device)
+        copy_dst = torch.empty_like(copy_src)
     forwards = {
         "kvcache": (lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths),
                     NO_CONTEXT),
+        "copy": ((lambda: copy_dst.copy_(copy_src)), NO_CONTEXT),
         **{f"paged{page}": (_paged_call(q, kc, vc, lengths, page), NO_CONTEXT)
            for page in PAGE_SIZES if f"paged{page}" in opts.variants},
         "full": (lambda: api.flash_attn_func(q, kc, vc), NO_CONTEXT),

@@ -296,18 +296,22 @@ SUITES = {
                    "the deterministic scheme's score-modifier kernels); TFLOP/s count every "
                    "score, dropped or not"),
         Suite("kvcache", "decoding steps: flash_attn_with_kvcache vs the alternatives",
-              ("kvcache", "full", "sdpa-eff", *PAGED_VARIANTS),
-              ("kvcache", "full", "sdpa-eff", *PAGED_VARIANTS),
+              ("kvcache", "full", "sdpa-eff", *PAGED_VARIANTS, "copy"),
+              ("kvcache", "full", "sdpa-eff", *PAGED_VARIANTS, "copy"),
               ("forward",), ("forward",),
               (("kvc/full", "kvcache", "full"), ("kvc/sdpa", "kvcache", "sdpa-eff"),
-               *((f"p{page}/kvc", f"paged{page}", "kvcache") for page in PAGE_SIZES)),
+               *((f"p{page}/kvc", f"paged{page}", "kvcache") for page in PAGE_SIZES),
+               ("kvc/copy", "kvcache", "copy")),
               kvcache_rows, frozenset(), unit="us", x_field="cache",
               note="one query row per sequence, cache lengths uniform in [1, cache] (fixed "
                    "seed); kvcache = flash_attn_with_kvcache(cache_seqlens=lengths), full = "
                    "flash_attn_func over the whole cache (an upper bound: wrong where a cache "
                    "is not full), sdpa-eff = SDPA efficient with a key-padding mask, pagedN = "
                    "kvcache's call on the same caches in shuffled pages of N positions "
-                   "(block_table); GB/s = K/V bytes of the used cache / kvcache's time"),
+                   "(block_table), copy = a device copy (Tensor.copy_) that moves as many "
+                   "bytes as kvcache reads (half read, half written), so kvc/copy is "
+                   "kvcache's share of the bandwidth the GPU reaches copying; GB/s = K/V "
+                   "bytes of the used cache / kvcache's time"),
         Suite("hf", "a Llama-like transformers model (8 layers, hidden 2048, 16 heads of 128, "
               "4 K/V heads, batch 4): prefill, decoding and training step with "
               "attn_implementation cudaflash vs sdpa and flash_attention_2, tokens/s",
