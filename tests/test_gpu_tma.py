@@ -146,3 +146,55 @@ def test_repeat_calls_with_new_tensors(monkeypatch):
         check_attention(out, None, *t, False)
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
     _plans.plans.clear()
+
+
+def test_autograd_forward_takes_the_layouts_maps(monkeypatch):
+    """A forward that records for autograd takes the checked path (a new launcher) on every
+    call: it loads through the layout's shared maps, encoding them only on the layout's first
+    call, and its output and gradients are bit for bit those of the cp.async path."""
+    monkeypatch.setattr(_tma, "MIN_KEYS", 0)
+    monkeypatch.setattr(_tma, "_layouts", {})
+    writes = MapWrites(monkeypatch)
+    encodes = []
+    new_maps = _tma._new_maps
+    monkeypatch.setattr(_tma, "_new_maps", lambda *a: encodes.append(1) or new_maps(*a))
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 512, 512, 4, 4, 128, torch.bfloat16,
+                                                     seed=9))
+    dout = torch.randn(q.shape, dtype=q.dtype, device=q.device)
+    results = []
+    for min_scores in (0, 1 << 62):
+        monkeypatch.setattr(_tma, "MIN_SCORES", min_scores)
+        before = writes.count
+        outs = [flash_attn_func(q, k, v) for _ in range(3)]  # (the ws kernel's rule)
+        assert writes.count - before == (3 if min_scores == 0 else 0)
+        results.append((outs[0], *torch.autograd.grad(outs[0], (q, k, v), dout)))
+    assert len(encodes) == 1  # one layout, one first call
+    assert_identical(*results)
+    check_attention(results[0][0].detach(), None, q.detach(), k.detach(), v.detach(), False)
+
+
+def test_cuda_graph_replays_the_captured_maps(monkeypatch):
+    """A captured flash_attn_func keeps the maps of its static tensors: replays with new data
+    in those tensors give the new answers."""
+    monkeypatch.setattr(_tma, "MIN_SCORES", 0)
+    monkeypatch.setattr(_tma, "MIN_KEYS", 0)
+    writes = MapWrites(monkeypatch)
+    _plans.plans.clear()
+    static = make_qkv(2, 700, 700, 4, 2, 128, torch.bfloat16, seed=0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flash_attn_func(*static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = flash_attn_func(*static)
+    assert writes.count == 2  # the warm-up launch and the captured one
+    for seed in (1, 2):
+        for dst, src in zip(static, make_qkv(2, 700, 700, 4, 2, 128, torch.bfloat16,
+                                             seed=seed)):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        check_attention(static_out, None, *static, False)
+    _plans.plans.clear()
