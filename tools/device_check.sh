@@ -3,12 +3,16 @@
 # included) and the benchmarks; full logs under $OUT (default /tmp/cudaflash-out).
 #
 #   tools/device_check.sh [test] [bench] [decode] [train] [backward] [varlen] [window] [softcap]
-#                         [alibi] [dropout] [kvcache] [suites] [tune] [ablation]       (default: test, bench, train)
+#                         [alibi] [dropout] [kvcache] [suites] [tune] [ablation] [tma]
+#                                                                  (default: test, bench, train)
 #
 # bench: `python -m cudaflash bench` (the forward suite, bf16 and fp16); decode, train,
 # backward, varlen, window, softcap, alibi, dropout, kvcache: `python -m cudaflash bench --suite <step>`
 # (train and backward at bf16 and fp16), each with --json, --plot and a log under $OUT;
 # suites: all of those but train.
+#
+# tma: tools/tma_ab.py, the forward's TMA loads against cp.async, flash_attn_func's choice
+# and cuDNN in one run (TMA_ARGS, e.g. "--head-dims 64 --config fwd_{dtype}_d{d}_...").
 #
 # ablation: builds tools/ablation.py's knob variants into .dev/ablation (sm_90), runs the
 # per-config correctness tests on them and times each variant against its base.
@@ -57,6 +61,9 @@ for step in $steps; do
         python3 -m cudaflash bench --suite "$step" --json "$OUT/$step.json" \
             --plot "$OUT/$step.png" ${SUITE_ARGS:-} > "$OUT/$step.log" 2>&1 || rc=1
         cat "$OUT/$step.log" ;;
+    tma)
+        PYTHONPATH=. python3 tools/tma_ab.py ${TMA_ARGS:-} > "$OUT/tma-ab.log" 2>&1 || rc=1
+        cat "$OUT/tma-ab.log" ;;
     tune)
         python3 -m cudaflash tune --out "$OUT/tuned-sm90.yaml" > "$OUT/tune.log" 2>&1 || rc=1
         cat "$OUT/tune.log" ;;
