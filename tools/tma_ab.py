@@ -22,7 +22,7 @@ import torch
 from cudaflash import _tma, api
 from cudaflash.cli import timing
 
-WS = "fwd_{}_d{}_br128_bc128_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1_ws"
+WS = "fwd_{dtype}_d{d}_br128_bc128_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1_ws"
 NEVER = 1 << 62
 
 
@@ -30,6 +30,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtypes", default="bf16,fp16")
     p.add_argument("--head-dims", default="128")
+    p.add_argument("--config", default=WS,
+                   help="the config both variants run, {dtype} and {d} filled in (default: "
+                        "the warp-specialized kernel; a wgmma config runs v6's TMA path)")
     p.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     p.add_argument("--iters", type=int, default=30)
     args = p.parse_args()
@@ -41,7 +44,7 @@ def main() -> None:
     ratios: dict = {}
     for dtype, d in ((t, int(h)) for t in args.dtypes.split(",")
                      for h in args.head_dims.split(",")):
-        config = WS.format(dtype, d)
+        config = args.config.format(dtype=dtype, d=d)
         for causal in (False, True):
             for seqlen in (int(s) for s in args.seqlens.split(",")):
                 batch, heads = max(1, 16384 // seqlen), 2048 // d
