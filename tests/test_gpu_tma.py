@@ -95,6 +95,29 @@ def test_forward_matches_cp_async(monkeypatch, dtype, b, sq, sk, h, hk, causal):
     check_attention(out, lse, q, k, v, causal)
 
 
+def test_the_kernel_reads_the_maps(monkeypatch):
+    """A negative control for the bit-for-bit comparisons: with K's and V's maps swapped
+    (the launcher writes the maps of (q, v, k)), the TMA kernel must compute attention with
+    the keys and values swapped, i.e. exactly the cp.async result of forward(q, v, k), and
+    not the result of forward(q, k, v): so the kernel loads through the maps it is given."""
+    q, k, v = make_qkv(2, 640, 640, 4, 4, 128, torch.bfloat16, seed=21)
+    config = WS.format("bf16")
+    monkeypatch.setattr(_tma, "MIN_KEYS", 0)
+    monkeypatch.setattr(_tma, "MIN_SCORES", 1 << 62)
+    _plans.plans.clear()
+    swapped_ref = forward(config, q, v, k, num_splits=1)
+    plain_ref = forward(config, q, k, v, num_splits=1)
+    write = _tma.TensorMaps.write
+    monkeypatch.setattr(_tma.TensorMaps, "write",
+                        lambda maps, address, q_, k_, v_: write(maps, address, q_, v_, k_))
+    monkeypatch.setattr(_tma, "MIN_SCORES", 0)
+    out = forward(config, q, k, v, num_splits=1)
+    torch.cuda.synchronize()
+    assert_identical(out, swapped_ref)
+    assert not torch.equal(out[0], plain_ref[0])
+    _plans.plans.clear()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_strided_views_of_packed_qkv(monkeypatch, dtype):
     """q, k, v as views of one (batch, seqlen, 3, nheads, d) tensor: sequence stride 3 x
