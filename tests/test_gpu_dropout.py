@@ -99,10 +99,11 @@ def test_gqa_decoding_is_not_packed_as_rows():
     assert err <= 2 * base + 1e-3
 
 
-def reference_grads(q, k, v, dout, mask, p, causal, upcast):
-    """dq, dk, dv of dropout_reference by autograd (float32, or q's dtype)."""
+def reference_grads(q, k, v, dout, mask, p, causal, upcast, **mods):
+    """dq, dk, dv of dropout_reference by autograd (float32, or q's dtype); ``mods``: its
+    window and alibi_slopes."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = dropout_reference(*leaves, mask, p, causal, upcast=upcast)
+    out = dropout_reference(*leaves, mask, p, causal, upcast=upcast, **mods)
     out.backward(dout.float())
     return [t.grad for t in leaves]
 
@@ -233,13 +234,10 @@ def test_sliding_window_forward_and_gradients(deterministic):
     low = dropout_reference(q, k, v, mask, p, False, upcast=False, window=window)
     assert (out.float() - ref).abs().max().item() <= 2 * (low - ref).abs().max().item() + 1e-3
 
-    def grads_of(upcast):
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        dropout_reference(*leaves, mask, p, False, upcast=upcast, window=window).backward(
-            dout.float())
-        return [t.grad for t in leaves]
-
-    assert_grads_within(grads, grads_of(True), grads_of(False), (q, k, v))
+    assert_grads_within(grads, reference_grads(q, k, v, dout, mask, p, False, True,
+                                               window=window),
+                        reference_grads(q, k, v, dout, mask, p, False, False, window=window),
+                        (q, k, v))
 
 
 def test_a_captured_graph_draws_a_new_mask_each_replay():
@@ -395,10 +393,7 @@ def test_alibi_with_dropout_forward_and_gradients(causal, slopes_shape):
     low = dropout_reference(q, k, v, mask, p, causal, upcast=False, alibi_slopes=slopes)
     assert (out.float() - ref).abs().max().item() <= 2 * (low - ref).abs().max().item() + 1e-3
 
-    def grads_of(upcast):
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        dropout_reference(*leaves, mask, p, causal, upcast=upcast,
-                          alibi_slopes=slopes).backward(dout.float())
-        return [t.grad for t in leaves]
-
-    assert_grads_within(grads, grads_of(True), grads_of(False), (q, k, v))
+    assert_grads_within(grads, reference_grads(q, k, v, dout, mask, p, causal, True,
+                                               alibi_slopes=slopes),
+                        reference_grads(q, k, v, dout, mask, p, causal, False,
+                                        alibi_slopes=slopes), (q, k, v))
