@@ -138,7 +138,7 @@ def fwd_op(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1,
     # Gradients are the op's registered autograd (below), not FlashAttnFunction.
     window = _checks.check_window((window_left, window_right))
     softcap = _checks.check_softcap(softcap)
-    dropout = _op_dropout(dropout_p, dropout_seed, softcap, alibi_slopes, q.device)
+    dropout = _op_dropout(dropout_p, dropout_seed, softcap, q.device)
     with torch.no_grad():
         if dropout is not None:  # a new seed every call: no plan
             return _call.checked_forward(None, q, k, v, None, softmax_scale, causal, True,
@@ -148,7 +148,7 @@ def fwd_op(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1,
                                      alibi_slopes)
 
 
-def _op_dropout(dropout_p, dropout_seed, softcap, alibi_slopes, device):
+def _op_dropout(dropout_p, dropout_seed, softcap, device):
     """The ops' dropout state (None without), checked: the ops can be called directly."""
     dropout_p = _dropout.check_dropout_p(dropout_p)
     if not dropout_p:
@@ -180,7 +180,7 @@ def bwd_op(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window
            window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None):
     # Called directly, the op checks the slopes itself (from the forward op they are checked).
     alibi_slopes = _checks.check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
-    dropout = _op_dropout(dropout_p, dropout_seed, softcap, alibi_slopes, q.device)
+    dropout = _op_dropout(dropout_p, dropout_seed, softcap, q.device)
     return run_backward(dout, q, k, v, out, lse,
                         _checks.softmax_scale(softmax_scale, q.shape[3]), causal, deterministic,
                         heuristics.kernel_window((window_left, window_right), k.shape[1],
