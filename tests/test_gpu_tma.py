@@ -1,4 +1,5 @@
-"""The warp-specialized forward's TMA loads (Params.tma_loads, cudaflash/_tma.py) on a GPU.
+"""The forward's TMA loads (Params.tma_loads, cudaflash/_tma.py) on a GPU: the
+warp-specialized kernel's producer and the wgmma (v6) kernel's thread 0.
 
 A call big enough for tensor maps (_tma.worth_maps) has its producer load Q, K and V through
 them; a smaller one, or any call with cache addressing, key counts or a packed batch, keeps
@@ -26,6 +27,13 @@ from test_gpu_correctness import (check_attention,
 pytestmark = pytest.mark.requires_gpu
 
 WS = "fwd_{}_d128_br128_bc128_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1_ws"
+# The wgmma (v6) kernel's TMA path, one config per head dim it serves (d, name).
+V6 = [(64, "fwd_{}_d64_br64_bc128_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas3_wgmma1"),
+      (64, "fwd_{}_d64_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1"),
+      (128, "fwd_{}_d128_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas3_wgmma1"),
+      (128, "fwd_{}_d128_br64_bc128_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1"),
+      (256, "fwd_{}_d256_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1")]
+CONFIGS = [(128, WS)] + V6
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -34,8 +42,9 @@ def hopper_with_ws_kernel():
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("tensor-map loads: the warp-specialized kernel, sm_90 only")
     names = {k.name for k in list_kernels(0)}
-    if not {WS.format(dtype) for dtype in DTYPES} <= names:
-        pytest.fail("the warp-specialized d128 configs are not built")
+    missing = {c.format(t) for _, c in CONFIGS for t in DTYPES} - names
+    if missing:
+        pytest.fail(f"configs not built: {sorted(missing)}")
 
 
 class MapWrites:
@@ -79,6 +88,8 @@ def assert_identical(with_maps, without_maps):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,name", CONFIGS, ids=lambda x: x if isinstance(x, int) else
+                         x.split("_", 2)[2][:40])
 @pytest.mark.parametrize("b,sq,sk,h,hk,causal", [
     (2, 1000, 1000, 4, 4, False),  # tails of query and key blocks
     (2, 300, 700, 4, 4, True),  # bottom-right causal, unequal lengths
@@ -86,9 +97,9 @@ def assert_identical(with_maps, without_maps):
     (3, 129, 129, 2, 1, True),  # MQA, one row past a block
     (1, 1, 5000, 4, 4, False),  # one query row: a Q box mostly zero fill
 ])
-def test_forward_matches_cp_async(monkeypatch, dtype, b, sq, sk, h, hk, causal):
-    q, k, v = make_qkv(b, sq, sk, h, hk, 128, DTYPES[dtype], seed=sq + sk)
-    config = WS.format(dtype)
+def test_forward_matches_cp_async(monkeypatch, dtype, d, name, b, sq, sk, h, hk, causal):
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, DTYPES[dtype], seed=sq + sk)
+    config = name.format(dtype)
     (out, lse), (out_ref, lse_ref) = both_paths(
         monkeypatch, lambda: forward(config, q, k, v, causal=causal, num_splits=1))
     assert_identical((out, lse), (out_ref, lse_ref))
