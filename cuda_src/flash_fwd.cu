@@ -106,6 +106,9 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 
     if (kTmaCapable && tma) {
         if (threadIdx.x == 0) {
+            tma_prefetch_map(p.tma_q);  // the maps' fetch overlaps the setup
+            tma_prefetch_map(p.tma_k);
+            tma_prefetch_map(p.tma_v);
             for (int i = 0; i < 3; ++i) mbarrier_init(&tile_full[i], 1);
             fence_proxy_async_shared();  // the copy engine completes on them: see them set
         }
