@@ -56,6 +56,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     constexpr bool kTmaCapable = C::kWgmma && C::kEagerLoad && !kSplit && !kKvcache;
     const bool tma = kTmaCapable && p.tma_loads != 0;
     uint64_t* tile_full = reinterpret_cast<uint64_t*>(sV + C::kBc * C::kDHead);  // q, k, v
+    static_assert(3 * sizeof(uint64_t) <= kWsBarrierBytes, "the barriers fit their room");
     uint32_t k_phase = 0, v_phase = 0;  // parity of each barrier's next completion
 
     const CtaPlace at = cta_place<kSplit>(p);
