@@ -199,8 +199,9 @@ class KernelConfig:
 
     @property
     def kv_stages(self) -> int:
-        """K/V blocks resident in shared memory at once (the producer's ring)."""
-        return 3 if self.warp_specialized else 1
+        """K/V blocks resident in shared memory at once (the producer's ring): three, or two
+        at d_head 256, where three would not fit (kKvStages, kernel_config.cuh)."""
+        return (2 if self.d_head == 256 else 3) if self.warp_specialized else 1
 
     @property
     def copy_threads(self) -> int:

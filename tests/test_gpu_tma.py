@@ -87,6 +87,21 @@ def assert_identical(with_maps, without_maps):
         assert torch.equal(a, b), f"TMA and cp.async differ: max |diff| {(a - b).abs().max()}"
 
 
+WS256 = "fwd_{}_d256_br128_bc64_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1_ws"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_d256_ws_matches_cp_async(monkeypatch, dtype, causal):
+    """The d256 warp-specialized config (two-stage ring, four slabs per box)."""
+    q, k, v = make_qkv(2, 700, 900, 4, 2, 256, DTYPES[dtype], seed=4)
+    (out, lse), (out_ref, lse_ref) = both_paths(
+        monkeypatch, lambda: forward(WS256.format(dtype), q, k, v, causal=causal,
+                                     num_splits=1))
+    assert_identical((out, lse), (out_ref, lse_ref))
+    check_attention(out, lse, q, k, v, causal)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d,name", CONFIGS, ids=lambda x: x if isinstance(x, int) else
                          x.split("_", 2)[2][:40])
