@@ -33,7 +33,8 @@ V6 = [(64, "fwd_{}_d64_br64_bc128_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas3_
       (128, "fwd_{}_d128_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas3_wgmma1"),
       (128, "fwd_{}_d128_br64_bc128_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1"),
       (256, "fwd_{}_d256_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1")]
-CONFIGS = [(128, WS)] + V6
+WS256 = "fwd_{}_d256_br128_bc64_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1_ws"
+CONFIGS = [(128, WS), (256, WS256)] + V6
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -85,9 +86,6 @@ def assert_identical(with_maps, without_maps):
             assert b is None
             continue
         assert torch.equal(a, b), f"TMA and cp.async differ: max |diff| {(a - b).abs().max()}"
-
-
-WS256 = "fwd_{}_d256_br128_bc64_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1_ws"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
