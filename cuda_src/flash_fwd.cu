@@ -48,6 +48,16 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     elem_t* sQ = reinterpret_cast<elem_t*>(smem);  // (B_r, d_head); holds O at the end
     elem_t* sK = sQ + C::kBr * C::kDHead;          // (B_c, d_head)
     elem_t* sV = sK + C::kBc * C::kDHead;          // (B_c, d_head)
+    // TMA loads (Params::tma_loads; wgmma configs with eager loads, whole calls without cache
+    // addressing): thread 0 issues one copy per tile, whose bytes complete the tile's mbarrier
+    // (after the tiles: the config's barrier bytes), and every thread waits on it where the
+    // cp.async path waits for its own copies. The CTA barriers stay: they say every warp is
+    // done with a buffer before it is refilled.
+    constexpr bool kTmaCapable = C::kWgmma && C::kEagerLoad && !kSplit && !kKvcache;
+    const bool tma = kTmaCapable && p.tma_loads != 0;
+    uint64_t* tile_full = reinterpret_cast<uint64_t*>(sV + C::kBc * C::kDHead);  // q, k, v
+    static_assert(3 * sizeof(uint64_t) <= kWsBarrierBytes, "the barriers fit their room");
+    uint32_t k_phase = 0, v_phase = 0;  // parity of each barrier's next completion
 
     const CtaPlace at = cta_place<kSplit>(p);
     const int warp = threadIdx.x / 32;
@@ -70,7 +80,20 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     using KvCopy = TileCopy<C, C::kBc>;
     auto load_kv = [&](elem_t* dst, const elem_t* head_base, int64_t seq_stride,
                        int64_t page_stride, int block) {
-        if (kKvcache && p.block_table != nullptr) {
+        if (kTmaCapable && tma) {
+            // (Two calls, not one on `is_k ? p.tma_k : p.tma_v`: nvcc 13.0 segfaulted on
+            // that form.)
+            constexpr uint32_t kTileBytes = C::kBc * C::kDHead * sizeof(elem_t);
+            if (threadIdx.x == 0 && dst == sK) {
+                mbarrier_arrive_expect_tx(&tile_full[1], kTileBytes);
+                tma_load_5d(smem_addr(dst), p.tma_k, &tile_full[1], 0, block * C::kBc, 0,
+                            at.head_k, at.batch);
+            } else if (threadIdx.x == 0) {
+                mbarrier_arrive_expect_tx(&tile_full[2], kTileBytes);
+                tma_load_5d(smem_addr(dst), p.tma_v, &tile_full[2], 0, block * C::kBc, 0,
+                            at.head_k, at.batch);
+            }
+        } else if (kKvcache && p.block_table != nullptr) {
             // This batch entry's row of the block table (formed here, not held across the loop:
             // the 255-register configs have no room for it).
             const int32_t* pages = p.block_table + int64_t(at.batch) * p.block_table_stride;
@@ -82,8 +105,44 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
         }
     };
 
-    QCopy::load(sQ, q, p.q_seq_stride, q_rows);
-    copy_commit<C>();
+    if (kTmaCapable && tma) {
+        if (threadIdx.x == 0) {
+            tma_prefetch_map(p.tma_q);  // the maps' fetch overlaps the setup
+            tma_prefetch_map(p.tma_k);
+            tma_prefetch_map(p.tma_v);
+            for (int i = 0; i < 3; ++i) mbarrier_init(&tile_full[i], 1);
+            fence_proxy_async_shared();  // the copy engine completes on them: see them set
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            mbarrier_arrive_expect_tx(&tile_full[0], C::kBr * C::kDHead * sizeof(elem_t));
+            tma_load_5d(smem_addr(sQ), p.tma_q, &tile_full[0], 0, q_row0, 0, at.head, at.batch);
+        }
+    } else {
+        QCopy::load(sQ, q, p.q_seq_stride, q_rows);
+        copy_commit<C>();
+    }
+    // The tile waits: TMA's barriers, or this thread's cp.async groups.
+    auto wait_q = [&] {
+        if (kTmaCapable && tma) mbarrier_wait(&tile_full[0], 0);  // completes once: parity 0
+        else copy_wait_all<C>();
+    };
+    auto wait_k = [&] {
+        if (kTmaCapable && tma) {
+            mbarrier_wait(&tile_full[1], k_phase);
+            k_phase ^= 1;
+        } else {
+            copy_wait_all<C>();
+        }
+    };
+    auto wait_v = [&] {
+        if (kTmaCapable && tma) {
+            mbarrier_wait(&tile_full[2], v_phase);
+            v_phase ^= 1;
+        } else {
+            copy_wait_all<C>();
+        }
+    };
     // With a specialised first iteration (optimized_softmax), the first block's V is loaded
     // here too: the first QK^T is too short to hide a V load from global memory, while every
     // later V load overlaps the previous block's softmax and PV.
@@ -104,9 +163,11 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     using Gemm = std::conditional_t<C::kWgmma, WarpgroupGemm<C>, WarpGemm<C>>;
     Gemm gemm(sQ, sK, sV, warp, lane);
     if constexpr (Gemm::kQInRegisters) {
-        copy_wait_all<C>();
+        wait_q();
         __syncthreads();
         gemm.load_q_whole();
+    } else if (kTmaCapable && tma) {
+        wait_q();  // (cp.async: the first K wait below covers Q's group too)
     }
 
     float O[kM][C::kOTiles][4];
@@ -123,7 +184,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
         constexpr bool kFirst = decltype(first_tag)::value;
         if constexpr (C::kEagerLoad) {
             // K_block has landed; every warp is done with the previous V.
-            copy_wait_all<C>();
+            wait_k();
             __syncthreads();
             if constexpr (!(kPrefetchFirstV && kFirst)) {
                 load_kv(sV, v, p.v_seq_stride, p.v_batch_stride, block);  // overlaps QK^T
@@ -131,7 +192,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
             copy_commit<C>();
             gemm.qk(S);
             // V_block has landed; every warp is done reading K.
-            copy_wait_all<C>();
+            wait_v();
             __syncthreads();
             // The next block's K overlaps softmax + PV.
             if constexpr (C::kKvReverse) {
@@ -217,7 +278,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
 
     // O goes registers -> shared (over Q) -> global, so the global stores are 16-byte and
     // coalesced. Wait for every copy first: with no visible KV block the Q copy may still fly.
-    copy_wait_all<C>();
+    wait_q();
     __syncthreads();
     o_to_smem<C>(sQ, O, warp_row0, lane);
     __syncthreads();

@@ -88,6 +88,11 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     // split and cache-addressing entries compile without them.
     const bool tma = !kSplit && !kKvcache && p.tma_loads != 0;
     if (threadIdx.x == 0) {
+        if (tma) {  // the maps' fetch overlaps the setup (short CTAs waited for it)
+            tma_prefetch_map(p.tma_q);
+            tma_prefetch_map(p.tma_k);
+            tma_prefetch_map(p.tma_v);
+        }
         const int fill_arrivals = tma ? 1 : 128;
         mbarrier_init(&q_full, fill_arrivals);
 #pragma unroll
@@ -110,8 +115,6 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
             // One thread issues every copy: a tile is one TMA box (all its slabs), so the
             // addresses are the copy engine's, not 128 threads' (docs/perf-log.md, "TMA").
             if (threadIdx.x != 0) return;
-            tma_prefetch_map(p.tma_k);
-            tma_prefetch_map(p.tma_v);
             mbarrier_arrive_expect_tx(&q_full, C::kBr * C::kDHead * sizeof(elem_t));
             tma_load_5d(smem_addr(sQ), p.tma_q, &q_full, 0, q_row0, 0, at.head, at.batch);
             for (int i = 0; i < n_steps; ++i) {

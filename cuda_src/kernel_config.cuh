@@ -67,7 +67,8 @@ struct KernelConfig {
     // A producer warpgroup loads Q and a ring of K/V stages for kWarps consumer warps
     // (fwd_warp_specialized.cuh); kWarps counts the consumers only.
     static constexpr bool kWarpSpecialized = CF_WARP_SPECIALIZED;
-    static constexpr int kKvStages = kWarpSpecialized ? 3 : 1;  // 3: +1-11% over 2 (perf log v8)
+    // 3: +1-11% over 2 at d128 (perf log v8); d256 fits two (Q 64 KB + 2 x 2 x 32 KB of 227).
+    static constexpr int kKvStages = kWarpSpecialized ? (kDHead == 256 ? 2 : 3) : 1;
 
     using elem_t = std::conditional_t<kBf16, __nv_bfloat16, __half>;
 

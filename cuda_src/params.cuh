@@ -109,8 +109,8 @@ struct Params {
     uint32_t dropout_threshold;
     const uint64_t* dropout_seed;
     float dropout_scale;
-    // 1: the warp-specialized kernel's producer loads Q, K and V through the tensor maps
-    // below (TMA) instead of cp.async. The host sets it only for calls the maps describe
+    // 1: the sm_90a kernels (the warp-specialized producer, the wgmma kernel's thread 0)
+    // load Q, K and V through the tensor maps below (TMA) instead of cp.async. The host sets it only for calls the maps describe
     // whole: a padded batch without cache addressing, one query row per position (no GQA
     // decoding rows), 16-byte aligned pointers and strides (cudaflash/_tma.py).
     int32_t tma_loads;

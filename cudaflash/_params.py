@@ -78,7 +78,7 @@ class Params(ctypes.Structure):
         ("dropout_threshold", ctypes.c_uint32),
         ("dropout_seed", ctypes.c_void_p),
         ("dropout_scale", ctypes.c_float),
-        # 1: the warp-specialized kernel loads through the tensor maps below (_tma.py)
+        # 1: the sm_90a kernels load through the tensor maps below (_tma.py)
         ("tma_loads", ctypes.c_int32),
         ("o_accum", ctypes.c_void_p),
         ("lse_accum", ctypes.c_void_p),

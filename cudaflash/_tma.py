@@ -1,4 +1,5 @@
-"""Tensor maps (TMA) for the warp-specialized forward's producer (Params.tma_q/k/v).
+"""Tensor maps (TMA) for the sm_90a forward kernels' loads (Params.tma_q/k/v): the
+warp-specialized kernel's producer and the wgmma (v6) kernel's thread 0.
 
 On Hopper the copy engine loads a whole tile from one instruction, given a CUtensorMap: 128
 opaque bytes that the driver encodes on the host (cuTensorMapEncodeTiled, through

@@ -199,8 +199,9 @@ class KernelConfig:
 
     @property
     def kv_stages(self) -> int:
-        """K/V blocks resident in shared memory at once (the producer's ring)."""
-        return 3 if self.warp_specialized else 1
+        """K/V blocks resident in shared memory at once (the producer's ring): three, or two
+        at d_head 256, where three would not fit (kKvStages, kernel_config.cuh)."""
+        return (2 if self.d_head == 256 else 3) if self.warp_specialized else 1
 
     @property
     def copy_threads(self) -> int:
@@ -210,9 +211,16 @@ class KernelConfig:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: one Q block (reused for O) plus kv_stages K and V blocks,
-        and the warp-specialized kernel's mbarriers (kWsBarrierBytes)."""
+        and the mbarriers of the kernels that can load through TMA (the warp-specialized
+        kernel's ring, kWsBarrierBytes; the wgmma kernel's three tiles, in the same room)."""
         tiles = (self.B_r + 2 * self.kv_stages * self.B_c) * self.d_head * ELEMENT_BYTES
-        return tiles + (WS_BARRIER_BYTES if self.warp_specialized else 0)
+        return tiles + (WS_BARRIER_BYTES if self.tma_loads else 0)
+
+    @property
+    def tma_loads(self) -> bool:
+        """The kernel can load its tiles through TMA tensor maps (Params.tma_loads): the
+        warp-specialized kernel, and the wgmma kernel with eager loads (flash_fwd.cu)."""
+        return self.warp_specialized or (self.wgmma and self.eager_load_blocks)
 
     def fits_arch(self, arch: int) -> bool:
         return self.smem_bytes <= ARCH_SMEM_LIMIT[arch]

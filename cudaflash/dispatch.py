@@ -38,8 +38,8 @@ class Kernel:
     # pairs: the score-modifier and kvcache entries of some configs are built for fewer CTAs
     # per SM than the plain one, and the split count must plan waves of the entry that runs.
     split_ctas: tuple
-    # The kernel's producer can load through tensor maps (Params.tma_loads: the
-    # warp-specialized kernel, sm_90a only).
+    # The kernel can load through tensor maps (Params.tma_loads: KernelConfig.tma_loads,
+    # sm_90a only).
     tma_loads: bool = False
 
     def split_ctas_per_sm(self, role: str) -> int:
@@ -194,7 +194,7 @@ def _make_kernel(dk: DeviceKernels, entry: KernelEntry, ctx: int) -> Kernel:
     return Kernel(fns=fns, label=f"cuLaunchKernel({entry.name})", block_rows=entry.config.B_r,
                   block_cols=entry.config.B_c, threads=entry.threads, smem=entry.smem_bytes,
                   synchronize=dk.debug, split_ctas=split_ctas,
-                  tma_loads=entry.config.warp_specialized)
+                  tma_loads=entry.config.tma_loads)
 
 
 # ---- backward --------------------------------------------------------------------------------

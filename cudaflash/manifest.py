@@ -51,7 +51,9 @@ from .selection import Rule, parse_rules
 # dropout with ALiBi).
 # 14: Params carries the tensor maps of q, k and v and tma_loads (in place of reserved):
 # 704 bytes; the warp-specialized forward loads through them when tma_loads is 1.
-SCHEMA = 14
+# 15: the wgmma (v6) forward also loads through the tensor maps (KernelConfig.tma_loads),
+# with 128 bytes of mbarriers after its tiles: a build from schema 14 would ignore the maps.
+SCHEMA = 15
 KINDS = ("cubin", "ptx")
 MANIFEST_NAME = "manifest.json"
 

@@ -1,4 +1,5 @@
-"""The warp-specialized forward's TMA loads (Params.tma_loads, cudaflash/_tma.py) on a GPU.
+"""The forward's TMA loads (Params.tma_loads, cudaflash/_tma.py) on a GPU: the
+warp-specialized kernel's producer and the wgmma (v6) kernel's thread 0.
 
 A call big enough for tensor maps (_tma.worth_maps) has its producer load Q, K and V through
 them; a smaller one, or any call with cache addressing, key counts or a packed batch, keeps
@@ -26,16 +27,25 @@ from test_gpu_correctness import (check_attention,
 pytestmark = pytest.mark.requires_gpu
 
 WS = "fwd_{}_d128_br128_bc128_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1_ws"
+# The wgmma (v6) kernel's TMA path, one config per head dim it serves (d, name).
+V6 = [(64, "fwd_{}_d64_br64_bc128_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas3_wgmma1"),
+      (64, "fwd_{}_d64_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1"),
+      (128, "fwd_{}_d128_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas3_wgmma1"),
+      (128, "fwd_{}_d128_br64_bc128_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1"),
+      (256, "fwd_{}_d256_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1")]
+WS256 = "fwd_{}_d256_br128_bc64_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1_ws"
+CONFIGS = [(128, WS), (256, WS256)] + V6
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @pytest.fixture(autouse=True)
 def hopper_with_ws_kernel():
     if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("tensor-map loads: the warp-specialized kernel, sm_90 only")
+        pytest.skip("tensor-map loads: the sm_90a kernels only")
     names = {k.name for k in list_kernels(0)}
-    if not {WS.format(dtype) for dtype in DTYPES} <= names:
-        pytest.fail("the warp-specialized d128 configs are not built")
+    missing = {c.format(t) for _, c in CONFIGS for t in DTYPES} - names
+    if missing:
+        pytest.fail(f"configs not built: {sorted(missing)}")
 
 
 class MapWrites:
@@ -79,6 +89,20 @@ def assert_identical(with_maps, without_maps):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_d256_ws_matches_cp_async(monkeypatch, dtype, causal):
+    """The d256 warp-specialized config (two-stage ring, four slabs per box)."""
+    q, k, v = make_qkv(2, 700, 900, 4, 2, 256, DTYPES[dtype], seed=4)
+    (out, lse), (out_ref, lse_ref) = both_paths(
+        monkeypatch, lambda: forward(WS256.format(dtype), q, k, v, causal=causal,
+                                     num_splits=1))
+    assert_identical((out, lse), (out_ref, lse_ref))
+    check_attention(out, lse, q, k, v, causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,name", CONFIGS, ids=lambda x: x if isinstance(x, int) else
+                         x.split("_", 2)[2][:40])
 @pytest.mark.parametrize("b,sq,sk,h,hk,causal", [
     (2, 1000, 1000, 4, 4, False),  # tails of query and key blocks
     (2, 300, 700, 4, 4, True),  # bottom-right causal, unequal lengths
@@ -86,22 +110,23 @@ def assert_identical(with_maps, without_maps):
     (3, 129, 129, 2, 1, True),  # MQA, one row past a block
     (1, 1, 5000, 4, 4, False),  # one query row: a Q box mostly zero fill
 ])
-def test_forward_matches_cp_async(monkeypatch, dtype, b, sq, sk, h, hk, causal):
-    q, k, v = make_qkv(b, sq, sk, h, hk, 128, DTYPES[dtype], seed=sq + sk)
-    config = WS.format(dtype)
+def test_forward_matches_cp_async(monkeypatch, dtype, d, name, b, sq, sk, h, hk, causal):
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, DTYPES[dtype], seed=sq + sk)
+    config = name.format(dtype)
     (out, lse), (out_ref, lse_ref) = both_paths(
         monkeypatch, lambda: forward(config, q, k, v, causal=causal, num_splits=1))
     assert_identical((out, lse), (out_ref, lse_ref))
     check_attention(out, lse, q, k, v, causal)
 
 
-def test_the_kernel_reads_the_maps(monkeypatch):
+@pytest.mark.parametrize("d,name", [(128, WS), V6[0], V6[2]], ids=["ws", "v6_d64", "v6_d128"])
+def test_the_kernel_reads_the_maps(monkeypatch, d, name):
     """A negative control for the bit-for-bit comparisons: with K's and V's maps swapped
     (the launcher writes the maps of (q, v, k)), the TMA kernel must compute attention with
     the keys and values swapped, i.e. exactly the cp.async result of forward(q, v, k), and
     not the result of forward(q, k, v): so the kernel loads through the maps it is given."""
-    q, k, v = make_qkv(2, 640, 640, 4, 4, 128, torch.bfloat16, seed=21)
-    config = WS.format("bf16")
+    q, k, v = make_qkv(2, 640, 640, 4, 4, d, torch.bfloat16, seed=21)
+    config = name.format("bf16")
     monkeypatch.setattr(_tma, "MIN_KEYS", 0)
     monkeypatch.setattr(_tma, "MIN_SCORES", 1 << 62)
     _plans.plans.clear()
@@ -131,25 +156,31 @@ def test_strided_views_of_packed_qkv(monkeypatch, dtype):
     check_attention(out, lse, q, k, v, True)
 
 
-def test_score_modifiers(monkeypatch):
-    """A window, softcap and ALiBi change only the consumers: same result either way."""
-    q, k, v = make_qkv(2, 640, 900, 4, 2, 128, torch.bfloat16, seed=3)
+@pytest.mark.parametrize("d,name", [(128, WS), V6[0], V6[4]],
+                         ids=["ws_d128", "v6_d64", "v6_d256"])
+def test_score_modifiers(monkeypatch, d, name):
+    """A window, softcap and ALiBi change only the consumers: same result either way (the
+    *_softcap and *_alibi entries load through the maps too)."""
+    q, k, v = make_qkv(2, 640, 900, 4, 2, d, torch.bfloat16, seed=3)
     slopes = torch.rand(4, device="cuda") * 0.5 + 0.1
     for kwargs in ({"window_size": (100, 50)}, {"softcap": 30.0},
                    {"alibi_slopes": slopes, "causal": True}):
-        results = both_paths(monkeypatch, lambda: forward(WS.format("bf16"), q, k, v,
+        results = both_paths(monkeypatch, lambda: forward(name.format("bf16"), q, k, v,
                                                           num_splits=1, **kwargs))
         assert_identical(*results)
 
 
-def test_dropout_same_mask(monkeypatch):
+@pytest.mark.parametrize("d,causal", [(128, False), (64, False), (128, True)],
+                         ids=["ws_d128", "v6_d64", "v6_d128_causal"])
+def test_dropout_same_mask(monkeypatch, d, causal):
     """flash_attn_func with dropout: the same seed gives the same output with and without
-    maps (the cudaflash_fwd_dropout entry also takes them)."""
-    q, k, v = make_qkv(2, 1024, 1024, 8, 8, 128, torch.bfloat16, seed=5)
+    maps (the cudaflash_fwd_dropout entry also takes them; the shipped rules run these
+    three on the ws kernel and on v6)."""
+    q, k, v = make_qkv(2, 1024, 1024, 8, 8, d, torch.bfloat16, seed=5)
 
     def call():
         torch.manual_seed(11)
-        return flash_attn_func(q, k, v, dropout_p=0.2, causal=False), None
+        return flash_attn_func(q, k, v, dropout_p=0.2, causal=causal), None
 
     assert_identical(*both_paths(monkeypatch, call))
 
