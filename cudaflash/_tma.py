@@ -6,7 +6,7 @@ opaque bytes that the driver encodes on the host (cuTensorMapEncodeTiled, throug
 _driver.tensor_map_encoder) and that hold the tensor's address, sizes, strides and the tile
 ("box") shape. The kernel reads the maps from its Params argument (params.cuh). A map holds
 the data pointer, so a call with new tensors needs new maps; encoding three costs ~10 us of
-host time on the H100 host (docs/bench/h100-s20-tensormap-cost.log), several times a tiny
+host time on the H100 host (docs/bench/h100-s20-tensormap-cost.log @8c3a782), several times a tiny
 call's whole host budget. So:
 
 - only calls big enough for that cost to hide behind the GPU's work, and whose CTAs visit
