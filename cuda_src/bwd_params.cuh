@@ -1,5 +1,6 @@
 // BwdParams: the one argument of every cudaflash backward kernel (cuda_src/flash_bwd.cu),
-// passed by value as `const __grid_constant__ BwdParams`. Mirrored field for field by
+// passed by value as `const __grid_constant__ BwdParams` (64-byte aligned for its tensor
+// maps, so the host launches through kernelParams, not `extra`: _driver.PackedArgs). Mirrored field for field by
 // cudaflash/_params.py (BwdParams); the size is checked on both sides.
 #pragma once
 #include <cstdint>
@@ -86,9 +87,26 @@ struct BwdParams {
     const uint64_t* dropout_seed;
     float dropout_scale;
     int32_t reserved;  // the struct's size a multiple of 8 without implicit padding
+
+    // The warp-specialized kernel's inputs (bwd_warp_specialized.cuh; null and unread for the
+    // other kernels). Its query tiles' row statistics, (batch, n_heads, dq_accum_rows) float32
+    // written by cudaflash_bwd_preprocess: lse in log2 units (+inf past seqlen_q, so those
+    // rows' P is 0) and delta (0 past seqlen_q); padded per head to whole tiles so that a
+    // tile's statistics are one aligned bulk copy.
+    float* lse_log2_tiles;
+    float* delta_tiles;
+    unsigned char maps_pad[32];  // the maps at a multiple of 64 bytes, as alignas places them
+    // The TMA tensor maps (CUtensorMap, encoded on the host: cudaflash/_tma.py) of q, k, v and
+    // dout, each (64 columns, row, slab, head, batch) with a box of the kernel's tile rows and
+    // the 128-byte swizzle: one copy lands a tile in the slab layout (smem_layout.cuh), rows
+    // past the sequence as zeros.
+    alignas(64) unsigned char tma_q[128];
+    alignas(64) unsigned char tma_k[128];
+    alignas(64) unsigned char tma_v[128];
+    alignas(64) unsigned char tma_do[128];
 };
 
-constexpr int kBwdParamsBytes = 400;
+constexpr int kBwdParamsBytes = 960;
 static_assert(sizeof(BwdParams) == kBwdParamsBytes,
               "BwdParams layout changed: update cudaflash/_params.py");
 

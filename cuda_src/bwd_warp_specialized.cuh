@@ -1,15 +1,15 @@
 // The warp-specialized dK/dV + dQ kernel of the atomic scheme on Hopper (BwdConfig::
 // kWarpSpecialized; sm_90a, wgmma, 8 consumer warps, B_r = 64): the structure of
-// FlashAttention-3's backward on cp.async instead of TMA. Three warpgroups per CTA:
+// FlashAttention-3's backward. Three warpgroups per CTA:
 //
 //   warpgroup 0, the producer (few registers, setmaxnreg):
-//     warps 0 and 2 (the loaders: K, Q, lse in log2 units; V, dO, delta) copy the CTA's keys
-//       once, then each step's query tiles and row statistics into a ring of kBwdStages
-//       stages; each waits for its own copies, fences them for the tensor cores (async proxy)
-//       and arrives on the stage's "full" mbarrier; a stage is refilled once its "empty"
-//       mbarrier says every consumer warp's GEMMs have read it. (Two loaders, each one
-//       instance of a generic lambda, keep only their own pointers: one loader for all four
-//       tiles spilled more at the producer's 24 registers.)
+//     one thread of warp 0 (the loader) issues every load through TMA: the CTA's K and V
+//       tiles once, then each step's Q and dO tiles (tensor maps, BwdParams::tma_*) and its
+//       rows' lse (log2 units) and delta (bulk copies of the padded statistics the preprocess
+//       kernel wrote) into a ring of kBwdStages stages, each stage's "full" mbarrier counting
+//       the bytes down; a stage is refilled once its "empty" mbarrier says every consumer
+//       warp's GEMMs have read it. (Until v5 two warps did this with cp.async, spilling their
+//       bookkeeping at the producer's 24 registers: perf log "Backward v5".)
 //     warp 1 (the dQ reducer) adds each step's dQ tile (64 query rows x d_head, float32) from
 //       shared memory to the global accumulator with one bulk reduction (cp.reduce.async.bulk)
 //       as soon as the consumers have written it, and hands the tile's buffer back once the
@@ -94,8 +94,8 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
     float* sLse = sdQ + 2 * kDqTileFloats;                       // kStages x kQ, log2 units
     float* sDelta = sLse + kStages * kQ;                         // kStages x kQ
     uint64_t* bars = reinterpret_cast<uint64_t*>(sDelta + kStages * kQ);
-    uint64_t& kv_full = bars[0];   // the loaders' 64 threads: K and V have landed
-    uint64_t* full = bars + 1;     // per stage, the loaders' 64 threads: the stage has landed
+    uint64_t& kv_full = bars[0];   // the loader's bytes: K and V have landed
+    uint64_t* full = bars + 1;     // per stage, the loader's bytes: the stage has landed
     uint64_t* empty = full + kStages;  // per stage, lane 0 of each consumer warp: read
 
     const int head_k = blockIdx.y;
@@ -124,68 +124,57 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
     const StepWalk walk0{head_k * group, tiles.first * kQ, tiles.first * kQ,
                          (tiles.first + tiles.per_head) * kQ};
 
+    // One producer thread issues every load through TMA: K and V once (tensor maps), then
+    // per step the Q and dO tiles (tensor maps) and the tile's lse and delta (plain bulk
+    // copies of the padded statistics). Each "full" barrier takes that thread's one arrival
+    // with the bytes as its transaction count, which the copies count down.
+    constexpr uint32_t kKvBytes = 2 * kKeys * kD * sizeof(elem_t);
+    constexpr uint32_t kStageBytes = 2 * kQ * kD * sizeof(elem_t) + 2 * kQ * sizeof(float);
     if (threadIdx.x == 0) {
-        mbarrier_init(&kv_full, 64);
+        // The maps' fetch overlaps the barrier setup.
+        tma_prefetch_map(p.tma_k);
+        tma_prefetch_map(p.tma_v);
+        tma_prefetch_map(p.tma_q);
+        tma_prefetch_map(p.tma_do);
+        mbarrier_init(&kv_full, 1);
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
-            mbarrier_init(&full[s], 64);
+            mbarrier_init(&full[s], 1);
             mbarrier_init(&empty[s], kBwdConsumerThreads / 32);
         }
+        // The copy engine (the async proxy) completes transactions on these barriers: it must
+        // see them initialised (the CUDA guide's TMA pattern).
+        fence_proxy_async_shared();
     }
     __syncthreads();
 
     if (warp < 4) {
         warpgroup_reg_dealloc<kBwdProducerRegs>();
-        if (warp == 0 || warp == 2) {
-            // ---- loaders: warp 0 copies K, then each step's Q and lse; warp 2 V, dO, delta.
-            // Two instances of one body, so each keeps only its own pointers in registers.
-            auto loader = [&](auto second_loader) {
-                constexpr bool kSecond = decltype(second_loader)::value;
-                const Strides& key_strides = kSecond ? p.v_strides : p.k_strides;
-                load_rows_by<C, kKeys, 32>(
-                    kSecond ? sV : sK,
-                    row_of(static_cast<const elem_t*>(kSecond ? p.v : p.k), key_strides, batch,
-                           key0, head_k),
-                    key_strides.seq, key_rows, lane);
-                cp_async_commit();
-                cp_async_wait<0>();
-                fence_proxy_async_shared();
-                mbarrier_arrive(&kv_full);
-                elem_t* tiles_dst = kSecond ? sdO : sQ;
-                float* stats_dst = kSecond ? sDelta : sLse;
-                const Strides& strides = kSecond ? p.do_strides : p.q_strides;
-                const elem_t* src = static_cast<const elem_t*>(kSecond ? p.dout : p.q);
-                const float* stats_src = kSecond ? p.delta : p.lse;
-                StepWalk at = walk0;
-                for (int step = 0; step < n_steps; ++step, at.next()) {
-                    const int stage = step % kStages;
-                    mbarrier_wait(&empty[stage], ((step / kStages) & 1) ^ 1);
-                    const int rows = min(kQ, p.seqlen_q - at.q0);
-                    elem_t* dst = tiles_dst + stage * kQ * kD;
-                    const elem_t* rows_src = row_of(src, strides, batch, at.q0, at.head);
-                    // Only a head's last query tile can be short: it takes the general copy.
-                    if (rows == kQ) {
-                        load_full_rows_by_warp<C, kQ>(dst, rows_src, strides.seq, lane);
-                    } else {
-                        load_rows_by<C, kQ, 32>(dst, rows_src, strides.seq, rows, lane);
-                    }
-                    cp_async_commit();
-                    const float* stats = stats_src + batch * p.lse_batch_stride +
-                                         at.head * p.lse_head_stride + at.q0;
-#pragma unroll
-                    for (int i = lane; i < kQ; i += 32) {
-                        const float x = i < rows ? stats[i] : 0.f;
-                        stats_dst[stage * kQ + i] = kSecond ? x : lse_log2_of(x, i < rows);
-                    }
-                    cp_async_wait<0>();
-                    fence_proxy_async_shared();
-                    mbarrier_arrive(&full[stage]);  // releases the stats stores too
-                }
-            };
-            if (warp == 0) {
-                loader(std::false_type{});
-            } else {
-                loader(std::true_type{});
+        if (warp == 0) {
+            // ---- loader: one thread -------------------------------------------------------
+            if (lane != 0) return;
+            mbarrier_arrive_expect_tx(&kv_full, kKvBytes);
+            tma_load_5d(smem_addr(sK), p.tma_k, &kv_full, 0, key0, 0, head_k, batch);
+            tma_load_5d(smem_addr(sV), p.tma_v, &kv_full, 0, key0, 0, head_k, batch);
+            StepWalk at = walk0;
+            // Not unrolled: nvcc's unrolled copies spilled at the producer's 24 registers.
+#pragma unroll 1
+            for (int step = 0; step < n_steps; ++step, at.next()) {
+                const int stage = step % kStages;
+                mbarrier_wait(&empty[stage], ((step / kStages) & 1) ^ 1);
+                mbarrier_arrive_expect_tx(&full[stage], kStageBytes);
+                tma_load_5d(smem_addr(sQ + stage * kQ * kD), p.tma_q, &full[stage], 0, at.q0, 0,
+                            at.head, batch);
+                tma_load_5d(smem_addr(sdO + stage * kQ * kD), p.tma_do, &full[stage], 0, at.q0,
+                            0, at.head, batch);
+                // (recomputed per step from the params, not kept across the loop: the
+                // producer's 24 registers)
+                const int64_t row =
+                    (int64_t(batch) * p.n_heads + at.head) * dq_accum_rows(p) + at.q0;
+                bulk_load(smem_addr(sLse + stage * kQ), p.lse_log2_tiles + row,
+                          kQ * sizeof(float), &full[stage]);
+                bulk_load(smem_addr(sDelta + stage * kQ), p.delta_tiles + row,
+                          kQ * sizeof(float), &full[stage]);
             }
         } else if (warp == 1) {
             // ---- dQ reducer --------------------------------------------------------------

@@ -329,7 +329,18 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& p) {
         for (int c = 2 * lane; c < kD; c += 64)
             *reinterpret_cast<float2*>(accum + c) = make_float2(0.f, 0.f);
     }
-    if (row >= p.seqlen_q) return;
+    // The warp-specialized kernel's padded statistics (bwd_params.cuh): the rows past
+    // seqlen_q get lse +inf (P = 0) and delta 0, so its bulk copies of whole tiles read no
+    // stale values.
+    const int64_t tile_row = (int64_t(batch) * p.n_heads + head) * dq_accum_rows(p) + row;
+    const bool tiles = p.lse_log2_tiles != nullptr;
+    if (row >= p.seqlen_q) {
+        if (tiles && row < dq_accum_rows(p) && lane == 0) {
+            p.lse_log2_tiles[tile_row] = INFINITY;
+            p.delta_tiles[tile_row] = 0.f;
+        }
+        return;
+    }
     const elem_t* o = row_of(static_cast<const elem_t*>(p.o), p.o_strides, batch, row, head);
     const elem_t* dout =
         row_of(static_cast<const elem_t*>(p.dout), p.do_strides, batch, row, head);
@@ -342,7 +353,14 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& p) {
     }
 #pragma unroll
     for (int m = 16; m > 0; m /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, m);
-    if (lane == 0) p.delta[batch * p.lse_batch_stride + head * p.lse_head_stride + row] = sum;
+    if (lane == 0) {
+        const int64_t stats_row = batch * p.lse_batch_stride + head * p.lse_head_stride + row;
+        p.delta[stats_row] = sum;
+        if (tiles) {
+            p.lse_log2_tiles[tile_row] = lse_log2_of(p.lse[stats_row], true);
+            p.delta_tiles[tile_row] = sum;
+        }
+    }
 }
 
 // ---- dQ = softmax_scale * accumulator (the atomic scheme) -----------------------------------

@@ -228,6 +228,19 @@ __device__ __forceinline__ void tma_load_5d(uint32_t dst, const void* map, uint6
 #endif
 }
 
+// A plain bulk copy (no tensor map) of `bytes` contiguous bytes from global memory to shared
+// memory at dst, completing on `bar` as tma_load_5d's boxes do. Both addresses 16-byte aligned,
+// `bytes` a multiple of 16; nothing is zero-filled, so the source must hold all of them.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes,
+                                          uint64_t* bar) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+        ::"r"(dst), "l"(src), "r"(bytes), "r"(smem_addr(bar))
+        : "memory");
+#endif
+}
+
 // setmaxnreg (sm_90a): this warpgroup's registers per thread move to kRegs (a multiple of 8 in
 // 24..256), giving them back to the CTA's pool (dec) or taking them from it (inc).
 template <int kRegs>

@@ -23,7 +23,7 @@ from typing import Mapping, Protocol
 
 from ._env import log
 from .driver_compat import cuda_version_text, describe_driver, driver_branch
-from ._params import (PARAMS_FIXED_FORMAT, PARAMS_POINTERS_BYTES,
+from ._params import (PARAMS_FIXED_FORMAT, PARAMS_MAPS_OFFSET, PARAMS_POINTERS_BYTES,
                       PARAMS_POINTERS_FORMAT, PARAMS_WORKSPACE_FORMAT, PARAMS_WORKSPACE_OFFSET,
                       Params)
 
@@ -356,12 +356,6 @@ def tensor_map_encoder(dtype: str, dims: tuple, strides: tuple, box: tuple):
 # ---- launch ----------------------------------------------------------------------------------
 
 
-# cuLaunchKernel's ``extra`` option keys (cuda.h's CU_LAUNCH_PARAM_*_AS_INT values):
-# PackedArgs' structs (BwdParams, AppendParams) go to the driver as one packed buffer, the use
-# ``extra`` is meant for (the forward's Params cannot: _ArgBuffer).
-_LAUNCH_PARAM_END, _LAUNCH_PARAM_BUFFER_POINTER, _LAUNCH_PARAM_BUFFER_SIZE = 0, 1, 2
-
-
 class _ArgBuffer(threading.local):
     """Per thread: one Params struct and the one-element ``kernelParams`` array that hands it
     to cuLaunchKernel. Not ``extra``'s packed buffer (what PackedArgs uses): the driver copies
@@ -382,9 +376,10 @@ class _ArgBuffer(threading.local):
         self.kernel_params = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
         # What a launch reads, as one attribute (each read of a threading.local attribute
         # costs a lookup of the thread's state): a byte view of params for struct.pack_into,
-        # the address of the kernelParams array, and params' own (where the tensor maps go).
+        # the address of the kernelParams array, and where in params the tensor maps go.
         self.pack_target = (memoryview(self.params).cast("B"),
-                            ctypes.addressof(self.kernel_params), ctypes.addressof(self.params))
+                            ctypes.addressof(self.kernel_params),
+                            ctypes.addressof(self.params) + PARAMS_MAPS_OFFSET)
 
 
 _arg_buffer = _ArgBuffer()
@@ -444,10 +439,10 @@ class Launcher:
         """Launch on ``stream`` (a raw CUstream handle, 0 for the legacy default stream) with
         these data pointers (``lse`` 0: the kernel writes no lse; ``cu_seqlens_*`` 0: not a
         packed batch)."""
-        params_bytes, kernel_params, params_address = _arg_buffer.pack_target
+        params_bytes, kernel_params, maps_address = _arg_buffer.pack_target
         _pack_params(params_bytes, 0, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, self._fixed)
         if self._maps is not None:
-            self._maps.write(params_address, q, k, v)
+            self._maps.write(maps_address, q, k, v)
         stream_obj = _stream_objects.get(stream)
         if stream_obj is None:
             stream_obj = _new_stream_object(stream)
@@ -488,17 +483,17 @@ def _synchronize_unless_capturing(stream: int, label: str) -> None:
 
 
 class PackedArgs:
-    """An already packed kernel argument struct and the ``extra`` array that hands it to
-    cuLaunchKernel, for launches outside the Launcher's per-call economies (the backward's:
-    three heavy launches per step share one). Keep it alive until the launches return.
-    Only for structs aligned to 8 bytes (BwdParams, AppendParams): see _ArgBuffer."""
+    """An already packed kernel argument struct and the one-element ``kernelParams`` array
+    that hands it to cuLaunchKernel, for launches outside the Launcher's per-call economies
+    (the backward's: three heavy launches per step share one; the kvcache append's). Keep it
+    alive until the launches return. kernelParams, not ``extra``'s packed buffer: BwdParams
+    is 64-byte aligned for its tensor maps, which only kernelParams places right (_ArgBuffer).
+    ``address`` is the struct's, for writing its tensor maps in place."""
 
     def __init__(self, params: bytes) -> None:
         self.buffer = ctypes.create_string_buffer(params, len(params))
-        self.size = ctypes.c_size_t(len(params))
-        self.extra = (ctypes.c_void_p * 5)(
-            _LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(self.buffer),
-            _LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(self.size), _LAUNCH_PARAM_END)
+        self.address = ctypes.addressof(self.buffer)
+        self.kernel_params = (ctypes.c_void_p * 1)(self.address)
 
 
 def launch_packed(fn, label: str, grid: tuple[int, int, int], threads: int, smem: int,
@@ -508,7 +503,7 @@ def launch_packed(fn, label: str, grid: tuple[int, int, int], threads: int, smem
     if stream_obj is None:
         stream_obj = _new_stream_object(stream)
     # The driver copies the parameters before cuLaunchKernel returns.
-    check(_cu().cuLaunchKernel(fn, *grid, threads, 1, 1, smem, stream_obj, None,
-                               ctypes.addressof(args.extra)), label)
+    check(_cu().cuLaunchKernel(fn, *grid, threads, 1, 1, smem, stream_obj,
+                               ctypes.addressof(args.kernel_params), 0), label)
     if synchronize:
         _synchronize_unless_capturing(stream, label)

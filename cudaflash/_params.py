@@ -224,13 +224,26 @@ class BwdParams(ctypes.Structure):
         ("dropout_seed", ctypes.c_void_p),
         ("dropout_scale", ctypes.c_float),
         ("reserved", ctypes.c_int32),
+        # the warp-specialized kernel's padded row statistics (lse in log2 units, delta),
+        # 0 for other kernels; then the tensor maps of q, k, v and dout (64-byte aligned in
+        # the CUDA struct: maps_pad brings the fields before them to 448 bytes), written per
+        # call by _tma.py, never packed through BWD_PARAMS_FORMAT
+        ("lse_log2_tiles", ctypes.c_void_p),
+        ("delta_tiles", ctypes.c_void_p),
+        ("maps_pad", ctypes.c_ubyte * 32),
+        ("tma_q", ctypes.c_ubyte * 128),
+        ("tma_k", ctypes.c_ubyte * 128),
+        ("tma_v", ctypes.c_ubyte * 128),
+        ("tma_do", ctypes.c_ubyte * 128),
     ]
 
 
 BWD_PARAMS_BYTES = ctypes.sizeof(BwdParams)
+BWD_PARAMS_MAPS_OFFSET = BwdParams.tma_q.offset  # q, k, v, dout maps, to the struct's end
 # backward.run packs all of BwdParams at once: 11 pointers, 8 x 3 tensor strides + 2 lse
 # strides, 6 sizes, 2 scales, the packed batch's 2 offset pointers and 2 totals, the window's
-# 2 sides, softcap_pre, alibi_scale, ALiBi's slopes and batch stride, the reserved int.
+# 2 sides, softcap_pre, alibi_scale, ALiBi's slopes and batch stride, dropout's three fields,
+# the reserved int, the two statistics pointers (the maps after them: padding to the format).
 BWD_PARAMS_FORMAT = struct_format(BwdParams)
 
 

@@ -1,5 +1,6 @@
-"""Tensor maps (TMA) for the sm_90a forward kernels' loads (Params.tma_q/k/v): the
-warp-specialized kernel's producer and the wgmma (v6) kernel's thread 0.
+"""Tensor maps (TMA) for the sm_90a kernels' loads: the forward's (Params.tma_q/k/v: the
+warp-specialized kernel's producer and the wgmma (v6) kernel's thread 0) and the
+warp-specialized backward's (BwdParams.tma_q/k/v/do: its loader thread).
 
 On Hopper the copy engine loads a whole tile from one instruction, given a CUtensorMap: 128
 opaque bytes that the driver encodes on the host (cuTensorMapEncodeTiled, through
@@ -9,14 +10,16 @@ the data pointer, so a call with new tensors needs new maps; encoding three cost
 host time on the H100 host (docs/bench/h100-s20-tensormap-cost.log @8c3a782), several times a tiny
 call's whole host budget. So:
 
-- only calls big enough for that cost to hide behind the GPU's work, and whose CTAs visit
-  enough keys to hide a map's fetch, use maps at all (``worth_maps``); smaller ones keep
-  the cp.async producer (Params.tma_loads = 0);
+- only forward calls big enough for that cost to hide behind the GPU's work, and whose CTAs
+  visit enough keys to hide a map's fetch, use maps at all (``worth_maps``); smaller ones
+  keep the cp.async producer (Params.tma_loads = 0). The warp-specialized backward loads
+  through maps only (``backward_maps``): three launches and a training step's other work
+  stand behind its encode;
 - the maps of a tensor layout (dtype, shapes, strides, tile rows) are one ``TensorMaps``,
   shared by every launch of that layout (flash_attn_func's plans, and the checked path that
   autograd's forward takes on every call), which keeps the maps of the pointer triples it
   has seen: the steady state of a training loop, where the allocator hands the same
-  addresses back each step, copies 384 cached bytes instead of encoding.
+  addresses back each step, copies the cached bytes instead of encoding.
 
 Each map is 5-D, innermost first: (64 columns of a slab, sequence position, slab, head,
 batch entry), box (64, tile rows, all slabs, 1, 1), 128-byte swizzle, so that one copy lands
@@ -33,10 +36,11 @@ from typing import Optional
 import torch
 
 from . import _driver
-from ._params import PARAMS_MAPS_OFFSET
+from ._params import BWD_PARAMS_MAPS_OFFSET, PARAMS_MAPS_OFFSET
 
 SLAB_COLUMNS = 64  # a 128-byte swizzle row holds 64 16-bit elements
 MAPS_OFFSET = PARAMS_MAPS_OFFSET  # q, k, v maps follow each other in Params
+BWD_MAPS_OFFSET = BWD_PARAMS_MAPS_OFFSET  # q, k, v, dout maps, in BwdParams
 MAP_BYTES = 128
 # Pointer triples kept per layout: a model's layers share one layout, each with its own
 # tensors (one triple per layer and step): room for the layers of large models. Layouts
@@ -88,26 +92,26 @@ def _layout(shape: tuple, strides: tuple, element_size: int, box_rows: int):
 
 
 class TensorMaps:
-    """The maps of one tensor layout: ``write(q, k, v)`` puts the maps of those data pointers
-    into the Params buffer at ``address``, from the cache or freshly encoded."""
+    """The maps of one tensor layout: ``write(address, *pointers)`` puts the maps of those
+    data pointers (q, k, v for the forward; q, k, v, dout for the backward) at ``address``
+    (the maps' offset in a Params or BwdParams buffer), from the cache or freshly encoded."""
 
     __slots__ = ("_encoders", "_cache")
 
     def __init__(self, encoders: list) -> None:
-        self._encoders = encoders  # q, k, v: functions (pointer, destination address) -> None
-        self._cache: dict[tuple[int, int, int], bytes] = {}
+        self._encoders = encoders  # per tensor: function (pointer, destination address) -> None
+        self._cache: dict[tuple, bytes] = {}
 
-    def write(self, address: int, q: int, k: int, v: int) -> None:
-        key = (q, k, v)
-        maps = self._cache.get(key)
+    def write(self, address: int, *pointers: int) -> None:
+        maps = self._cache.get(pointers)
         if maps is not None:
-            ctypes.memmove(address + MAPS_OFFSET, maps, 3 * MAP_BYTES)
+            ctypes.memmove(address, maps, len(maps))
             return
-        for i, (encode, pointer) in enumerate(zip(self._encoders, key)):
-            encode(pointer, address + MAPS_OFFSET + i * MAP_BYTES)
-        self.remember(key, ctypes.string_at(address + MAPS_OFFSET, 3 * MAP_BYTES))
+        for i, (encode, pointer) in enumerate(zip(self._encoders, pointers)):
+            encode(pointer, address + i * MAP_BYTES)
+        self.remember(pointers, ctypes.string_at(address, len(pointers) * MAP_BYTES))
 
-    def remember(self, key: tuple[int, int, int], maps: bytes) -> None:
+    def remember(self, key: tuple, maps: bytes) -> None:
         if len(self._cache) >= MAX_CACHED:
             self._cache.clear()
         self._cache[key] = maps
@@ -115,41 +119,57 @@ class TensorMaps:
 
 def tensor_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_rows: int,
                 kv_rows: int) -> Optional[TensorMaps]:
-    """The maps of a call on q, k, v (batch, seqlen, heads, d_head), with boxes of ``q_rows``
-    query rows (B_r) and ``kv_rows`` keys (B_c): the layout's shared TensorMaps, or None where
-    TMA cannot describe one of the tensors (then the kernel keeps cp.async)."""
-    key = (q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q_rows,
-           kv_rows)
+    """The forward's maps of a call on q, k, v (batch, seqlen, heads, d_head), with boxes of
+    ``q_rows`` query rows (B_r) and ``kv_rows`` keys (B_c): the layout's shared TensorMaps, or
+    None where TMA cannot describe one of the tensors (then the kernel keeps cp.async)."""
+    return _shared_maps(((q, q_rows), (k, kv_rows), (v, kv_rows)))
+
+
+def backward_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                  q_rows: int, kv_rows: int) -> Optional[TensorMaps]:
+    """The warp-specialized backward's maps of q, k, v and dout (BwdParams.tma_*): boxes of
+    ``q_rows`` query rows (the kernel's step) for q and dout and ``kv_rows`` keys (its CTA's
+    tile) for k and v; None where TMA cannot describe a tensor (backward.run then takes the
+    deterministic kernels)."""
+    return _shared_maps(((q, q_rows), (k, kv_rows), (v, kv_rows), (dout, q_rows)))
+
+
+def _shared_maps(tensors: tuple) -> Optional[TensorMaps]:
+    """The TensorMaps of a layout, given its (tensor, box rows) pairs: the shared one, or a new
+    one (or None) remembered for the next call of that layout."""
+    key = tuple((t.dtype, t.shape, t.stride(), rows) for t, rows in tensors)
     try:
         return _layouts[key]
     except KeyError:
         pass
-    maps = _new_maps(q, k, v, q_rows, kv_rows)
+    maps = _new_maps(tensors)
     if len(_layouts) >= MAX_LAYOUTS:
         _layouts.clear()
     _layouts[key] = maps
     return maps
 
 
-def _new_maps(q, k, v, q_rows: int, kv_rows: int) -> Optional[TensorMaps]:
+def _new_maps(tensors: tuple) -> Optional[TensorMaps]:
     """A layout's TensorMaps, its cache seeded with this call's maps (encoded once here, so
     that a layout the driver refuses keeps cp.async rather than failing a call), or None."""
-    if q.dtype not in _DTYPES or q.shape[3] % SLAB_COLUMNS:
+    dtype = tensors[0][0].dtype
+    if dtype not in _DTYPES or any(t.dtype != dtype or t.shape[3] % SLAB_COLUMNS
+                                   for t, _ in tensors):
         return None
     encoders = []
-    scratch = ctypes.create_string_buffer(3 * MAP_BYTES)
-    for i, (name, t, rows) in enumerate((("q", q, q_rows), ("k", k, kv_rows),
-                                         ("v", v, kv_rows))):
+    scratch = ctypes.create_string_buffer(len(tensors) * MAP_BYTES)
+    for i, (t, rows) in enumerate(tensors):
         layout = _layout(tuple(t.shape), t.stride(), t.element_size(), rows)
         if layout is None:
             return None
-        encode = _driver.tensor_map_encoder(_DTYPES[q.dtype], *layout)
+        encode = _driver.tensor_map_encoder(_DTYPES[dtype], *layout)
         try:
             encode(t.data_ptr(), ctypes.addressof(scratch) + i * MAP_BYTES)
         except _driver.CudaError as e:
-            log.debug("no tensor map for %s (cp.async loads): %s", name, e)
+            log.debug("no tensor map for tensor %d of %s (cp.async loads): %s", i,
+                      tuple(t.shape), e)
             return None
         encoders.append(encode)
     maps = TensorMaps(encoders)
-    maps.remember((q.data_ptr(), k.data_ptr(), v.data_ptr()), scratch.raw)
+    maps.remember(tuple(t.data_ptr() for t, _ in tensors), scratch.raw)
     return maps

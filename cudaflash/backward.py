@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _driver, dispatch, heuristics
+from . import _driver, _tma, dispatch, heuristics
 from ._params import (BWD_PARAMS_FORMAT, alibi_params, dropout_params,
                       score_scales)
 from ._torch import current_stream
@@ -154,6 +154,17 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                              atomic is not None and atomic.config.wgmma, window)
     kernel = dispatch.backward_kernel(_driver.current_context(index), index, q.dtype, d_head,
                                       scheme)
+    maps = None
+    if kernel.entry.config.warp_specialized and scheme == "atomic":
+        # Its loader reads q, k, v and dout through tensor maps only. The kernel-ready
+        # tensors (whole 16-byte strides and alignment) always have one; should the driver
+        # still refuse, the deterministic kernels serve the call.
+        maps = _tma.backward_maps(q, k, v, dout, kernel.entry.config.ws_query_rows,
+                                  kernel.entry.cta_rows)
+        if maps is None:
+            scheme = "deterministic"
+            kernel = dispatch.backward_kernel(_driver.current_context(index), index, q.dtype,
+                                              d_head, scheme)
     deterministic = scheme == "deterministic"
     delta = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device)
     lse = lse.contiguous()  # the forward's own: already (batch, nheads, seqlen_q), contiguous
@@ -162,6 +173,10 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     accum_rows = -(-seqlen_q // DQ_ACCUM_ROW_ALIGN) * DQ_ACCUM_ROW_ALIGN
     dq_accum = None if deterministic else torch.empty(
         (batch, n_heads, accum_rows, d_head), dtype=torch.float32, device=q.device)
+    # The warp-specialized kernel's row statistics, padded like the accumulator (the
+    # preprocess kernel writes lse in log2 units and delta there: bwd_params.cuh).
+    stats = None if maps is None else torch.empty(
+        (2, batch, n_heads, accum_rows), dtype=torch.float32, device=q.device)
 
     strides = [x for t in (q, k, v, out, dout, dq, dk, dv) for x in t.stride()[:3]]
     scales = score_scales(scale, softcap)  # as the forward's Params had them
@@ -172,7 +187,11 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal), *scales[:2],
         0, 0, 0, 0,  # not a packed batch
         *window, *scales[2:], *alibi_params(alibi_slopes), *dropout_params(dropout),
-        0))  # reserved
+        0,  # reserved
+        *((0, 0) if stats is None else (stats[0].data_ptr(), stats[1].data_ptr()))))
+    if maps is not None:
+        maps.write(args.address + _tma.BWD_MAPS_OFFSET, q.data_ptr(), k.data_ptr(),
+                   v.data_ptr(), dout.data_ptr())
 
     go = _Launches(kernel, current_stream(index), args, seqlen_q,
                    seqlen_k, n_heads, n_heads_k, batch)
@@ -221,7 +240,8 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         *strides, 0, total_q, batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal),
         *scales[:2], cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), total_q, total_k,
         *window, *scales[2:], *alibi_params(alibi_slopes), *dropout_params(dropout),
-        0))  # reserved
+        0,  # reserved
+        0, 0))  # the warp-specialized kernel's statistics: not run here
 
     go = _Launches(kernel, current_stream(index), args, seqlen_q,
                    seqlen_k, n_heads, n_heads_k, batch)

@@ -53,7 +53,10 @@ from .selection import Rule, parse_rules
 # 704 bytes; the warp-specialized forward loads through them when tma_loads is 1.
 # 15: the wgmma (v6) forward also loads through the tensor maps (KernelConfig.tma_loads),
 # with 128 bytes of mbarriers after its tiles: a build from schema 14 would ignore the maps.
-SCHEMA = 15
+# 16: BwdParams carries the warp-specialized backward's padded row statistics and the tensor
+# maps of q, k, v and dout (960 bytes, 64-byte aligned: launched through kernelParams); that
+# kernel loads through them only.
+SCHEMA = 16
 KINDS = ("cubin", "ptx")
 MANIFEST_NAME = "manifest.json"
 

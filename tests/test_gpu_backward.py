@@ -6,7 +6,7 @@ schemes: atomic dq accumulation (deterministic=False, the default) and determini
 import pytest
 import torch
 
-from cudaflash import flash_attn_func
+from cudaflash import _tma, flash_attn_func
 from cudaflash.backward_config import BWD_D_HEADS
 from test_gpu_correctness import (COMBOS, DTYPES, _assert_within, _combo_id, attention_ref,
                                   check_attention, fp32_reference_without_tf32,  # noqa: F401
@@ -255,6 +255,71 @@ def test_key_tail_with_very_negative_scores_gives_finite_gradients(monkeypatch):
                 raise AssertionError(f"({scheme}) {e}") from None
 
     for_each_backward_module(monkeypatch, body)
+
+
+def warp_specialized_backward(dtype, d):
+    """The atomic scheme's module for (dtype, d) when it is the warp-specialized one (sm_90),
+    else skip: only that kernel loads through tensor maps."""
+    entry = internals.find_backward_entry(torch.cuda.current_device(), dtype, d, "atomic")
+    if entry is None or not entry.config.warp_specialized:
+        pytest.skip("the warp-specialized backward (tensor-map loads) runs on sm_90 only")
+    return entry
+
+
+@pytest.mark.parametrize("combo", BWD_COMBOS, ids=_combo_id)
+@pytest.mark.parametrize("b,sq,sk,h,hk,causal", [
+    (2, 333, 517, 4, 2, False),  # query and key tails (zero fill), GQA
+    (1, 700, 300, 2, 1, True),  # MQA, more query rows than keys, bottom-right causal
+    (3, 129, 1000, 2, 2, True),  # one row past a query tile: the padded statistics
+])
+def test_warp_specialized_backward_loads_through_maps(combo, b, sq, sk, h, hk, causal,
+                                                      monkeypatch):
+    """The warp-specialized backward's loader takes q, k, v and dout through tensor maps
+    (written into BwdParams on every call) and each tile's lse and delta from the padded
+    statistics: gradients within the rule, rows and keys past the ends included."""
+    force_atomic_kernels(monkeypatch)
+    dtype, d = combo
+    warp_specialized_backward(DTYPES[dtype], d)
+    writes = []
+    write = _tma.TensorMaps.write
+    monkeypatch.setattr(_tma.TensorMaps, "write",
+                        lambda maps, at, *ptrs: writes.append(len(ptrs)) or
+                        write(maps, at, *ptrs))
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, DTYPES[dtype], seed=sq + sk)
+    dout = torch.randn_like(q)
+    _, grads = run_with_grad(q, k, v, dout, causal=causal)
+    assert 4 in writes, f"the backward wrote no maps of q, k, v, dout (writes: {writes})"
+    check_grads(grads, q, k, v, dout, causal)
+
+
+def test_warp_specialized_backward_reads_strided_dout_and_qkv(monkeypatch):
+    """Maps of strided views: q, k, v slices of one packed qkv tensor and a dout view of a
+    wider tensor (kernel-ready strides, not contiguous)."""
+    force_atomic_kernels(monkeypatch)
+    dtype, d = BWD_COMBOS[-1]
+    warp_specialized_backward(DTYPES[dtype], d)
+    qkv = torch.randn(2, 300, 3, 4, d, dtype=DTYPES[dtype], device="cuda")
+    q, k, v = qkv.unbind(2)
+    wide = torch.randn(2, 300, 6, d, dtype=DTYPES[dtype], device="cuda")
+    dout = wide[:, :, 1:5]
+    assert not dout.is_contiguous()
+    _, grads = run_with_grad(q, k, v, dout, causal=True)
+    check_grads(grads, q, k, v, dout.contiguous(), True)
+
+
+def test_backward_without_maps_takes_the_deterministic_kernels(monkeypatch):
+    """Should the driver refuse a map (backward_maps gives None), the call runs the
+    deterministic kernels: bit for bit what deterministic=True gives."""
+    force_atomic_kernels(monkeypatch)
+    dtype, d = BWD_COMBOS[-1]
+    warp_specialized_backward(DTYPES[dtype], d)
+    q, k, v = make_qkv(2, 400, 400, 4, 2, d, DTYPES[dtype], seed=5)
+    dout = torch.randn_like(q)
+    fixed = run_with_grad(q, k, v, dout, causal=True, deterministic=True)[1]
+    monkeypatch.setattr(internals.tma, "backward_maps", lambda *args: None)
+    fallback = run_with_grad(q, k, v, dout, causal=True)[1]
+    for a, b in zip(fallback, fixed):
+        assert torch.equal(a, b)
 
 
 def test_empty_sequences_give_zero_gradients():

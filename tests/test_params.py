@@ -13,8 +13,8 @@ import pytest
 
 from cudaflash import backward, manifest
 from cudaflash._params import (APPEND_PARAMS_BYTES, APPEND_PARAMS_FORMAT, AppendParams,
-                               BWD_PARAMS_BYTES, PARAMS_BYTES, PARAMS_FIXED_FORMAT,
-                               PARAMS_MAPS_OFFSET, PARAMS_POINTERS_BYTES, PARAMS_POINTERS_FORMAT,
+                               BWD_PARAMS_BYTES, BWD_PARAMS_MAPS_OFFSET, PARAMS_BYTES,
+                               PARAMS_FIXED_FORMAT, PARAMS_MAPS_OFFSET, PARAMS_POINTERS_BYTES, PARAMS_POINTERS_FORMAT,
                                PARAMS_STRUCT_FORMAT,
                                PARAMS_WORKSPACE_FORMAT, PARAMS_WORKSPACE_OFFSET, BwdParams, Params,
                                Strides, struct_format)
@@ -31,7 +31,10 @@ _CUDA_TYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p,
 def test_sizes_agree():
     assert ctypes.sizeof(Params) == PARAMS_BYTES == 704
     assert PARAMS_MAPS_OFFSET % 64 == 0  # alignas(64) in the CUDA struct: no padding there
-    assert ctypes.sizeof(BwdParams) == BWD_PARAMS_BYTES == 400
+    assert ctypes.sizeof(BwdParams) == BWD_PARAMS_BYTES == 960
+    # alignas(64) maps in the CUDA struct: maps_pad brings the fields before them to 448
+    assert BwdParams.tma_q.offset == BWD_PARAMS_MAPS_OFFSET == 448
+    assert BWD_PARAMS_MAPS_OFFSET + 4 * 128 == BWD_PARAMS_BYTES
     assert struct.calcsize(PARAMS_STRUCT_FORMAT) == PARAMS_BYTES
 
 
@@ -149,9 +152,12 @@ BWD_PARAMS_CUH = PARAMS_CUH.with_name("bwd_params.cuh")
 
 
 def _bwd_flat_fields():
-    """(name, ctype) of every scalar of BwdParams in order, each Strides as its 3 int64s."""
+    """(name, ctype) of every scalar of BwdParams in order, each Strides as its 3 int64s (the
+    byte arrays, padding and tensor maps, are not packed: _tma.py writes the maps)."""
     flat = []
     for name, ctype in BwdParams._fields_:
+        if issubclass(ctype, ctypes.Array):
+            continue
         if ctype is Strides:
             flat += [(f"{name}.{sub}", c) for sub, c in Strides._fields_]
         else:
@@ -169,7 +175,7 @@ def test_bwd_fields_match_bwd_params_cuh():
 def test_backward_pack_fills_every_field_in_order():
     """backward.run packs BwdParams with one struct format: distinct values read back field
     by field (the window's two sides, softcap_pre, alibi_scale, ALiBi's slopes and batch
-    stride, and the reserved int, last)."""
+    stride, dropout's fields, the reserved int and the two statistics pointers, last)."""
     flat = _bwd_flat_fields()
     values = [float(i) + 0.5 if c is ctypes.c_float else 1000 + i
               for i, (_, c) in enumerate(flat)]
@@ -182,13 +188,16 @@ def test_backward_pack_fills_every_field_in_order():
             obj = getattr(obj, part)
         read.append(obj)
     assert read == values
-    assert flat[-10:] == [("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32),
+    assert flat[-12:] == [("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32),
                           ("softcap_pre", ctypes.c_float), ("alibi_scale", ctypes.c_float),
                           ("alibi_slopes", ctypes.c_void_p),
                           ("alibi_batch_stride", ctypes.c_int32),
                           ("dropout_threshold", ctypes.c_uint32),
                           ("dropout_seed", ctypes.c_void_p), ("dropout_scale", ctypes.c_float),
-                          ("reserved", ctypes.c_int32)]
+                          ("reserved", ctypes.c_int32), ("lse_log2_tiles", ctypes.c_void_p),
+                          ("delta_tiles", ctypes.c_void_p)]
+    assert [name for name, _ in BwdParams._fields_[-5:]] == ["maps_pad", "tma_q", "tma_k",
+                                                            "tma_v", "tma_do"]
 
 
 def test_score_scales_turn_a_slope_into_score_units():

@@ -121,7 +121,7 @@ def test_a_layout_is_encoded_once_and_shared(cu):
     maps = _tma.tensor_maps(q, k, v, 128, 128)
     assert len(cu.calls) == 3
     buf = ctypes.create_string_buffer(PARAMS_BYTES)
-    maps.write(ctypes.addressof(buf), q.data_ptr(), k.data_ptr(), v.data_ptr())
+    maps.write(ctypes.addressof(buf) + _tma.MAPS_OFFSET, q.data_ptr(), k.data_ptr(), v.data_ptr())
     assert _tma.tensor_maps(q, k, v, 128, 128) is maps and len(cu.calls) == 3
     tags = buf.raw[_tma.MAPS_OFFSET::128][:3]
     assert list(tags) == [1, 2, 3]  # the trial encodes' maps, from the cache
@@ -141,13 +141,13 @@ def test_layout_table_is_bounded(cu, monkeypatch):
 
 
 def test_write_encodes_each_pointer_triple_once(cu):
-    """write() puts the three maps after Params' fixed fields; a triple seen before is copied
-    from the cache, a new one encoded; the cache starts over when full."""
+    """write() puts the three maps where it is told (Params' maps); a triple seen before is
+    copied from the cache, a new one encoded; the cache starts over when full."""
     q = bshd(1, 128, 2)
     maps = _tma.tensor_maps(q, q, q, 128, 128)
     trial = len(cu.calls)
     buf = ctypes.create_string_buffer(PARAMS_BYTES)
-    at = ctypes.addressof(buf)
+    at = ctypes.addressof(buf) + _tma.MAPS_OFFSET
 
     def written():
         raw = buf.raw[_tma.MAPS_OFFSET:]
@@ -167,7 +167,7 @@ def test_cache_is_bounded(cu, monkeypatch):
     maps = _tma.tensor_maps(q, q, q, 128, 128)
     buf = ctypes.create_string_buffer(PARAMS_BYTES)
     for i in range(5):
-        maps.write(ctypes.addressof(buf), 0x1000 * i, 1, 2)
+        maps.write(ctypes.addressof(buf) + _tma.MAPS_OFFSET, 0x1000 * i, 1, 2)
     assert len(maps._cache) <= 2
 
 
@@ -181,3 +181,37 @@ def test_cache_is_bounded(cu, monkeypatch):
 ])
 def test_worth_maps(rows, seqlen_k, heads, batch, causal, want):
     assert _tma.worth_maps(rows, seqlen_k, heads, batch, causal) is want
+
+
+def test_backward_maps_are_q_k_v_dout_at_bwd_params_maps(cu):
+    """The warp-specialized backward's four maps: q and dout with boxes of its step's query
+    rows, k and v of its CTA's keys; written at BwdParams' maps, cached by the four pointers,
+    a layout of its own beside the forward's."""
+    from cudaflash._params import BWD_PARAMS_BYTES
+
+    q, k = bshd(2, 300, 8, d=64), bshd(2, 500, 2, d=64)
+    dout = torch.zeros(2, 300, 16, 64, dtype=torch.bfloat16)[:, :, 4:12]  # strided
+    maps = _tma.backward_maps(q, k, k, dout, 128, 128)
+    assert maps is not None and len(cu.calls) == 4
+    qc, kc, vc, dc = cu.calls
+    assert qc.box == [64, 128, 1, 1, 1] and kc.box == [64, 128, 1, 1, 1]
+    assert dc.dims == [64, 300, 1, 8, 2] and dc.strides[0] == 16 * 64 * 2
+    assert dc.address == dout.data_ptr()
+    assert _tma.backward_maps(q, k, k, dout, 128, 128) is maps  # shared per layout
+    assert _tma.tensor_maps(q, k, k, 128, 128) is not maps  # the forward's: three maps
+
+    buf = ctypes.create_string_buffer(BWD_PARAMS_BYTES)
+    at = ctypes.addressof(buf) + _tma.BWD_MAPS_OFFSET
+    calls = len(cu.calls)
+    maps.write(at, q.data_ptr(), k.data_ptr(), k.data_ptr(), dout.data_ptr())
+    assert len(cu.calls) == calls  # the trial encodes' maps, from the cache
+    raw = buf.raw[_tma.BWD_MAPS_OFFSET:]
+    assert [raw[i * 128] for i in range(4)] == [1, 2, 3, 4]
+    assert len(raw) == 4 * _tma.MAP_BYTES
+
+
+def test_backward_maps_refuse_what_tma_cannot_describe(cu):
+    q = bshd(1, 64, 2, d=64)
+    assert _tma.backward_maps(q, q, q, q.float(), 64, 128) is None  # dout's dtype
+    odd = torch.zeros(1, 64, 2, 68, dtype=torch.bfloat16)[..., :64]  # 136-byte head stride
+    assert _tma.backward_maps(q, q, q, odd, 64, 128) is None
