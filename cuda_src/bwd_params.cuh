@@ -3,6 +3,7 @@
 // maps, so the host launches through kernelParams, not `extra`: _driver.PackedArgs). Mirrored field for field by
 // cudaflash/_params.py (BwdParams); the size is checked on both sides.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 namespace cudaflash {
@@ -109,5 +110,7 @@ struct BwdParams {
 constexpr int kBwdParamsBytes = 960;
 static_assert(sizeof(BwdParams) == kBwdParamsBytes,
               "BwdParams layout changed: update cudaflash/_params.py");
+static_assert(offsetof(BwdParams, tma_q) == 448,
+              "the maps moved: update _params.BwdParams (maps_pad, BWD_PARAMS_MAPS_OFFSET)");
 
 }  // namespace cudaflash

@@ -358,8 +358,8 @@ def tensor_map_encoder(dtype: str, dims: tuple, strides: tuple, box: tuple):
 
 class _ArgBuffer(threading.local):
     """Per thread: one Params struct and the one-element ``kernelParams`` array that hands it
-    to cuLaunchKernel. Not ``extra``'s packed buffer (what PackedArgs uses): the driver copies
-    that to the start of the parameter space, while a kernel whose parameter is aligned to
+    to cuLaunchKernel (PackedArgs does the same for the backward's and the append's structs).
+    Not ``extra``'s packed buffer: the driver copies that to the start of the parameter space, while a kernel whose parameter is aligned to
     more than the space's base (Params is 64-byte aligned for its tensor maps) reads it at
     the next aligned offset, so every field came out shifted (compute-sanitizer: a load at
     k + 0x200 with k read as 0). kernelParams lets the driver place the struct where the

@@ -60,8 +60,10 @@ log = logging.getLogger("cudaflash")
 
 _DTYPES = {torch.bfloat16: "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16",
            torch.float16: "CU_TENSOR_MAP_DATA_TYPE_FLOAT16"}
-# layout key -> TensorMaps, or None for a layout TMA cannot describe
+# layout key -> TensorMaps, or None for a layout TMA cannot describe: the forward's, and the
+# backward's apart (a training loop's backward layouts do not evict its forward's)
 _layouts: dict = {}
+_backward_layouts: dict = {}
 
 
 def worth_maps(rows: int, seqlen_k: int, heads: int, batch: int, causal: bool) -> bool:
@@ -122,7 +124,7 @@ def tensor_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_rows: int,
     """The forward's maps of a call on q, k, v (batch, seqlen, heads, d_head), with boxes of
     ``q_rows`` query rows (B_r) and ``kv_rows`` keys (B_c): the layout's shared TensorMaps, or
     None where TMA cannot describe one of the tensors (then the kernel keeps cp.async)."""
-    return _shared_maps(((q, q_rows), (k, kv_rows), (v, kv_rows)))
+    return _shared_maps(((q, q_rows), (k, kv_rows), (v, kv_rows)), _layouts)
 
 
 def backward_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
@@ -131,21 +133,22 @@ def backward_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
     ``q_rows`` query rows (the kernel's step) for q and dout and ``kv_rows`` keys (its CTA's
     tile) for k and v; None where TMA cannot describe a tensor (backward.run then takes the
     deterministic kernels)."""
-    return _shared_maps(((q, q_rows), (k, kv_rows), (v, kv_rows), (dout, q_rows)))
+    return _shared_maps(((q, q_rows), (k, kv_rows), (v, kv_rows), (dout, q_rows)),
+                        _backward_layouts)
 
 
-def _shared_maps(tensors: tuple) -> Optional[TensorMaps]:
-    """The TensorMaps of a layout, given its (tensor, box rows) pairs: the shared one, or a new
-    one (or None) remembered for the next call of that layout."""
+def _shared_maps(tensors: tuple, table: dict) -> Optional[TensorMaps]:
+    """The TensorMaps of a layout, given its (tensor, box rows) pairs: the shared one in
+    ``table``, or a new one (or None) remembered there for the next call of that layout."""
     key = tuple((t.dtype, t.shape, t.stride(), rows) for t, rows in tensors)
     try:
-        return _layouts[key]
+        return table[key]
     except KeyError:
         pass
     maps = _new_maps(tensors)
-    if len(_layouts) >= MAX_LAYOUTS:
-        _layouts.clear()
-    _layouts[key] = maps
+    if len(table) >= MAX_LAYOUTS:
+        table.clear()
+    table[key] = maps
     return maps
 
 

@@ -30,6 +30,7 @@ they have already checked q, k, v (the forward's checks) and made q's device cur
 
 from __future__ import annotations
 
+import ctypes
 import struct
 from dataclasses import dataclass
 
@@ -157,10 +158,17 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     maps = None
     if kernel.entry.config.warp_specialized and scheme == "atomic":
         # Its loader reads q, k, v and dout through tensor maps only. The kernel-ready
-        # tensors (whole 16-byte strides and alignment) always have one; should the driver
-        # still refuse, the deterministic kernels serve the call.
-        maps = _tma.backward_maps(q, k, v, dout, kernel.entry.config.ws_query_rows,
-                                  kernel.entry.cta_rows)
+        # tensors (whole 16-byte strides and alignment) always have them; should the driver
+        # still refuse a layout or these pointers, the deterministic kernels serve the call.
+        layout = _tma.backward_maps(q, k, v, dout, kernel.entry.config.ws_query_rows,
+                                    kernel.entry.cta_rows)
+        if layout is not None:
+            maps = ctypes.create_string_buffer(4 * _tma.MAP_BYTES)
+            try:
+                layout.write(ctypes.addressof(maps), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                             dout.data_ptr())
+            except _driver.CudaError:
+                maps = None
         if maps is None:
             scheme = "deterministic"
             kernel = dispatch.backward_kernel(_driver.current_context(index), index, q.dtype,
@@ -190,8 +198,7 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         0,  # reserved
         *((0, 0) if stats is None else (stats[0].data_ptr(), stats[1].data_ptr()))))
     if maps is not None:
-        maps.write(args.address + _tma.BWD_MAPS_OFFSET, q.data_ptr(), k.data_ptr(),
-                   v.data_ptr(), dout.data_ptr())
+        ctypes.memmove(args.address + _tma.BWD_MAPS_OFFSET, maps, len(maps))
 
     go = _Launches(kernel, current_stream(index), args, seqlen_q,
                    seqlen_k, n_heads, n_heads_k, batch)

@@ -6,7 +6,8 @@ schemes: atomic dq accumulation (deterministic=False, the default) and determini
 import pytest
 import torch
 
-from cudaflash import _tma, flash_attn_func
+from cudaflash import _driver, _tma, flash_attn_func
+from cudaflash import backward as backward_module
 from cudaflash.backward_config import BWD_D_HEADS
 from test_gpu_correctness import (COMBOS, DTYPES, _assert_within, _combo_id, attention_ref,
                                   check_attention, fp32_reference_without_tf32,  # noqa: F401
@@ -257,6 +258,19 @@ def test_key_tail_with_very_negative_scores_gives_finite_gradients(monkeypatch):
     for_each_backward_module(monkeypatch, body)
 
 
+class PoisonedTorch:
+    """torch as cudaflash/backward.py sees it, except that torch.empty fills floating-point
+    tensors with NaN: a kernel reading a buffer element nobody wrote then gives NaN."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        t = torch.empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
 def warp_specialized_backward(dtype, d):
     """The atomic scheme's module for (dtype, d) when it is the warp-specialized one (sm_90),
     else skip: only that kernel loads through tensor maps."""
@@ -276,10 +290,13 @@ def test_warp_specialized_backward_loads_through_maps(combo, b, sq, sk, h, hk, c
                                                       monkeypatch):
     """The warp-specialized backward's loader takes q, k, v and dout through tensor maps
     (written into BwdParams on every call) and each tile's lse and delta from the padded
-    statistics: gradients within the rule, rows and keys past the ends included."""
+    statistics: gradients within the rule, rows and keys past the ends included. The
+    backward's float buffers start as NaN (PoisonedTorch), so a padded statistic the
+    preprocess kernel failed to write (past seqlen_q: lse +inf, delta 0) shows as NaN."""
     force_atomic_kernels(monkeypatch)
     dtype, d = combo
     warp_specialized_backward(DTYPES[dtype], d)
+    monkeypatch.setattr(backward_module, "torch", PoisonedTorch())
     writes = []
     write = _tma.TensorMaps.write
     monkeypatch.setattr(_tma.TensorMaps, "write",
@@ -293,30 +310,45 @@ def test_warp_specialized_backward_loads_through_maps(combo, b, sq, sk, h, hk, c
 
 
 def test_warp_specialized_backward_reads_strided_dout_and_qkv(monkeypatch):
-    """Maps of strided views: q, k, v slices of one packed qkv tensor and a dout view of a
-    wider tensor (kernel-ready strides, not contiguous)."""
+    """Maps of strided views: q, k, v slices of one packed qkv tensor (autograd hands the
+    backward those views, not copies) and a dout view of a wider tensor (kernel-ready
+    strides, not contiguous)."""
     force_atomic_kernels(monkeypatch)
     dtype, d = BWD_COMBOS[-1]
     warp_specialized_backward(DTYPES[dtype], d)
     qkv = torch.randn(2, 300, 3, 4, d, dtype=DTYPES[dtype], device="cuda")
-    q, k, v = qkv.unbind(2)
     wide = torch.randn(2, 300, 6, d, dtype=DTYPES[dtype], device="cuda")
     dout = wide[:, :, 1:5]
     assert not dout.is_contiguous()
-    _, grads = run_with_grad(q, k, v, dout, causal=True)
-    check_grads(grads, q, k, v, dout.contiguous(), True)
+    seen = []
+    maps = _tma.backward_maps
+    monkeypatch.setattr(_tma, "backward_maps",
+                        lambda q, k, v, do, *rows: seen.append((q.stride(), do.stride())) or
+                        maps(q, k, v, do, *rows))
+    packed = qkv.clone().requires_grad_()
+    flash_attn_func(*packed.unbind(2), causal=True).backward(dout)
+    assert len(seen) == 1 and seen[0][0] == qkv[:, :, 0].stride(), seen  # q as the view
+    check_grads(packed.grad.unbind(2), *qkv.unbind(2), dout.contiguous(), True)
 
 
-def test_backward_without_maps_takes_the_deterministic_kernels(monkeypatch):
-    """Should the driver refuse a map (backward_maps gives None), the call runs the
-    deterministic kernels: bit for bit what deterministic=True gives."""
+@pytest.mark.parametrize("refused", ["layout", "pointers"])
+def test_backward_without_maps_takes_the_deterministic_kernels(refused, monkeypatch):
+    """Should the driver refuse a map (of the layout: backward_maps gives None; or of these
+    pointers: the encode raises CudaError), the call runs the deterministic kernels: bit for
+    bit what deterministic=True gives."""
     force_atomic_kernels(monkeypatch)
     dtype, d = BWD_COMBOS[-1]
     warp_specialized_backward(DTYPES[dtype], d)
     q, k, v = make_qkv(2, 400, 400, 4, 2, d, DTYPES[dtype], seed=5)
     dout = torch.randn_like(q)
     fixed = run_with_grad(q, k, v, dout, causal=True, deterministic=True)[1]
-    monkeypatch.setattr(_tma, "backward_maps", lambda *args: None)
+    if refused == "layout":
+        monkeypatch.setattr(_tma, "backward_maps", lambda *args: None)
+    else:
+        def refuse(*args):
+            raise _driver.CudaError("cuTensorMapEncodeTiled refused (test)")
+
+        monkeypatch.setattr(_tma.TensorMaps, "write", refuse)
     fallback = run_with_grad(q, k, v, dout, causal=True)[1]
     for a, b in zip(fallback, fixed):
         assert torch.equal(a, b)

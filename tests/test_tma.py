@@ -50,6 +50,7 @@ def cu(monkeypatch):
     monkeypatch.setattr(_driver, "_cu", lambda: fake)
     monkeypatch.setattr(_driver, "_error_text", lambda err: f"CUresult {int(err)}")
     monkeypatch.setattr(_tma, "_layouts", {})
+    monkeypatch.setattr(_tma, "_backward_layouts", {})
     return fake
 
 
@@ -215,3 +216,19 @@ def test_backward_maps_refuse_what_tma_cannot_describe(cu):
     assert _tma.backward_maps(q, q, q, q.float(), 64, 128) is None  # dout's dtype
     odd = torch.zeros(1, 64, 2, 68, dtype=torch.bfloat16)[..., :64]  # 136-byte head stride
     assert _tma.backward_maps(q, q, q, odd, 64, 128) is None
+
+
+def test_backward_maps_encode_new_pointers_of_a_cached_layout(cu):
+    """A layout seen before with new tensors (a training loop's next layer): the four maps of
+    the new pointers are encoded into the given buffer, and the layout's own table is not
+    the forward's."""
+    q = bshd(1, 256, 2, d=64)
+    maps = _tma.backward_maps(q, q, q, q, 128, 128)
+    assert len(_tma._backward_layouts) == 1 and not _tma._layouts
+    buf = ctypes.create_string_buffer(4 * _tma.MAP_BYTES)
+    calls = len(cu.calls)
+    maps.write(ctypes.addressof(buf), 0x1000, 0x2000, 0x3000, 0x4000)
+    assert [c.address for c in cu.calls[calls:]] == [0x1000, 0x2000, 0x3000, 0x4000]
+    raw = buf.raw
+    assert [int.from_bytes(raw[i * 128 + 1:i * 128 + 9], "little") for i in range(4)] == \
+        [0x1000, 0x2000, 0x3000, 0x4000]
