@@ -127,18 +127,11 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
         if (kTmaCapable && tma) mbarrier_wait(&tile_full[0], 0);  // completes once: parity 0
         else copy_wait_all<C>();
     };
-    auto wait_k = [&] {
+    // K (tile 1) and V (tile 2) complete once per block: each wait flips its parity.
+    auto wait_kv = [&](int tile, uint32_t& phase) {
         if (kTmaCapable && tma) {
-            mbarrier_wait(&tile_full[1], k_phase);
-            k_phase ^= 1;
-        } else {
-            copy_wait_all<C>();
-        }
-    };
-    auto wait_v = [&] {
-        if (kTmaCapable && tma) {
-            mbarrier_wait(&tile_full[2], v_phase);
-            v_phase ^= 1;
+            mbarrier_wait(&tile_full[tile], phase);
+            phase ^= 1;
         } else {
             copy_wait_all<C>();
         }
@@ -184,7 +177,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
         constexpr bool kFirst = decltype(first_tag)::value;
         if constexpr (C::kEagerLoad) {
             // K_block has landed; every warp is done with the previous V.
-            wait_k();
+            wait_kv(1, k_phase);
             __syncthreads();
             if constexpr (!(kPrefetchFirstV && kFirst)) {
                 load_kv(sV, v, p.v_seq_stride, p.v_batch_stride, block);  // overlaps QK^T
@@ -192,7 +185,7 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
             copy_commit<C>();
             gemm.qk(S);
             // V_block has landed; every warp is done reading K.
-            wait_v();
+            wait_kv(2, v_phase);
             __syncthreads();
             // The next block's K overlaps softmax + PV.
             if constexpr (C::kKvReverse) {

@@ -359,11 +359,12 @@ def tensor_map_encoder(dtype: str, dims: tuple, strides: tuple, box: tuple):
 class _ArgBuffer(threading.local):
     """Per thread: one Params struct and the one-element ``kernelParams`` array that hands it
     to cuLaunchKernel (PackedArgs does the same for the backward's and the append's structs).
-    Not ``extra``'s packed buffer: the driver copies that to the start of the parameter space, while a kernel whose parameter is aligned to
-    more than the space's base (Params is 64-byte aligned for its tensor maps) reads it at
-    the next aligned offset, so every field came out shifted (compute-sanitizer: a load at
-    k + 0x200 with k read as 0). kernelParams lets the driver place the struct where the
-    kernel reads it; the two cost the same (-0.3 and +0.2 us on the H100 host, noise).
+    Not ``extra``'s packed buffer: the driver copies that to the start of the parameter
+    space, while a kernel whose parameter is aligned to more than the space's base (Params is
+    64-byte aligned for its tensor maps) reads it at the next aligned offset, so every field
+    came out shifted (compute-sanitizer: a load at k + 0x200 with k read as 0). kernelParams
+    lets the driver place the struct where the kernel reads it; the two cost the same (-0.3
+    and +0.2 us on the H100 host, noise).
 
     cuLaunchKernel copies the parameters before it returns (also into a graph node under
     stream capture), so every launch of a thread reuses the same buffers; per thread,
