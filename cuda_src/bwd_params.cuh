@@ -1,7 +1,8 @@
 // BwdParams: the one argument of every cudaflash backward kernel (cuda_src/flash_bwd.cu),
 // passed by value as `const __grid_constant__ BwdParams` (64-byte aligned for its tensor
-// maps, so the host launches through kernelParams, not `extra`: _driver.PackedArgs). Mirrored field for field by
-// cudaflash/_params.py (BwdParams); the size is checked on both sides.
+// maps, so the host launches through kernelParams, not `extra`: _driver.PackedArgs).
+// Mirrored field for field by cudaflash/_params.py (BwdParams); the size is checked on both
+// sides.
 #pragma once
 #include <cstddef>
 #include <cstdint>
