@@ -249,6 +249,9 @@ def load_spec(path: Path) -> Spec:
         for cfg in expanded:
             if cfg in backward_schemes:
                 raise ConfigError(f"{label}: {cfg.name} is already listed")
+            if "atomic" in schemes and not cfg.fuses_dq:
+                raise ConfigError(f"{label}: {cfg.name} has no fused dK/dV + dQ kernel (d_head "
+                                  f"{cfg.d_head}): give it scheme: deterministic")
             backward_schemes[cfg] = tuple(s for s in backward_config.BACKWARD_SCHEMES if s in schemes)
         backward_configs += expanded
     spec = Spec(archs=tuple(sorted(archs)), ptx_arch=ptx_arch, configs=tuple(configs),

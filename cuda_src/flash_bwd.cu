@@ -681,8 +681,18 @@ __device__ __forceinline__ void step_score_grads(float (&dS)[kQ / 8][4],
 // each: at 252-255 registers, the window's bounds and second comparison cost its causal and
 // full calls 2-5% (perf log "Sliding window backward"). The deterministic kernels measured
 // no such cost and always take the window.
-template <bool kFuseDq, bool kWindow, bool kScoreMods = false>
+// Which gradients a run of bwd_dkdv accumulates: both (every module but d256's), or, at d256,
+// dV in a first pass and dK in a second over the same query tiles (kPassValues,
+// kPassKeys): dK and dV of a warp's 16 keys are 128 float32 registers each at d256, which
+// do not fit beside each other (the second pass recomputes P: 8 GEMMs instead of 7).
+constexpr int kPassBoth = 0, kPassValues = 1, kPassKeys = 2;
+
+template <bool kFuseDq, bool kWindow, bool kScoreMods = false, int kPass = kPassBoth>
 __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
+    static_assert(kPass == kPassBoth || (!kFuseDq && !C::kWgmma),
+                  "the two-pass dK/dV runs the deterministic mma.sync kernel only");
+    constexpr bool kValues = kPass != kPassKeys;  // this run accumulates dV
+    constexpr bool kGrads = kPass != kPassValues;  // ... and dK (dS, from dP)
     constexpr int kKeys = C::kCtaRows;
     constexpr int kQ = C::kBr;
     // wgmma applies the 128-byte swizzle to absolute shared addresses: tiles start on its
@@ -898,7 +908,7 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
             float P[1][kQ / 8][4];
             gemm_rows_rows<kKeys, kQ>(P, lo, k_tile, row0, q_tile);
             probabilities(P[0]);
-            if constexpr (kScoreMods) {
+            if constexpr (kValues && kScoreMods) {
                 uint32_t a[1][kQ / 16][4];
                 if (dropout) {
                     pack_dropped<kQ / 8>(a, P, keep, KeepThreshold(p.dropout_threshold),
@@ -907,19 +917,22 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
                     pack_a_fragments<C::kBf16>(a, P);
                 }
                 gemm_packed_tile<kQ, kQ / 16>(dV, a, lo, do_tile);
-            } else {
+            } else if constexpr (kValues) {
                 gemm_regs_tile<kQ, kQ / 16>(dV, P, lo, do_tile);
             }
 
-            float dS[1][kQ / 8][4];
-            gemm_rows_rows<kKeys, kQ>(dS, lo, v_tile, row0, do_tile);
-            score_grads(dS[0], P[0]);
-            gemm_regs_tile<kQ, kQ / 16>(dK, dS, lo, q_tile);
-            if constexpr (kFuseDq) {
-                // Every warp finished the previous step's dQ reads of sdS at the loop's barrier.
-                acc_to_tile<kKeys, kQ / 8>(sdS, dS[0], 1.f, row0);
-                __syncthreads();
-                add_dq_share<kKeys, kQ>(p, lo, smem_addr(sdS), k_tile, batch, head, q0);
+            if constexpr (kGrads) {
+                float dS[1][kQ / 8][4];
+                gemm_rows_rows<kKeys, kQ>(dS, lo, v_tile, row0, do_tile);
+                score_grads(dS[0], P[0]);
+                gemm_regs_tile<kQ, kQ / 16>(dK, dS, lo, q_tile);
+                if constexpr (kFuseDq) {
+                    // Every warp finished the previous step's dQ reads of sdS at the loop's
+                    // barrier.
+                    acc_to_tile<kKeys, kQ / 8>(sdS, dS[0], 1.f, row0);
+                    __syncthreads();
+                    add_dq_share<kKeys, kQ>(p, lo, smem_addr(sdS), k_tile, batch, head, q0);
+                }
             }
         }
     }
@@ -930,13 +943,15 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
     if constexpr (kBulkDq) {
         if (n_steps > 0) reduce_dq_tile(n_steps - 1);  // the last step's tile
     }
-    acc_to_tile<kKeys>(sK, dK, p.softmax_scale, row0);
-    acc_to_tile<kKeys>(sV, dV, 1.f, row0);
+    if constexpr (kGrads) acc_to_tile<kKeys>(sK, dK, p.softmax_scale, row0);
+    if constexpr (kValues) acc_to_tile<kKeys>(sV, dV, 1.f, row0);
     __syncthreads();
-    KeyCopy::store(row_of(static_cast<elem_t*>(p.dk), p.dk_strides, batch, key0, head_k), sK,
-                   p.dk_strides.seq, key_rows);
-    KeyCopy::store(row_of(static_cast<elem_t*>(p.dv), p.dv_strides, batch, key0, head_k), sV,
-                   p.dv_strides.seq, key_rows);
+    if constexpr (kGrads)
+        KeyCopy::store(row_of(static_cast<elem_t*>(p.dk), p.dk_strides, batch, key0, head_k),
+                       sK, p.dk_strides.seq, key_rows);
+    if constexpr (kValues)
+        KeyCopy::store(row_of(static_cast<elem_t*>(p.dv), p.dv_strides, batch, key0, head_k),
+                       sV, p.dv_strides.seq, key_rows);
     if constexpr (kBulkDq) {
         if (threadIdx.x == 0) bulk_wait<0>();  // the reduction reads shared memory until done
     }
@@ -949,11 +964,30 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
 
 namespace cudaflash {
 
+// The deterministic scheme's dK/dV kernel: one run of bwd_dkdv, or at d256 a dV pass and a
+// dK pass (kPassValues, kPassKeys), each loading its own K and V (the first pass's epilogue
+// stages dV over V).
+template <bool kScoreMods = false>
+__device__ __forceinline__ void bwd_dkdv_deterministic(const BwdParams& p) {
+    if constexpr (kD == 256) {
+        bwd_dkdv<false, true, kScoreMods, kPassValues>(p);
+        __syncthreads();  // every warp's dV stores have read the staging tile
+        bwd_dkdv<false, true, kScoreMods, kPassKeys>(p);
+    } else {
+        bwd_dkdv<false, true, kScoreMods>(p);
+    }
+}
+
 // The atomic scheme's fused dK/dV + dQ kernel of this module: warp-specialized (3 warpgroups)
-// or bwd_dkdv's (a template, so that only the one chosen is instantiated).
+// or bwd_dkdv's (a template, so that only the one chosen is instantiated). d256 modules serve
+// the deterministic scheme only (configs.yaml): their fused entries are never launched and
+// compile to a trap, so that a launch by mistake fails loudly instead of spilling a kernel
+// nobody runs.
 template <bool kWindow, class Cfg = C>
 __device__ __forceinline__ void bwd_dkdv_dq(const BwdParams& p) {
-    if constexpr (Cfg::kWarpSpecialized) {
+    if constexpr (kD == 256) {
+        __trap();
+    } else if constexpr (Cfg::kWarpSpecialized) {
         bwd_dkdv_dq_ws<kWindow, Cfg>(p);
     } else {
         bwd_dkdv<true, kWindow>(p);
@@ -1143,7 +1177,7 @@ extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dkdv(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dkdv<false, true>(p);
+    cudaflash::bwd_dkdv_deterministic(p);
 }
 
 // The atomic scheme's fused kernel: causal or full attention (the window fields unread) ...
@@ -1183,7 +1217,7 @@ extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dkdv_varlen(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dkdv<false, true>(cudaflash::sequence_view(p, blockIdx.z));
+    cudaflash::bwd_dkdv_deterministic(cudaflash::sequence_view(p, blockIdx.z));
 }
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
@@ -1199,7 +1233,7 @@ extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
 // scheme.
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dkdv_scoremod(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dkdv<false, true, true>(p);
+    cudaflash::bwd_dkdv_deterministic<true>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
@@ -1209,7 +1243,7 @@ extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dkdv_varlen_scoremod(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dkdv<false, true, true>(cudaflash::sequence_view(p, blockIdx.z));
+    cudaflash::bwd_dkdv_deterministic<true>(cudaflash::sequence_view(p, blockIdx.z));
 }
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)

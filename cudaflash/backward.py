@@ -151,8 +151,11 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     index = q.get_device()
     if scheme == "atomic":
         atomic = dispatch.find_backward_entry(index, q.dtype, d_head, "atomic")
-        scheme = heuristics.effective_scheme(scheme, seqlen_q, n_heads // n_heads_k, causal,
-                                             atomic is not None and atomic.config.wgmma, window)
+        if atomic is None:  # no fused kernel at this head dim (d256): the deterministic ones
+            scheme = "deterministic"
+        else:
+            scheme = heuristics.effective_scheme(scheme, seqlen_q, n_heads // n_heads_k,
+                                                 causal, atomic.config.wgmma, window)
     kernel = dispatch.backward_kernel(_driver.current_context(index), index, q.dtype, d_head,
                                       scheme)
     maps = None

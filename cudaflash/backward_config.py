@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from .config import (ARCH_SMEM_LIMIT, DTYPES, ELEMENT_BYTES, N_WARPS, WGMMA_ARCH, EntryRole,
                      config_from_dict, runs_on)
 
-BWD_D_HEADS = (64, 128)
+BWD_D_HEADS = (64, 128, 256)
 BWD_TILE_ROWS = (16, 32, 64, 128)
 BWD_WS_STAGES = 2  # kBwdStages: the warp-specialized backward's Q/dO ring
 # kBwdProducerRegs, kBwdConsumerRegs: the registers per thread setmaxnreg gives its producer
@@ -30,8 +30,10 @@ BACKWARD_SCHEMES = ("atomic", "deterministic")  # flash_attn_func's deterministi
 class BackwardConfig:
     """One backward module (cuda_src/flash_bwd.cu): its five kernels share these fields.
 
-    - ``dtype``, ``d_head``: as in KernelConfig; d_head 64 or 128 (at 256 the dK and dV
-      accumulators alone would fill a warp's registers).
+    - ``dtype``, ``d_head``: as in KernelConfig; d_head 64, 128 or 256. At 256 the dK and dV
+      accumulators of a warp's keys do not fit its registers together: the dK/dV kernel runs
+      a dV pass and a dK pass (mma.sync only), and the module serves the deterministic
+      scheme only (``fuses_dq`` is false: its fused entries are traps).
     - ``n_warps``: warps per CTA of the dK/dV and dQ kernels; each warp owns 16 rows of the
       CTA's own tile (keys in dK/dV, query rows in dQ), so a CTA owns 16 * n_warps of them.
     - ``B_r``: query rows per tile the dK/dV kernel streams past its keys.
@@ -163,6 +165,12 @@ class BackwardConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def fuses_dq(self) -> bool:
+        """Whether the module has the atomic scheme's fused dK/dV + dQ kernel (d256's
+        compile to traps: flash_bwd.cu, bwd_dkdv_dq), so whether it can serve that scheme."""
+        return self.d_head != 256
+
     def errors(self) -> list[str]:
         """Every rule this config breaks (mirrors the static_asserts in bwd_config.cuh)."""
         errs: list[str] = []
@@ -196,6 +204,9 @@ class BackwardConfig:
                 bad("B_r", f"gives d_head / (n_warps / (B_r / 16)) = {cols} dQ columns per "
                            "warp; they must be whole 16-column slices within one 64-column "
                            "slab, or whole slabs")
+        if self.d_head == 256 and (self.wgmma or self.warp_specialized):
+            bad("d_head", "256 runs the two-pass mma.sync dK/dV kernel: wgmma and "
+                          "warp_specialized must be false")
         if self.wgmma and self.B_r != 64:
             bad("B_r", "must be 64 with wgmma (the step's dQ = dS K is one 64-row wgmma)")
         if self.warp_specialized and not (self.wgmma and self.n_warps == 8 and self.B_r == 64):

@@ -210,14 +210,18 @@ def find_backward_entry(index: int, dtype: torch.dtype, d_head: int,
         _backward_entries[key] = next(  # manifest order: configs.yaml's
             (e for e in usable.values()
              if e.config.dtype == DTYPES[dtype] and e.config.d_head == d_head
-             and scheme in e.schemes), None)
+             and scheme in e.schemes and (scheme != "atomic" or e.config.fuses_dq)), None)
     return _backward_entries[key]
 
 
 def check_backward_supported(index: int, dtype: torch.dtype, d_head: int, scheme: str) -> None:
     """Raise NotImplementedError unless a backward module serves this call: checked when the
-    forward runs, so an unsupported training call fails before any work is done."""
-    if find_backward_entry(index, dtype, d_head, scheme) is None:
+    forward runs, so an unsupported training call fails before any work is done. The atomic
+    scheme is served by the deterministic kernels where no module has the fused kernel (d256),
+    as backward.run does."""
+    if find_backward_entry(index, dtype, d_head, scheme) is None and (
+            scheme != "atomic" or find_backward_entry(index, dtype, d_head, "deterministic")
+            is None):
         device = _driver.device(index)
         raise NotImplementedError(
             f"no backward kernel for {DTYPES[dtype]} with head dim {d_head} runs on cuda:"

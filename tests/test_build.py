@@ -385,13 +385,30 @@ def test_entry_archs_limit_the_cubins_and_the_rules(tmp_path):
 
 
 def test_shipped_backward_serves_every_scheme_once_per_dtype_and_head_dim():
+    """Every (dtype, head dim, scheme) has a module; at d256, which has no fused kernel, the
+    deterministic modules serve the atomic scheme too (backward.run, dispatch)."""
     cfg = build_cubins.backward_config
     for dtype in build_cubins.config.DTYPES:
         for d in cfg.BWD_D_HEADS:
             for scheme in cfg.BACKWARD_SCHEMES:
+                wanted = "deterministic" if d == 256 else scheme
                 serving = [c for c in SPEC.backward_configs if (c.dtype, c.d_head) == (dtype, d)
-                           and scheme in SPEC.backward_schemes[c]]
+                           and wanted in SPEC.backward_schemes[c]]
                 assert serving, (dtype, d, scheme)
+
+
+def test_a_d256_backward_entry_must_not_serve_the_atomic_scheme(tmp_path):
+    data = yaml.safe_load((ROOT / "configs.yaml").read_text())
+    entry = {"dtype": "fp16", "d_head": 256, "B_r": 32, "B_c": 32, "n_warps": 4}
+    path = tmp_path / "b.yaml"
+    path.write_text(yaml.safe_dump({**data, "backward": [entry]}))  # default: both schemes
+    with pytest.raises(build_cubins.ConfigError, match=r"no fused dK/dV \+ dQ kernel .* "
+                                                       "scheme: deterministic"):
+        build_cubins.load_spec(path)
+    path.write_text(yaml.safe_dump({**data, "backward": [{**entry, "scheme": "deterministic"}]}))
+    assert build_cubins.load_spec(path).backward_configs
+    assert any("wgmma and warp_specialized must be false" in e
+               for e in BackwardConfig(**{**entry, "B_r": 64, "wgmma": True}).errors())
 
 
 def test_backward_entry_scheme(tmp_path):
