@@ -354,6 +354,48 @@ def test_backward_without_maps_takes_the_deterministic_kernels(refused, monkeypa
         assert torch.equal(a, b)
 
 
+def d256_backward(dtype):
+    """The d256 backward module this GPU runs, or skip (it is built for sm_80 and sm_90)."""
+    entry = internals.find_backward_entry(torch.cuda.current_device(), DTYPES[dtype], 256,
+                                          "deterministic")
+    if entry is None:
+        pytest.skip("no d256 backward module runs on this GPU")
+    return entry
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_d256_backward_runs_the_deterministic_kernels_in_either_scheme(dtype, deterministic,
+                                                                       monkeypatch):
+    """Head dim 256 has no fused kernel: a call that leaves the atomic scheme allowed runs
+    the two-pass deterministic kernels, bit for bit what deterministic=True gives, and both
+    are within the rule (tails, GQA, causal)."""
+    force_atomic_kernels(monkeypatch)
+    entry = d256_backward(dtype)
+    assert not entry.config.fuses_dq
+    assert internals.find_backward_entry(torch.cuda.current_device(), DTYPES[dtype], 256,
+                                         "atomic") is None
+    q, k, v = make_qkv(2, 333, 517, 4, 2, 256, DTYPES[dtype], seed=17)
+    dout = torch.randn_like(q)
+    grads = run_with_grad(q, k, v, dout, causal=True, deterministic=deterministic)[1]
+    fixed = run_with_grad(q, k, v, dout, causal=True, deterministic=True)[1]
+    for a, b in zip(grads, fixed):
+        assert torch.equal(a, b)
+    check_grads(grads, q, k, v, dout, True)
+
+
+@pytest.mark.parametrize("d", [160, 192, 255])
+def test_head_dims_padded_to_256_have_gradients(d):
+    """Head dims 129-255 run padded to 256, gradients included (they come back at the
+    caller's head dim)."""
+    d256_backward("bf16")
+    q, k, v = make_qkv(2, 200, 300, 4, 2, d, torch.bfloat16, seed=d)
+    dout = torch.randn_like(q)
+    out, grads = run_with_grad(q, k, v, dout, causal=False)
+    assert out.shape == q.shape and all(g.shape == t.shape for g, t in zip(grads, (q, k, v)))
+    check_grads(grads, q, k, v, dout, False)
+
+
 def test_empty_sequences_give_zero_gradients():
     dtype, d = BWD_COMBOS[0]
     for sq, sk in ((0, 10), (10, 0)):
