@@ -85,8 +85,9 @@ def _mulhilo(m: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (t2 >> 16) + (u >> 32), u & _MASK32
 
 
-def philox4x32_10(c0, c1, c2, c3, k0: int, k1: int):
-    """Philox4x32-10 (cuda_src/philox.cuh) on int64 tensors of 32-bit values."""
+def philox4x32_10(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 (cuda_src/philox.cuh) on int64 tensors of 32-bit values; the key words
+    ints or int64 tensors (broadcast)."""
     for _ in range(10):
         hi0, lo0 = _mulhilo(0xD2511F53, c0)
         hi1, lo1 = _mulhilo(0xCD9E8D57, c2)
@@ -98,10 +99,11 @@ def philox4x32_10(c0, c1, c2, c3, k0: int, k1: int):
 def keep_mask(dropout: Dropout, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
               device, entry: Optional[int] = None) -> torch.Tensor:
     """(batch, heads, seqlen_q, seqlen_k) bool: the scores the kernels keep for this call
-    (philox.cuh's counters and bytes), computed with torch ops; reads the seed on the host.
-    ``entry``: only batch entry ``entry``'s heads, (1, heads, seqlen_q, seqlen_k) (a packed
-    batch's sequence ``entry`` draws that entry's numbers)."""
-    seed = int(dropout.seed.item()) & 0xFFFFFFFFFFFFFFFF
+    (philox.cuh's counters and bytes), computed with torch ops on the seed tensor where it
+    lives (no host read: torch.compile traces it). ``entry``: only batch entry ``entry``'s
+    heads, (1, heads, seqlen_q, seqlen_k) (a packed batch's sequence ``entry`` draws that
+    entry's numbers)."""
+    seed = dropout.seed.to(device)  # (1,) int64 in [0, 2^63): its halves are the key
     q_idx = torch.arange(seqlen_q, device=device)[:, None].expand(seqlen_q, seqlen_k)
     k_idx = torch.arange(seqlen_k, device=device)[None, :].expand(seqlen_q, seqlen_k)
     quad = 4 * (q_idx % 8 // 2) + k_idx % 8 // 2
@@ -111,7 +113,7 @@ def keep_mask(dropout: Dropout, batch: int, heads: int, seqlen_q: int, seqlen_k:
     masks = []
     for bh in (b * heads + h for b in entries for h in range(heads)):
         words = philox4x32_10(q_idx // 16, k_idx // 16, torch.full_like(q_idx, bh), quad,
-                              seed & _MASK32, seed >> 32)
+                              seed & _MASK32, (seed >> 32) & _MASK32)
         word = torch.stack(words, -1).gather(-1, word_at[..., None])[..., 0]
         masks.append((word >> (8 * byte_at)) & 0xFF >= dropout.threshold)
     return torch.stack(masks).view(len(entries), heads, seqlen_q, seqlen_k)

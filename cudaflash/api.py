@@ -183,11 +183,6 @@ def _attention_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, s
     return (out, lse, None) if want_lse else out
 
 
-# S_dmask reads the call's seed on the host: not under torch.compile.
-_COMPILED_S_DMASK = ("return_attn_probs=True with dropout_p > 0 under torch.compile is not "
-                     "implemented (S_dmask reads the seed on the host: call it eagerly)")
-
-
 def _dropout_attention(q, k, v, dropout_p, softmax_scale, causal, window, softcap,
                        alibi_slopes, deterministic, return_attn_probs):
     """flash_attn_func with dropout (plain scores; gradients through FlashAttnFunction, or
@@ -199,12 +194,17 @@ def _dropout_attention(q, k, v, dropout_p, softmax_scale, causal, window, softca
         raise NotImplementedError("dropout_p > 0 with softcap is not implemented (flash-attn "
                                   "refuses it too)")
     if _is_compiling():
-        if return_attn_probs:
-            raise NotImplementedError(_COMPILED_S_DMASK)
-        # The seed is a traced torch.randint: each run of the graph draws a new mask.
-        out, _ = fwd_op(q, k, v, softmax_scale, causal, deterministic, *window, 0.0,
-                        alibi_slopes, dropout_p, _dropout.draw_seed(q.device))
-        return out
+        # The seed is a traced torch.randint: each run of the graph draws a new mask, and
+        # S_dmask (torch ops on the seed tensor) is built from the same seed.
+        seed = _dropout.draw_seed(q.device)
+        out, lse = fwd_op(q, k, v, softmax_scale, causal, deterministic, *window, 0.0,
+                          alibi_slopes, dropout_p, seed)
+        if not return_attn_probs:
+            return out
+        scale = _checks.softmax_scale(softmax_scale, q.shape[3])
+        return out, lse, _dropout.attention_probs(
+            q, k, scale, causal, window, _dropout.with_seed(dropout_p, seed, q.device),
+            alibi_slopes)
     with torch.no_grad():  # (check_qkv refuses leaves that require grad: the autograd
         _checks.check_qkv(q, k, v)  # function below takes them)
     _checks.check_on_gpu(q)
@@ -232,11 +232,9 @@ def _dropout_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         raise NotImplementedError("dropout_p > 0 with softcap or block_table is not "
                                   "implemented (flash-attn refuses softcap with dropout too)")
     if _is_compiling():
-        if return_attn_probs:
-            raise NotImplementedError(_COMPILED_S_DMASK)
         return _dropout_varlen_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, dropout_p, softmax_scale, causal, window,
-                                       deterministic, alibi_slopes)
+                                       deterministic, alibi_slopes, return_attn_probs)
     with torch.no_grad():  # (check_qkv refuses leaves that require grad)
         _checks.check_qkv(q, k, v, varlen=True)
     _checks.check_on_gpu(q)
@@ -438,12 +436,14 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 @torch.compiler.disable  # outside the graph: flash_attn_varlen_func's eager path
 def _dropout_varlen_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             dropout_p, softmax_scale, causal, window, deterministic,
-                            alibi_slopes):
-    """out of flash_attn_varlen_func with dropout run eagerly, gradients included."""
+                            alibi_slopes, return_attn_probs):
+    """flash_attn_varlen_func with dropout run eagerly, gradients included: out, or with
+    return_attn_probs (out, lse, S_dmask)."""
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale,
                                   causal=causal, window_size=window, alibi_slopes=alibi_slopes,
-                                  deterministic=deterministic)
+                                  deterministic=deterministic,
+                                  return_attn_probs=return_attn_probs)
 
 
 @torch.compiler.disable  # outside the graph: flash_attn_varlen_func's eager path

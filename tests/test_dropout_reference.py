@@ -263,3 +263,22 @@ def test_s_dmask_with_alibi_adds_the_bias_before_the_block_maxima():
     probs = torch.cat([p.abs() * torch.exp(running[..., n, None] - lse[..., None])
                        for n, p in enumerate(got.split(64, -1))], -1)
     torch.testing.assert_close(probs, scores.softmax(-1), atol=1e-6, rtol=0)
+
+
+def test_the_runtime_keep_mask_is_the_reference_one_without_a_host_read():
+    """cudaflash/_dropout.keep_mask (S_dmask's mask, torch ops on the seed tensor: no .item(),
+    so torch.compile can trace it) draws the reference's mask, for seeds whose high word is
+    set too, and does not read the seed on the host."""
+    import torch
+
+    from cudaflash import _dropout
+
+    class NoHostRead(torch.Tensor):
+        def item(self):
+            raise AssertionError("keep_mask read the seed on the host")
+
+    for seed in (7, (0x2468ACE0 << 32) | 0x13579BDF, 2**63 - 2):
+        state = _dropout.with_seed(0.3, torch.tensor([seed], dtype=torch.int64)
+                                   .as_subclass(NoHostRead), "cpu")
+        ours = _dropout.keep_mask(state, 2, 3, 40, 72, "cpu")
+        assert np.array_equal(ours.numpy(), keep_mask(seed, 0.3, 2, 3, 40, 72)), seed

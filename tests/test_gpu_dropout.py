@@ -341,6 +341,51 @@ def test_varlen_under_torch_compile_runs_eagerly():
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
+def assert_out_follows_s_dmask(out, s_dmask, q, k, v, p, causal):
+    """out is the dropout attention with the keep mask S_dmask's signs give (a hidden or
+    underflowed score, 0 in S_dmask, counts as kept: its weight is 0 or negligible)."""
+    mask = (s_dmask >= 0).cpu()
+    ref = dropout_reference(q, k, v, mask, p, causal)
+    low = dropout_reference(q, k, v, mask, p, causal, upcast=False)
+    assert (out.float() - ref).abs().max().item() <= 2 * (low - ref).abs().max().item() + 1e-3
+
+
+def test_return_attn_probs_under_torch_compile():
+    """flash_attn_func's (out, lse, S_dmask) with dropout in one compiled graph: S_dmask is
+    built from the graph's own seed (torch ops on the seed tensor), so out follows its
+    signs; the next run draws another mask for both."""
+    torch._dynamo.reset()
+    q, k, v = make_qkv(2, 96, 200, 4, 4, 64, torch.float16, seed=1)
+    compiled = torch.compile(lambda q, k, v: flash_attn_func(
+        q, k, v, dropout_p=0.2, causal=True, return_attn_probs=True), fullgraph=True)
+    with torch.no_grad():
+        out, lse, s_dmask = compiled(q, k, v)
+        out2, _, s_dmask2 = compiled(q, k, v)
+    assert s_dmask.shape == (2, 4, 96, 200) and lse.shape == (2, 4, 96)
+    assert_out_follows_s_dmask(out, s_dmask, q, k, v, 0.2, True)
+    assert_out_follows_s_dmask(out2, s_dmask2, q, k, v, 0.2, True)
+    assert not torch.equal(s_dmask > 0, s_dmask2 > 0)
+
+
+def test_varlen_return_attn_probs_under_torch_compile_runs_eagerly():
+    """flash_attn_varlen_func's (out, lse, S_dmask) with dropout under torch.compile: the
+    call runs eagerly (a graph break) and returns the triple."""
+    from cudaflash import flash_attn_varlen_func
+
+    torch._dynamo.reset()
+    cu = torch.tensor([0, 30, 100], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(100, 2, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    compiled = torch.compile(lambda q, k, v: flash_attn_varlen_func(
+        q, k, v, cu, cu, 70, 70, dropout_p=0.2, causal=True, return_attn_probs=True))
+    with torch.no_grad():
+        out, lse, s_dmask = compiled(q, k, v)
+    assert out.shape == q.shape and lse.shape == (2, 100) and s_dmask.shape == (2, 2, 70, 70)
+    for b, (start, n) in enumerate(((0, 30), (30, 70))):
+        rows = slice(start, start + n)
+        assert_out_follows_s_dmask(out[None, rows], s_dmask[b:b + 1, :, :n, :n],
+                                   q[None, rows], k[None, rows], v[None, rows], 0.2, True)
+
+
 def test_varlen_return_attn_probs_gives_each_sequences_s_dmask():
     """flash_attn_varlen_func's (out, lse, S_dmask) with dropout: sequence b's block of
     S_dmask has the signs of batch entry b's mask and its out is consistent with it."""
