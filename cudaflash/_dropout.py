@@ -6,8 +6,6 @@ are recorded, and the backward rebuilds the same keep mask from the saved tensor
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 import numbers
 from typing import NamedTuple, Optional
@@ -148,22 +146,25 @@ def alibi_bias(alibi_slopes, batch: int, heads: int, seqlen_q: int, seqlen_k: in
 
 
 def attention_probs(q, k, scale: float, causal: bool, window, dropout: Optional[Dropout],
-                    alibi_slopes=None):
+                    alibi_slopes=None, block_head_dim: Optional[int] = None):
     """flash_attn_func's S_dmask for a dropout call: q (batch, seqlen_q, heads, d), k
     (batch, seqlen_k, heads_k, d) -> float32 (batch, heads, seqlen_q, seqlen_k). ``dropout``
-    None (a p too small to drop anything): every score kept. ``alibi_slopes``: the call's."""
+    None (a p too small to drop anything): every score kept. ``alibi_slopes``: the call's.
+    ``block_head_dim``: as in attention_matrix."""
     batch, seqlen_q, heads, _ = q.shape
     seqlen_k = k.shape[1]
     keep = (torch.ones(batch, heads, seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
             if dropout is None else keep_mask(dropout, batch, heads, seqlen_q, seqlen_k, q.device))
     return attention_matrix(q.detach(), k.detach(), scale,
                             visible(seqlen_q, seqlen_k, causal, window, q.device), dropout,
-                            keep, alibi_bias(alibi_slopes, batch, heads, seqlen_q, seqlen_k))
+                            keep, alibi_bias(alibi_slopes, batch, heads, seqlen_q, seqlen_k),
+                            block_head_dim)
 
 
 def varlen_attention_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                            max_seqlen_k: int, scale: float, causal: bool, window,
-                           dropout: Optional[Dropout], alibi_slopes=None):
+                           dropout: Optional[Dropout], alibi_slopes=None,
+                           block_head_dim: Optional[int] = None):
     """flash_attn_varlen_func's S_dmask for a dropout call: q (total_q, heads, d), k
     (total_k, heads_k, d) -> float32 (batch, heads, max_seqlen_q, max_seqlen_k), sequence b
     in entry b's top-left corner (its rows and keys counted within the sequence), zeros
@@ -186,49 +187,38 @@ def varlen_attention_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                   else alibi_slopes[b])
         probs[b, :, :len_q, :len_k] = attention_matrix(
             qb.detach(), kb.detach(), scale, visible(len_q, len_k, causal, window, q.device),
-            dropout, keep, alibi_bias(slopes, 1, heads, len_q, len_k))[0]
+            dropout, keep, alibi_bias(slopes, 1, heads, len_q, len_k), block_head_dim)[0]
     return probs
-
-
-# The head dim flash-attn's tests see: a call padded to the next kernel's head dim builds
-# S_dmask inside the padded call, but flash-attn's block size is the caller's head dim's.
-_caller_head_dim: contextvars.ContextVar = contextvars.ContextVar("cudaflash_caller_head_dim",
-                                                                 default=None)
-
-
-@contextlib.contextmanager
-def caller_head_dim(d_head: int):
-    """Within it, S_dmask's key blocks are sized for ``d_head`` (_padding's padded calls)."""
-    token = _caller_head_dim.set(d_head)
-    try:
-        yield
-    finally:
-        _caller_head_dim.reset(token)
 
 
 def block_size_n(head_dim: int, device) -> int:
     """The key block size flash-attn 2's tests assume for a dropout call
     (their _get_block_size_n with is_dropout=True): S_dmask's rows are scaled per block."""
-    major, minor = torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
     if head_dim <= 32:
         return 128
     if head_dim <= 96:
         return 64
     if head_dim <= 128:
         return 32
-    if head_dim <= 160:
+    if head_dim <= 160:  # (the only size that depends on the GPU: asked only here)
+        major, minor = (torch.cuda.get_device_capability(device) if device.type == "cuda"
+                        else (9, 0))
         return 64 if major == 8 and minor > 0 else 32
     return 64
 
 
 def attention_matrix(q, k, softmax_scale: float, allowed: torch.Tensor, dropout: Dropout,
-                     keep: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     keep: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                     block_head_dim: Optional[int] = None) -> torch.Tensor:
     """flash-attn's S_dmask of a dropout call, float32 (batch, heads, seqlen_q, seqlen_k): the
     exponentials exp(s - M_n) of FlashAttention-2's kernel, M_n the largest score of key block
     n and the blocks after it (it walks them last to first), negated where dropped, 0 where
     `allowed` (the causal/window mask, broadcastable) hides the score. q: (batch, seqlen_q,
     heads, d), k: (batch, seqlen_k, heads_k, d); ``bias``: added to the scaled scores
-    (ALiBi's, broadcastable), as flash-attn's kernel and tests add it."""
+    (ALiBi's, broadcastable), as flash-attn's kernel and tests add it. ``block_head_dim``:
+    the head dim whose key block size applies (default q's): a call padded to the next
+    kernel's head dim passes the caller's, the one flash-attn's tests normalize with. An
+    argument, not a context variable, so that torch.compile traces it."""
     groups = q.shape[2] // k.shape[2]
     qf = q.float().transpose(1, 2)
     kf = k.float().repeat_interleave(groups, dim=2).transpose(1, 2)
@@ -236,7 +226,7 @@ def attention_matrix(q, k, softmax_scale: float, allowed: torch.Tensor, dropout:
     if bias is not None:
         scores = scores + bias
     scores = scores.masked_fill(~allowed, float("-inf"))
-    block = block_size_n(_caller_head_dim.get() or q.shape[-1], q.device)
+    block = block_size_n(block_head_dim or q.shape[-1], q.device)
     blocks = scores.split(block, dim=-1)
     block_max = torch.stack([b.amax(-1) for b in blocks], -1)
     running = torch.cummax(block_max.flip(-1), -1).values.flip(-1)

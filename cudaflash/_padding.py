@@ -2,12 +2,11 @@
 come in 64, 128 and 256, so the public functions run a head dim in between zero-padded to the
 next built one (padded_head_dim decides, with_padded_head_dim pads and slices back)."""
 
-import contextlib
 from typing import Optional
 
 import torch
 
-from . import _checks, _dropout
+from . import _checks
 from .backward_config import BWD_D_HEADS
 from .config import D_HEADS
 
@@ -44,7 +43,11 @@ def with_padded_head_dim(function, padded: int, q, k, v, softmax_scale, kwargs: 
     ``caches``: flash_attn_with_kvcache's (k_cache, v_cache), which ``function`` reads and
     appends ``k``, ``v`` to: they are padded too (a copy of each cache per call) and, after a
     successful call with an append, written back into the caller's caches (whole, as
-    flash-attn does for head dims that are not a multiple of 8)."""
+    flash-attn does for head dims that are not a multiple of 8).
+
+    A dropout call with return_attn_probs also passes ``probs_head_dim`` (the caller's head
+    dim, whose key block size flash-attn's tests normalize S_dmask with), so ``function`` is
+    then an internal entry that takes it, not a public function."""
     d_head = q.shape[-1]
     scale = _checks.softmax_scale(softmax_scale, d_head)
     if _checks.wants_grad(q, k, v) and padded not in BWD_D_HEADS:
@@ -58,11 +61,11 @@ def with_padded_head_dim(function, padded: int, q, k, v, softmax_scale, kwargs: 
         return None if t is None else torch.nn.functional.pad(t, (0, padded - d_head))
 
     padded_caches = tuple(pad(c) for c in caches)
-    # A dropout call's S_dmask is built inside the padded call, with the caller's key blocks.
-    s_dmask = kwargs.get("dropout_p") and kwargs.get("return_attn_probs")
-    with _dropout.caller_head_dim(d_head) if s_dmask else contextlib.nullcontext():
-        result = function(pad(q), *padded_caches, pad(k), pad(v), softmax_scale=scale,
-                          **kwargs)
+    # A dropout call's S_dmask is built inside the padded call, with the caller's key blocks:
+    # ``function`` then takes the caller's head dim as probs_head_dim.
+    if kwargs.get("dropout_p") and kwargs.get("return_attn_probs"):
+        kwargs = dict(kwargs, probs_head_dim=d_head)
+    result = function(pad(q), *padded_caches, pad(k), pad(v), softmax_scale=scale, **kwargs)
     if k is not None:  # for kvcache: an append happened (it has no k without one)
         for cache, padded_cache in zip(caches, padded_caches):
             cache.copy_(padded_cache[..., :d_head])

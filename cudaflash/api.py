@@ -153,21 +153,23 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
 
 def _attention_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, deterministic, return_attn_probs):
+                       alibi_slopes, deterministic, return_attn_probs, probs_head_dim=None):
     """flash_attn_func past its plan: every argument checked; head dims without a kernel
-    padded; torch.compile's custom op, a sliding window, gradients or a plain forward (which
-    records a plan for the next call)."""
+    padded (the padded call comes back here, with the caller's head dim as probs_head_dim
+    for S_dmask); torch.compile's custom op, a sliding window, gradients or a plain forward
+    (which records a plan for the next call)."""
     window, softcap, dropout_p = _checks.attention_options(dropout_p, window_size, softcap)
     padded = _padding.padded_head_dim(q, k, v)
     if padded is not None:
         return _padding.with_padded_head_dim(
-            flash_attn_func, padded, q, k, v, softmax_scale,
+            _attention_checked, padded, q, k, v, softmax_scale,
             dict(dropout_p=dropout_p, causal=causal, window_size=window, softcap=softcap,
                  alibi_slopes=alibi_slopes, deterministic=deterministic,
                  return_attn_probs=return_attn_probs))
     if dropout_p:
         return _dropout_attention(q, k, v, dropout_p, softmax_scale, causal, window, softcap,
-                                  alibi_slopes, deterministic, return_attn_probs)
+                                  alibi_slopes, deterministic, return_attn_probs,
+                                  probs_head_dim)
     if _is_compiling():
         out, lse = fwd_op(q, k, v, softmax_scale, causal, deterministic, *window, softcap,
                           alibi_slopes)
@@ -184,7 +186,7 @@ def _attention_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, s
 
 
 def _dropout_attention(q, k, v, dropout_p, softmax_scale, causal, window, softcap,
-                       alibi_slopes, deterministic, return_attn_probs):
+                       alibi_slopes, deterministic, return_attn_probs, probs_head_dim=None):
     """flash_attn_func with dropout (plain scores; gradients through FlashAttnFunction, or
     the custom op's autograd under torch.compile, in the deterministic scheme). Each call
     draws its own seed (one torch.randint on q's device, after q, k, v are checked): no
@@ -204,7 +206,7 @@ def _dropout_attention(q, k, v, dropout_p, softmax_scale, causal, window, softca
         scale = _checks.softmax_scale(softmax_scale, q.shape[3])
         return out, lse, _dropout.attention_probs(
             q, k, scale, causal, window, _dropout.with_seed(dropout_p, seed, q.device),
-            alibi_slopes)
+            alibi_slopes, probs_head_dim)
     with torch.no_grad():  # (check_qkv refuses leaves that require grad: the autograd
         _checks.check_qkv(q, k, v)  # function below takes them)
     _checks.check_on_gpu(q)
@@ -220,12 +222,12 @@ def _dropout_attention(q, k, v, dropout_p, softmax_scale, causal, window, softca
         return out
     scale = _checks.softmax_scale(softmax_scale, q.shape[3])
     return out, lse, _dropout.attention_probs(q, k, scale, causal, window, dropout,
-                                              alibi_slopes)
+                                              alibi_slopes, probs_head_dim)
 
 
 def _dropout_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
-                    deterministic, return_attn_probs, block_table):
+                    deterministic, return_attn_probs, block_table, probs_head_dim=None):
     """flash_attn_varlen_func with dropout, as _dropout_attention (under torch.compile the
     call runs eagerly: a graph break, as varlen calls with gradients do)."""
     if softcap or block_table is not None:
@@ -234,7 +236,8 @@ def _dropout_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     if _is_compiling():
         return _dropout_varlen_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, dropout_p, softmax_scale, causal, window,
-                                       deterministic, alibi_slopes, return_attn_probs)
+                                       deterministic, alibi_slopes, return_attn_probs,
+                                       probs_head_dim)
     with torch.no_grad():  # (check_qkv refuses leaves that require grad)
         _checks.check_qkv(q, k, v, varlen=True)
     _checks.check_on_gpu(q)
@@ -254,7 +257,8 @@ def _dropout_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     scale = _checks.softmax_scale(softmax_scale, q.shape[2])
     return out, lse, _dropout.varlen_attention_probs(q, k, cu_seqlens_q, cu_seqlens_k,
                                                      max_seqlen_q, max_seqlen_k, scale, causal,
-                                                     window, dropout, alibi_slopes)
+                                                     window, dropout, alibi_slopes,
+                                                     probs_head_dim)
 
 
 def _attention_with_options(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes,
@@ -337,7 +341,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     padded = _padding.padded_head_dim(q, k, v)
     if padded is not None:
         return _padding.with_padded_head_dim(
-            flash_attn_varlen_func, padded, q, k, v, softmax_scale,
+            _padded_varlen, padded, q, k, v, softmax_scale,
             dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
                  causal=causal, window_size=window, softcap=softcap,
@@ -433,17 +437,29 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
+def _padded_varlen(q, k, v, softmax_scale, probs_head_dim=None, **options):
+    """flash_attn_varlen_func on q, k, v padded to a built head dim (_padding's
+    ``function``); with probs_head_dim (dropout with return_attn_probs) the dropout path
+    directly, which builds S_dmask with the caller's key blocks."""
+    if probs_head_dim is None:
+        return flash_attn_varlen_func(q, k, v, softmax_scale=softmax_scale, **options)
+    o = options
+    return _dropout_varlen(q, k, v, o["cu_seqlens_q"], o["cu_seqlens_k"], o["max_seqlen_q"],
+                           o["max_seqlen_k"], o["dropout_p"], softmax_scale, o["causal"],
+                           o["window_size"], o["softcap"], o["alibi_slopes"],
+                           o["deterministic"], o["return_attn_probs"], o["block_table"],
+                           probs_head_dim)
+
+
 @torch.compiler.disable  # outside the graph: flash_attn_varlen_func's eager path
 def _dropout_varlen_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             dropout_p, softmax_scale, causal, window, deterministic,
-                            alibi_slopes, return_attn_probs):
-    """flash_attn_varlen_func with dropout run eagerly, gradients included: out, or with
+                            alibi_slopes, return_attn_probs, probs_head_dim=None):
+    """flash_attn_varlen_func's dropout path run eagerly, gradients included: out, or with
     return_attn_probs (out, lse, S_dmask)."""
-    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                  max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale,
-                                  causal=causal, window_size=window, alibi_slopes=alibi_slopes,
-                                  deterministic=deterministic,
-                                  return_attn_probs=return_attn_probs)
+    return _dropout_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p, softmax_scale, causal, window, 0.0, alibi_slopes,
+                           deterministic, return_attn_probs, None, probs_head_dim)
 
 
 @torch.compiler.disable  # outside the graph: flash_attn_varlen_func's eager path

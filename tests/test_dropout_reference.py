@@ -213,7 +213,7 @@ def test_a_seed_on_another_device_is_refused():
 def test_padded_head_dims_keep_the_callers_s_dmask_blocks():
     """A head dim padded to the next kernel's (96 -> 128) builds S_dmask inside the padded
     call; flash-attn's tests normalize it with the caller's block size (64 for d 96, 32 for
-    d 128), which _padding's caller_head_dim restores."""
+    d 128), which _padding passes as block_head_dim."""
     import torch
 
     from cudaflash import _dropout
@@ -224,10 +224,9 @@ def test_padded_head_dims_keep_the_callers_s_dmask_blocks():
     allowed = torch.ones(40, 150, dtype=torch.bool)
     keep = torch.rand(1, 2, 40, 150) > 0.2
     want = _dropout.attention_matrix(q, k, 0.1, allowed, None, keep)
-    with _dropout.caller_head_dim(96):
-        got = _dropout.attention_matrix(torch.nn.functional.pad(q, pad),
-                                        torch.nn.functional.pad(k, pad), 0.1, allowed, None,
-                                        keep)
+    got = _dropout.attention_matrix(torch.nn.functional.pad(q, pad),
+                                    torch.nn.functional.pad(k, pad), 0.1, allowed, None, keep,
+                                    block_head_dim=96)
     torch.testing.assert_close(got, want)
     assert not torch.allclose(_dropout.attention_matrix(torch.nn.functional.pad(q, pad),
                                                         torch.nn.functional.pad(k, pad), 0.1,
