@@ -44,10 +44,13 @@ struct BwdConfig {
     // mma.sync. Also read by copy.cuh: cp.async writes reach wgmma through a proxy fence.
     static constexpr bool kWgmma = CF_WGMMA;
 
-    // d256: the mma.sync kernels of the deterministic scheme only (dK and dV in two passes:
-    // flash_bwd.cu, bwd_dkdv_deterministic).
-    static_assert(kDHead == 64 || kDHead == 128 || (kDHead == 256 && !CF_WGMMA),
-                  "backward: d_head must be 64 or 128, or 256 without wgmma");
+    // d256: the deterministic scheme only, its dK/dV kernel either mma.sync (dK and dV in two
+    // passes) or warp-specialized (bwd_warp_specialized_d256.cuh): flash_bwd.cu,
+    // bwd_dkdv_deterministic.
+    static_assert(kDHead == 64 || kDHead == 128 ||
+                      (kDHead == 256 && (!CF_WGMMA || (CF_WARP_SPECIALIZED && CF_WS_QUERY_ROWS == 64))),
+                  "backward: d_head must be 64 or 128, or 256 without wgmma or warp-specialized "
+                  "with ws_query_rows 64");
     static_assert(kWarps == 4 || kWarps == 8, "n_warps must be 4 or 8");
     static_assert(kBr % 16 == 0 && kBr % kRowsPerCopyPass == 0 && kBr <= 128,
                   "B_r must be a multiple of 16 and of threads / 8, at most 128");

@@ -961,15 +961,25 @@ __device__ __forceinline__ void bwd_dkdv(const BwdParams& p) {
 
 // The warp-specialized dK/dV + dQ kernel (BwdConfig::kWarpSpecialized), on the helpers above.
 #include "bwd_warp_specialized.cuh"
+// ... and at d256 the deterministic scheme's dK/dV kernel of that structure.
+#include "bwd_warp_specialized_d256.cuh"
 
 namespace cudaflash {
 
 // The deterministic scheme's dK/dV kernel: one run of bwd_dkdv, or at d256 a dV pass and a
 // dK pass (kPassValues, kPassKeys), each loading its own K and V (the first pass's epilogue
-// stages dV over V).
-template <bool kScoreMods = false>
+// stages dV over V), or at d256 on Hopper the warp-specialized kernel (tensor maps: padded
+// batches without score modifiers only; the host sends the other calls to the mma.sync d256
+// module, so here they compile to a trap: backward_config.BackwardConfig.plain_calls_only).
+template <bool kScoreMods = false, bool kPackedBatch = false>
 __device__ __forceinline__ void bwd_dkdv_deterministic(const BwdParams& p) {
-    if constexpr (kD == 256) {
+    if constexpr (kD == 256 && C::kWarpSpecialized) {
+        if constexpr (kScoreMods || kPackedBatch) {
+            __trap();
+        } else {
+            bwd_dkdv_ws_d256<true>(p);
+        }
+    } else if constexpr (kD == 256) {
         bwd_dkdv<false, true, kScoreMods, kPassValues>(p);
         __syncthreads();  // every warp's dV stores have read the staging tile
         bwd_dkdv<false, true, kScoreMods, kPassKeys>(p);
@@ -1175,7 +1185,14 @@ extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
     cudaflash::bwd_preprocess(p);
 }
 
-extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
+// The d256 warp-specialized module's dK/dV kernel: 3 warpgroups and setmaxnreg, as the
+// fused kernel below.
+#if CF_WARP_SPECIALIZED && CF_D_HEAD == 256
+#define CF_DKDV_BOUNDS __launch_bounds__(cudaflash::BwdConfig::kFusedThreads, 1)
+#else
+#define CF_DKDV_BOUNDS __launch_bounds__(cudaflash::BwdConfig::kThreads)
+#endif
+extern "C" __global__ void CF_DKDV_BOUNDS
     cudaflash_bwd_dkdv(const __grid_constant__ cudaflash::BwdParams p) {
     cudaflash::bwd_dkdv_deterministic(p);
 }
@@ -1217,7 +1234,7 @@ extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dkdv_varlen(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dkdv_deterministic(cudaflash::sequence_view(p, blockIdx.z));
+    cudaflash::bwd_dkdv_deterministic<false, true>(cudaflash::sequence_view(p, blockIdx.z));
 }
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
@@ -1243,7 +1260,7 @@ extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dkdv_varlen_scoremod(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dkdv_deterministic<true>(cudaflash::sequence_view(p, blockIdx.z));
+    cudaflash::bwd_dkdv_deterministic<true, true>(cudaflash::sequence_view(p, blockIdx.z));
 }
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)

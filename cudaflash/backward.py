@@ -105,10 +105,15 @@ class _Launches:
 
     def per_key_tile(self, role: str) -> None:
         """dkdv, dkdv_dq: one CTA per tile of keys and K/V head (the fused dkdv_dq entries
-        with the module's fused_threads: warp-specialized modules add a producer warpgroup)."""
+        with the module's fused_threads: warp-specialized modules add a producer warpgroup;
+        the dkdv entries with its dkdv_threads and dkdv_cta_rows: d256's warp-specialized
+        kernel has 64 keys per CTA)."""
         e = self.kernel.entry
-        tiles = (self.seqlen_k + e.cta_rows - 1) // e.cta_rows
-        threads = e.fused_threads if role.startswith("dkdv_dq") else e.threads
+        if role.startswith("dkdv_dq"):
+            rows, threads = e.cta_rows, e.fused_threads
+        else:
+            rows, threads = e.config.dkdv_cta_rows, e.config.dkdv_threads
+        tiles = (self.seqlen_k + rows - 1) // rows
         self._launch(role, (tiles, self.n_heads_k, self.batch), threads)
 
     def per_query_tile(self, role: str) -> None:
@@ -156,15 +161,18 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             scheme = heuristics.effective_scheme(scheme, seqlen_q, n_heads // n_heads_k,
                                                  causal, atomic.config.wgmma, window)
-    kernel = dispatch.backward_kernel(_driver.current_context(index), index, q.dtype, d_head,
-                                      scheme)
+    ctx = _driver.current_context(index)
+    # A padded batch without score modifiers may take a module that serves only such calls
+    # (d256's warp-specialized dK/dV kernel, deterministic scheme).
+    kernel = dispatch.backward_kernel(ctx, index, q.dtype, d_head, scheme, plain=not scoremod)
     maps = None
-    if kernel.entry.config.warp_specialized and scheme == "atomic":
+    config = kernel.entry.config
+    if config.warp_specialized and (scheme == "atomic" or config.dkdv_warp_specialized):
         # Its loader reads q, k, v and dout through tensor maps only. The kernel-ready
         # tensors (whole 16-byte strides and alignment) always have them; should the driver
-        # still refuse a layout or these pointers, the deterministic kernels serve the call.
-        layout = _tma.backward_maps(q, k, v, dout, kernel.entry.config.ws_query_rows,
-                                    kernel.entry.cta_rows)
+        # still refuse a layout or these pointers, a module without maps serves the call:
+        # the deterministic scheme's (d64, d128), the mma.sync one (d256).
+        layout = _tma.backward_maps(q, k, v, dout, config.ws_query_rows, config.dkdv_cta_rows)
         if layout is not None:
             maps = ctypes.create_string_buffer(4 * _tma.MAP_BYTES)
             try:
@@ -174,8 +182,7 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 maps = None
         if maps is None:
             scheme = "deterministic"
-            kernel = dispatch.backward_kernel(_driver.current_context(index), index, q.dtype,
-                                              d_head, scheme)
+            kernel = dispatch.backward_kernel(ctx, index, q.dtype, d_head, scheme)
     deterministic = scheme == "deterministic"
     delta = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device)
     lse = lse.contiguous()  # the forward's own: already (batch, nheads, seqlen_q), contiguous

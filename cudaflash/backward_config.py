@@ -31,9 +31,11 @@ class BackwardConfig:
     """One backward module (cuda_src/flash_bwd.cu): its five kernels share these fields.
 
     - ``dtype``, ``d_head``: as in KernelConfig; d_head 64, 128 or 256. At 256 the dK and dV
-      accumulators of a warp's keys do not fit its registers together: the dK/dV kernel runs
-      a dV pass and a dK pass (mma.sync only), and the module serves the deterministic
-      scheme only (``fuses_dq`` is false: its fused entries are traps).
+      accumulators of a warp's keys do not fit its registers together, and the module serves
+      the deterministic scheme only (``fuses_dq`` is false: its fused entries are traps). Its
+      dK/dV kernel either runs a dV pass and a dK pass (mma.sync), or, warp_specialized, has
+      two consumer warpgroups on the same 64 keys, one holding dV and one dK
+      (cuda_src/bwd_warp_specialized_d256.cuh; ``plain_calls_only``).
     - ``n_warps``: warps per CTA of the dK/dV and dQ kernels; each warp owns 16 rows of the
       CTA's own tile (keys in dK/dV, query rows in dQ), so a CTA owns 16 * n_warps of them.
     - ``B_r``: query rows per tile the dK/dV kernel streams past its keys.
@@ -42,7 +44,8 @@ class BackwardConfig:
       dQ kernel keeps mma.sync). Optional in configs.yaml, default false.
     - ``warp_specialized``: the atomic scheme's fused dK/dV + dQ kernel with a producer
       warpgroup (loads, dQ bulk reductions) beside the n_warps consumer warps
-      (cuda_src/bwd_warp_specialized.cuh); needs wgmma, n_warps 8 and B_r 64. Optional,
+      (cuda_src/bwd_warp_specialized.cuh); at d256 the deterministic scheme's dK/dV kernel
+      instead (``dkdv_warp_specialized``). Needs wgmma, n_warps 8 and B_r 64. Optional,
       default false.
     - ``ws_query_rows``: query rows per step of that kernel, 64 or 128 (128: its score GEMMs
       are N = 128 wgmmas and dQ two 64-row halves; its own tile, the module's other kernels
@@ -101,19 +104,53 @@ class BackwardConfig:
 
     @property
     def cta_rows(self) -> int:
-        """Keys per dK/dV CTA and query rows per dQ CTA."""
+        """Keys per dK/dV CTA and query rows per dQ CTA (dkdv_cta_rows: the dK/dV kernel's)."""
         return 16 * self.n_warps
 
     @property
+    def dkdv_warp_specialized(self) -> bool:
+        """The deterministic dK/dV kernel is the d256 warp-specialized one
+        (bwd_warp_specialized_d256.cuh): a producer warpgroup and two consumer warpgroups on
+        the same 64 keys."""
+        return self.warp_specialized and self.d_head == 256
+
+    @property
+    def plain_calls_only(self) -> bool:
+        """The module serves padded batches without score modifiers only: its dK/dV kernel
+        loads through tensor maps (a packed batch has none), and its varlen and score-modifier
+        dK/dV entries are traps (dispatch.find_backward_entry's ``plain``)."""
+        return self.dkdv_warp_specialized
+
+    @property
+    def dkdv_threads(self) -> int:
+        """Threads per block of the dK/dV entries."""
+        return self.fused_threads if self.dkdv_warp_specialized else self.threads
+
+    @property
+    def dkdv_cta_rows(self) -> int:
+        """Keys per dK/dV CTA (kD256Keys for the d256 warp-specialized kernel)."""
+        return 64 if self.dkdv_warp_specialized else self.cta_rows
+
+    @property
     def dkdv_smem_bytes(self) -> int:
-        """K and V of the CTA, Q and dO double-buffered, lse and delta (float32) per buffer."""
+        """K and V of the CTA, Q and dO double-buffered, lse and delta (float32) per buffer.
+        The d256 warp-specialized kernel: K and V of 64 keys, a ring of BWD_WS_STAGES stages
+        of Q, dO, lse and delta (64 rows), two P^T hand-off buffers (128 threads x 64 bytes),
+        the mbarriers (K/V, and full + empty per stage)."""
+        if self.dkdv_warp_specialized:
+            stages, rows, keys = BWD_WS_STAGES, 64, 64
+            return (2 * keys * self.d_head * ELEMENT_BYTES
+                    + stages * (2 * rows * self.d_head * ELEMENT_BYTES + 2 * rows * 4)
+                    + 2 * 128 * 64 + 8 * (1 + 2 * stages))
         return (2 * self.cta_rows + 4 * self.B_r) * self.d_head * ELEMENT_BYTES + 4 * self.B_r * 4
 
     @property
     def dkdv_dq_smem_bytes(self) -> int:
         """dkdv_smem_bytes and the step's dS^T, (cta_rows, 64) 16-bit values; with wgmma at
         d128 also two dQ tiles for the bulk reductions, (B_r, d_head) float32
-        (bwd_config.cuh kBulkDq)."""
+        (bwd_config.cuh kBulkDq). None at d256, whose fused entries are traps."""
+        if not self.fuses_dq:
+            return 0
         if self.warp_specialized:
             return self.warp_specialized_smem_bytes
         dq_tiles = 2 * self.B_r * self.d_head * 4 if self.wgmma and self.d_head == 128 else 0
@@ -204,9 +241,10 @@ class BackwardConfig:
                 bad("B_r", f"gives d_head / (n_warps / (B_r / 16)) = {cols} dQ columns per "
                            "warp; they must be whole 16-column slices within one 64-column "
                            "slab, or whole slabs")
-        if self.d_head == 256 and (self.wgmma or self.warp_specialized):
-            bad("d_head", "256 runs the two-pass mma.sync dK/dV kernel: wgmma and "
-                          "warp_specialized must be false")
+        if self.d_head == 256 and self.wgmma and not (self.warp_specialized
+                                                      and self.ws_query_rows == 64):
+            bad("d_head", "256 runs the two-pass mma.sync dK/dV kernel (wgmma false) or the "
+                          "warp-specialized one (wgmma, warp_specialized, ws_query_rows 64)")
         if self.wgmma and self.B_r != 64:
             bad("B_r", "must be 64 with wgmma (the step's dQ = dS K is one 64-row wgmma)")
         if self.warp_specialized and not (self.wgmma and self.n_warps == 8 and self.B_r == 64):

@@ -200,17 +200,20 @@ def _make_kernel(dk: DeviceKernels, entry: KernelEntry, ctx: int) -> Kernel:
 # ---- backward --------------------------------------------------------------------------------
 
 
-def find_backward_entry(index: int, dtype: torch.dtype, d_head: int,
-                        scheme: str) -> BackwardEntry | None:
-    """The backward module for (dtype, d_head, scheme) that runs on cuda:``index``, or None."""
-    key = (index, dtype, d_head, scheme)
+def find_backward_entry(index: int, dtype: torch.dtype, d_head: int, scheme: str,
+                        plain: bool = False) -> BackwardEntry | None:
+    """The backward module for (dtype, d_head, scheme) that runs on cuda:``index``, or None.
+    ``plain``: the call is a padded batch without score modifiers, which modules that serve
+    only such calls may take (BackwardConfig.plain_calls_only: d256's warp-specialized one)."""
+    key = (index, dtype, d_head, scheme, plain)
     if key not in _backward_entries:
         device = _driver.device(index)
         usable = _manifest.load_manifest().usable_backward(device.arch, device.smem_optin)
         _backward_entries[key] = next(  # manifest order: configs.yaml's
             (e for e in usable.values()
              if e.config.dtype == DTYPES[dtype] and e.config.d_head == d_head
-             and scheme in e.schemes and (scheme != "atomic" or e.config.fuses_dq)), None)
+             and scheme in e.schemes and (scheme != "atomic" or e.config.fuses_dq)
+             and (plain or not e.config.plain_calls_only)), None)
     return _backward_entries[key]
 
 
@@ -231,12 +234,13 @@ def check_backward_supported(index: int, dtype: torch.dtype, d_head: int, scheme
 
 
 def backward_kernel(ctx: int, index: int, dtype: torch.dtype, d_head: int,
-                    scheme: str) -> BackwardKernel:
-    """The backward module for the call, loaded in context ``ctx``."""
-    key = (ctx, index, dtype, d_head, scheme)
+                    scheme: str, plain: bool = False) -> BackwardKernel:
+    """The backward module for the call, loaded in context ``ctx`` (``plain``: as in
+    find_backward_entry)."""
+    key = (ctx, index, dtype, d_head, scheme, plain)
     kernel = _backward_kernels.get(key)
     if kernel is None:
-        entry = find_backward_entry(index, dtype, d_head, scheme)
+        entry = find_backward_entry(index, dtype, d_head, scheme, plain)
         if entry is None:  # the forward checked; only a changed manifest or switch gets here
             check_backward_supported(index, dtype, d_head, scheme)
             raise AssertionError("check_backward_supported did not raise")

@@ -407,8 +407,28 @@ def test_a_d256_backward_entry_must_not_serve_the_atomic_scheme(tmp_path):
         build_cubins.load_spec(path)
     path.write_text(yaml.safe_dump({**data, "backward": [{**entry, "scheme": "deterministic"}]}))
     assert build_cubins.load_spec(path).backward_configs
-    assert any("wgmma and warp_specialized must be false" in e
+    assert any("warp-specialized one (wgmma, warp_specialized, ws_query_rows 64)" in e
                for e in BackwardConfig(**{**entry, "B_r": 64, "wgmma": True}).errors())
+    ws = BackwardConfig(**{**entry, "B_r": 64, "n_warps": 8, "wgmma": True,
+                           "warp_specialized": True})
+    assert ws.errors() == [] and not ws.fuses_dq and ws.plain_calls_only
+    assert (ws.dkdv_threads, ws.dkdv_cta_rows) == (384, 64)
+    assert ws.dkdv_dq_smem_bytes == 0  # its fused entries are traps
+
+
+def test_modules_for_plain_calls_only_have_a_general_module_behind_them():
+    """A module that serves only padded batches without score modifiers (d256's
+    warp-specialized one) must have, for its dtype, head dim and arch, a module listed after
+    it that serves every call (varlen, softcap, ALiBi, dropout, refused tensor maps)."""
+    plain_only = [c for c in SPEC.backward_configs if c.plain_calls_only]
+    assert plain_only, "configs.yaml lists no plain-calls-only module: update this test"
+    for cfg in plain_only:
+        later = SPEC.backward_configs[SPEC.backward_configs.index(cfg) + 1:]
+        for arch in SPEC.cubin_archs(cfg):
+            assert any((c.dtype, c.d_head) == (cfg.dtype, cfg.d_head) and not c.plain_calls_only
+                       and arch in SPEC.cubin_archs(c)
+                       and set(SPEC.backward_schemes[cfg]) <= set(SPEC.backward_schemes[c])
+                       for c in later), (cfg.name, arch)
 
 
 def test_backward_entry_scheme(tmp_path):

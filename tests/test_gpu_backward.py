@@ -192,10 +192,14 @@ def test_atomic_scheme_differs_from_deterministic_only_in_dq_rounding(combo, mon
     assert (atomic[0].float() - fixed[0].float()).abs().max() / scale < 1e-2
 
 
-def for_each_backward_module(monkeypatch, body):
+def for_each_backward_module(monkeypatch, body, plain=True):
     """body(entry) for each shipped backward module this GPU can run, not only the one the
-    selection picks, as the one every backward call finds; a failure names the module."""
-    entries = internals.usable_backward_entries(torch.cuda.current_device())
+    selection picks, as the one every backward call finds; a failure names the module.
+    ``plain``: body's calls are padded batches without score modifiers; False leaves out the
+    modules that serve only those (BackwardConfig.plain_calls_only: their other entries are
+    traps)."""
+    entries = [e for e in internals.usable_backward_entries(torch.cuda.current_device())
+               if plain or not e.config.plain_calls_only]
     assert entries, "no backward module runs on this GPU"
     for entry in entries:
         with monkeypatch.context() as m:
@@ -382,6 +386,41 @@ def test_d256_backward_runs_the_deterministic_kernels_in_either_scheme(dtype, de
     for a, b in zip(grads, fixed):
         assert torch.equal(a, b)
     check_grads(grads, q, k, v, dout, True)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("b,sq,sk,h,hk,causal", [
+    (2, 333, 517, 4, 2, False),  # query and key tails (zero fill), GQA
+    (1, 700, 300, 2, 1, True),  # MQA, more query rows than keys, bottom-right causal
+    (2, 64, 64, 8, 8, True),  # one key tile per CTA, one query tile
+    (1, 1000, 1000, 2, 2, False),  # many query tiles per step loop (ring wrap-around)
+])
+def test_d256_warp_specialized_dkdv_and_its_fallback(dtype, b, sq, sk, h, hk, causal,
+                                                      monkeypatch):
+    """On Hopper a padded d256 call without score modifiers takes the warp-specialized dK/dV
+    kernel (two warpgroups on the same 64 keys, P^T handed over in shared memory): within
+    the rule. When its tensor maps are refused the call runs on the mma.sync module, within
+    the rule too; dK and dV of the two differ only by the order of float32 sums."""
+    index = torch.cuda.current_device()
+    ws = internals.find_backward_entry(index, DTYPES[dtype], 256, "deterministic", True)
+    if ws is None or not ws.config.dkdv_warp_specialized:
+        pytest.skip("the d256 warp-specialized backward runs on sm_90 only")
+    fallback_entry = internals.find_backward_entry(index, DTYPES[dtype], 256, "deterministic")
+    assert fallback_entry is not None and not fallback_entry.config.plain_calls_only
+    q, k, v = make_qkv(b, sq, sk, h, hk, 256, DTYPES[dtype], seed=sq + sk)
+    dout = torch.randn_like(q)
+    out, grads = run_with_grad(q, k, v, dout, causal=causal, deterministic=True)
+    check_grads(grads, q, k, v, dout, causal)
+    again = run_with_grad(q, k, v, dout, causal=causal, deterministic=True)[1]
+    for a, c in zip(grads, again):
+        assert torch.equal(a, c), "the deterministic scheme is not bitwise reproducible"
+    internals.clear_backward_cache()
+    with monkeypatch.context() as m:
+        m.setattr(_tma, "backward_maps", lambda *args: None)
+        fallback = run_with_grad(q, k, v, dout, causal=causal, deterministic=True)[1]
+    internals.clear_backward_cache()
+    check_grads(fallback, q, k, v, dout, causal)
+    assert torch.equal(fallback[0], grads[0]), "dq comes from the same dQ kernel code"
 
 
 @pytest.mark.parametrize("d", [160, 192, 255])

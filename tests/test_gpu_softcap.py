@@ -240,7 +240,7 @@ def test_every_backward_module_that_runs_here(monkeypatch):
         q, k, v = make_qkv(1, 200, 300, 4, 2, cfg.d_head, DTYPES[cfg.dtype], seed=14)
         check_grads(q, k, v, torch.randn_like(q), True, big_scale(cfg.d_head), 2.0)
 
-    for_each_backward_module(monkeypatch, body)
+    for_each_backward_module(monkeypatch, body, plain=False)  # score modifiers
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
