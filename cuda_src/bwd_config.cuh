@@ -48,7 +48,8 @@ struct BwdConfig {
     // passes) or warp-specialized (bwd_warp_specialized_d256.cuh): flash_bwd.cu,
     // bwd_dkdv_deterministic.
     static_assert(kDHead == 64 || kDHead == 128 ||
-                      (kDHead == 256 && (!CF_WGMMA || (CF_WARP_SPECIALIZED && CF_WS_QUERY_ROWS == 64))),
+                      (kDHead == 256 &&
+                       (!CF_WGMMA || (CF_WARP_SPECIALIZED && CF_WS_QUERY_ROWS == 64))),
                   "backward: d_head must be 64 or 128, or 256 without wgmma or warp-specialized "
                   "with ws_query_rows 64");
     static_assert(kWarps == 4 || kWarps == 8, "n_warps must be 4 or 8");

@@ -1,5 +1,5 @@
-// The deterministic scheme's dK/dV kernel at d256 on Hopper (BwdConfig::kWarpSpecialized with
-// kDHead 256; sm_90a, wgmma): design-notes.md, "d256 backward: the plan".
+// The deterministic scheme's dK/dV and dQ kernels at d256 on Hopper (BwdConfig::
+// kWarpSpecialized with kDHead 256; sm_90a, wgmma): design-notes.md, "d256 backward".
 //
 // Why d256 needs its own partition: a warpgroup owning 64 keys would hold dK and dV (64 x 256
 // float32 each: 128 + 128 registers per thread) beside the step's score tiles, more than the
@@ -19,8 +19,13 @@
 // go to shared memory in thread order (each thread's 64 bytes as four 16-byte stores, 2 KB per
 // store instruction per warpgroup, conflict-free): thread t of the keys group reads what
 // thread t of the values group wrote, since both hold the same keys x queries tile in the same
-// fragment layout. dQ comes from the module's dQ kernel (bwd_dq), as in the deterministic
-// scheme at every head dim.
+// fragment layout.
+//
+// The dQ kernel (bwd_dq_ws_d256, below) mirrors it: 64 query rows per CTA, streaming 64-key
+// tiles of K and V through a TMA ring; the "scores" warpgroup computes S = Q K^T and P, the
+// "grads" warpgroup dP = dO V^T and dS = P (dP - delta), P and dS cross in shared memory the
+// same way, and each warpgroup adds dS K for half of dQ's 256 columns (64 x 128 float32: 64
+// registers), so the two do equal GEMM work.
 //
 // Included by flash_bwd.cu after bwd_warp_specialized.cuh (the loader's helpers, kBwd*).
 #pragma once
@@ -221,6 +226,238 @@ __device__ __forceinline__ void bwd_dkdv_ws_d256(const BwdParams& p) {
     store_rows_by<C, kKeys, kBwdConsumerThreads>(
         row_of(static_cast<elem_t*>(p.dv), p.dv_strides, batch, key0, head_k), sV,
         p.dv_strides.seq, key_rows, ctid);
+}
+
+namespace wg {
+
+// acc (64 x kN) += A (64 x 16 kK, registers) * tile b from column block `b_cols` on (16 kK rows,
+// kN columns, read MN-major; b_cols: the tile's address at the first column, a whole slab):
+// the dQ kernel's halves of dQ += dS K.
+template <int kRowsB, int kK, int kN>
+__device__ __forceinline__ void regs_cols(float (&acc)[kN / 8][4], const uint32_t (&a)[1][kK][4],
+                                          uint32_t b_cols) {
+    constexpr uint64_t kFields = smem_desc_mn_major(kRowsB);
+#pragma unroll
+    for (int kk = 0; kk < kK; ++kk)
+        wgmma_rs<kN, C::kBf16>(flat(acc), a[0][kk], smem_desc_at(kFields, b_cols + kk * 16 * 128),
+                               1);
+}
+
+}  // namespace wg
+
+// The P and dS hand-offs of the dQ kernel, per buffer: P "ready"/"free" as in the dK/dV
+// kernel, and dS "ready" (grads group -> scores group) / "free" (the reverse).
+constexpr int kD256DsReadyBarrier = 7;  // + buffer
+constexpr int kD256DsFreeBarrier = 9;   // + buffer
+
+// Shared memory (BackwardConfig.dq_smem_bytes mirrors it): Q, dO (64 x 256) | kBwdStages x
+// K, V (64 x 256) | 2 x P, 2 x dS fragments (128 threads x 64 B each) | lse, delta (64
+// float32) | mbarriers (1 + 2 * kBwdStages).
+template <bool kWindow>
+__device__ __forceinline__ void bwd_dq_ws_d256(const BwdParams& p) {
+    static_assert(kD == 256 && C::kWarpSpecialized && C::kBc == 64,
+                  "the d256 dQ partition: 64-key tiles (B_c 64)");
+    constexpr int kRows = 64;  // query rows per CTA
+    constexpr int kKv = C::kBc;  // keys per tile
+    constexpr int kStages = kBwdStages;
+    constexpr int kGroupThreads = 128;
+    constexpr int kFrags = kD256PFragments * kGroupThreads;  // uint4 per hand-off buffer
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    elem_t* sQ = reinterpret_cast<elem_t*>(smem);  // (kRows, d); holds dQ at the end
+    elem_t* sdO = sQ + kRows * kD;                 // (kRows, d)
+    elem_t* sK = sdO + kRows * kD;                 // kStages x (kKv, d)
+    elem_t* sV = sK + kStages * kKv * kD;          // kStages x (kKv, d)
+    uint4* sP = reinterpret_cast<uint4*>(sV + kStages * kKv * kD);  // 2 x P fragments
+    uint4* sdS = sP + 2 * kFrags;                                    // 2 x dS fragments
+    float* sLse = reinterpret_cast<float*>(sdS + 2 * kFrags);       // kRows, log2 units
+    float* sDelta = sLse + kRows;                                   // kRows
+    uint64_t* bars = reinterpret_cast<uint64_t*>(sDelta + kRows);
+    uint64_t& rows_full = bars[0];  // Q, dO, lse and delta have landed
+    uint64_t* full = bars + 1;      // per stage: the K and V tiles have landed
+    uint64_t* empty = full + kStages;
+
+    // Causal CTAs with more key tiles start first, as in bwd_dq.
+    const int q_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int head_k = head / (p.n_heads / p.n_heads_k);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int q0 = q_block * kRows;
+    if (q0 >= p.seqlen_q) return;  // the whole CTA, before any barrier
+    const int q_rows = min(kRows, p.seqlen_q - q0);
+    const int shift = p.seqlen_k - p.seqlen_q;
+    const KeyTiles visible = key_tiles<kKv>(p, q0, q_rows);
+    const int n_tiles = visible.end - visible.first;
+
+    constexpr uint32_t kRowsBytes = 2 * kRows * kD * sizeof(elem_t) + 2 * kRows * sizeof(float);
+    constexpr uint32_t kStageBytes = 2 * kKv * kD * sizeof(elem_t);
+    if (threadIdx.x == 0) {
+        tma_prefetch_map(p.tma_k);
+        tma_prefetch_map(p.tma_v);
+        tma_prefetch_map(p.tma_q);
+        tma_prefetch_map(p.tma_do);
+        mbarrier_init(&rows_full, 1);
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+            mbarrier_init(&full[s], 1);
+            mbarrier_init(&empty[s], kBwdConsumerThreads / 32);  // every consumer warp
+        }
+        fence_proxy_async_shared();
+    }
+    __syncthreads();
+
+    if (warp < 4) {
+        warpgroup_reg_dealloc<kBwdProducerRegs>();
+        if (warp != 0 || lane != 0) return;
+        // ---- loader: one thread ------------------------------------------------------------
+        mbarrier_arrive_expect_tx(&rows_full, kRowsBytes);
+        tma_load_5d(smem_addr(sQ), p.tma_q, &rows_full, 0, q0, 0, head, batch);
+        tma_load_5d(smem_addr(sdO), p.tma_do, &rows_full, 0, q0, 0, head, batch);
+        const int64_t row = (int64_t(batch) * p.n_heads + head) * dq_accum_rows(p) + q0;
+        bulk_load(smem_addr(sLse), p.lse_log2_tiles + row, kRows * sizeof(float), &rows_full);
+        bulk_load(smem_addr(sDelta), p.delta_tiles + row, kRows * sizeof(float), &rows_full);
+#pragma unroll 1
+        for (int i = 0; i < n_tiles; ++i) {
+            const int stage = i % kStages;
+            const int key0 = (visible.first + i) * kKv;
+            mbarrier_wait(&empty[stage], ((i / kStages) & 1) ^ 1);
+            mbarrier_arrive_expect_tx(&full[stage], kStageBytes);
+            tma_load_5d(smem_addr(sK + stage * kKv * kD), p.tma_k, &full[stage], 0, key0, 0,
+                        head_k, batch);
+            tma_load_5d(smem_addr(sV + stage * kKv * kD), p.tma_v, &full[stage], 0, key0, 0,
+                        head_k, batch);
+        }
+        return;
+    }
+
+    // ---- consumers ---------------------------------------------------------------------------
+    warpgroup_reg_alloc<kBwdConsumerRegs>();
+    const bool scores_group = warp < 8;  // warpgroup 1: S, P; warpgroup 2: dP, dS
+    const int gtid = threadIdx.x % kGroupThreads;
+    const int row0 = (warp % 4) * 16;  // the warp's query rows within the CTA's 64
+    const WindowBounds window(p);
+    constexpr int kHalf = kD / 2;  // dQ columns per warpgroup
+    float dQ[kHalf / 8][4];
+#pragma unroll
+    for (int nd = 0; nd < kHalf / 8; ++nd)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dQ[nd][e] = 0.f;
+    mbarrier_wait(&rows_full, 0);
+    // This thread's two query rows (lane / 4 and lane / 4 + 8 of the warp's 16).
+    float lse[2], delta[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        lse[r] = sLse[row0 + lane / 4 + 8 * r];
+        delta[r] = sDelta[row0 + lane / 4 + 8 * r];
+    }
+    const uint32_t q_tile = smem_addr(sQ), do_tile = smem_addr(sdO);
+    // The warpgroup's dQ columns: slabs 0-1 (scores group) or 2-3 (grads group) of K.
+    const int col_slab = scores_group ? 0 : kHalf / 64;
+
+    for (int i = 0; i < n_tiles; ++i) {
+        const int stage = i % kStages;
+        const int buf = i % 2;
+        const int tile = visible.first + i;
+        const uint32_t k_tile = smem_addr(sK + stage * kKv * kD);
+        const uint32_t v_tile = smem_addr(sV + stage * kKv * kD);
+        mbarrier_wait(&full[stage], (i / kStages) & 1);
+
+        float S[1][kKv / 8][4];  // S then P (scores group); dP then dS (grads group)
+        uint32_t a[1][kKv / 16][4];
+        wgmma_fence_operands(wg::flat(S[0]));
+        wgmma_fence();
+        wg::rows_rows<kRows, kKv>(S[0], scores_group ? q_tile : do_tile,
+                                  scores_group ? k_tile : v_tile);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(wg::flat(S[0]));
+        if (scores_group) {
+            const bool mask = tile >= visible.mask_from || tile < visible.mask_below;
+#pragma unroll
+            for (int nj = 0; nj < kKv / 8; ++nj)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float x = ex2(fmaf(S[0][nj][e], p.scale_log2, -lse[e / 2]));
+                    if (mask) {
+                        const int key = tile * kKv + nj * 8 + 2 * (lane % 4) + e % 2;
+                        const int row = q0 + row0 + lane / 4 + 8 * (e / 2);
+                        if (key >= p.seqlen_k || window.hides(key - row - shift)) x = 0.f;
+                    }
+                    S[0][nj][e] = x;
+                }
+            pack_a_fragments<C::kBf16>(a, S);
+            uint4* p_slot = sP + buf * kFrags + gtid;
+            if (i >= 2) named_barrier_sync(kD256PFreeBarrier + buf, kBwdConsumerThreads);
+#pragma unroll
+            for (int f = 0; f < kD256PFragments; ++f)
+                p_slot[f * kGroupThreads] =
+                    make_uint4(a[0][f][0], a[0][f][1], a[0][f][2], a[0][f][3]);
+            named_barrier_arrive(kD256PReadyBarrier + buf, kBwdConsumerThreads);
+            // dS from the grads group, as the A operand of this group's half of dQ += dS K.
+            const uint4* ds_slot = sdS + buf * kFrags + gtid;
+            named_barrier_sync(kD256DsReadyBarrier + buf, kBwdConsumerThreads);
+#pragma unroll
+            for (int f = 0; f < kD256PFragments; ++f) {
+                const uint4 x = ds_slot[f * kGroupThreads];
+                a[0][f][0] = x.x;
+                a[0][f][1] = x.y;
+                a[0][f][2] = x.z;
+                a[0][f][3] = x.w;
+            }
+            if (i + 2 < n_tiles)
+                named_barrier_arrive(kD256DsFreeBarrier + buf, kBwdConsumerThreads);
+        } else {
+            const uint4* p_slot = sP + buf * kFrags + gtid;
+            named_barrier_sync(kD256PReadyBarrier + buf, kBwdConsumerThreads);
+#pragma unroll
+            for (int f = 0; f < kD256PFragments; ++f) {
+                const uint4 x = p_slot[f * kGroupThreads];
+                a[0][f][0] = x.x;
+                a[0][f][1] = x.y;
+                a[0][f][2] = x.z;
+                a[0][f][3] = x.w;
+            }
+            if (i + 2 < n_tiles)
+                named_barrier_arrive(kD256PFreeBarrier + buf, kBwdConsumerThreads);
+            // dS = P (dP - delta), P read back from its 16-bit fragments (the value the
+            // scores group rounded; each row's delta).
+#pragma unroll
+            for (int nj = 0; nj < kKv / 8; ++nj)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float2 pair = to_float2(a[0][nj / 2][2 * (nj % 2) + e / 2]);
+                    S[0][nj][e] = (e % 2 ? pair.y : pair.x) * (S[0][nj][e] - delta[e / 2]);
+                }
+            pack_a_fragments<C::kBf16>(a, S);
+            uint4* ds_slot = sdS + buf * kFrags + gtid;
+            if (i >= 2) named_barrier_sync(kD256DsFreeBarrier + buf, kBwdConsumerThreads);
+#pragma unroll
+            for (int f = 0; f < kD256PFragments; ++f)
+                ds_slot[f * kGroupThreads] =
+                    make_uint4(a[0][f][0], a[0][f][1], a[0][f][2], a[0][f][3]);
+            named_barrier_arrive(kD256DsReadyBarrier + buf, kBwdConsumerThreads);
+        }
+        // This warpgroup's half of dQ += dS K.
+        wgmma_fence_operands(wg::flat(dQ));
+        wgmma_fence();
+        wg::regs_cols<kKv, kKv / 16, kHalf>(dQ, a, k_tile + col_slab * kKv * 128);
+        wgmma_commit();
+        wgmma_wait<0>();  // this warp is done with the stage
+        wgmma_fence_operands(wg::flat(dQ));
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&empty[stage]);
+    }
+
+    // dQ = scale * dS K through shared memory (over Q, once the scores group's last GEMM has
+    // read it), each warpgroup its half of the columns; then every consumer thread stores rows.
+    named_barrier_sync(kD256EpilogueBarrier, kBwdConsumerThreads);
+    acc_to_tile<kRows, kHalf / 8>(sQ + col_slab * kRows * 64, dQ, p.softmax_scale, row0);
+    named_barrier_sync(kD256EpilogueBarrier, kBwdConsumerThreads);
+    store_rows_by<C, kRows, kBwdConsumerThreads>(
+        row_of(static_cast<elem_t*>(p.dq), p.dq_strides, batch, q0, head), sQ, p.dq_strides.seq,
+        q_rows, threadIdx.x - kBwdProducerThreads);
 }
 
 }  // namespace cudaflash

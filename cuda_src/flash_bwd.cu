@@ -562,6 +562,30 @@ __device__ __forceinline__ QueryTiles query_tiles(const BwdParams& p, int key0, 
     return t;
 }
 
+// The key tiles (kKv keys each) that the dQ rows q0..q0 + q_rows - 1 see: [first, end). Tiles
+// >= mask_from hold a key some row must not see (the seqlen_k tail, or keys right of the first
+// row's window), as do tiles < mask_below (keys left of the last row's window).
+struct KeyTiles {
+    int first, end, mask_from, mask_below;
+};
+template <int kKv>
+__device__ __forceinline__ KeyTiles key_tiles(const BwdParams& p, int q0, int q_rows) {
+    const int shift = p.seqlen_k - p.seqlen_q;
+    const int n_kv = (p.seqlen_k + kKv - 1) / kKv;
+    KeyTiles t{0, n_kv, p.seqlen_k % kKv ? n_kv - 1 : n_kv, 0};
+    if (p.window_right >= 0) {
+        const int last_key = q0 + q_rows - 1 + shift + p.window_right;
+        t.end = last_key < 0 ? 0 : min(n_kv, last_key / kKv + 1);
+        t.mask_from = min(t.mask_from, max(q0 + shift + p.window_right + 1, 0) / kKv);
+    }
+    if (p.window_left >= 0) {
+        t.first = min(max(q0 + shift - p.window_left, 0) / kKv, t.end);
+        const int last_row_first_key = q0 + q_rows - 1 + shift - p.window_left;
+        t.mask_below = last_row_first_key > 0 ? (last_row_first_key + kKv - 1) / kKv : 0;
+    }
+    return t;
+}
+
 // The offset key - (query + shift) of element (nj, e) of a warp's transposed tile (16 keys
 // from warp_key0 down the rows, query columns from q0), as a float for ALiBi's bias.
 __device__ __forceinline__ float transposed_offset(int warp_key0, int q0, int shift, int nj,
@@ -1032,24 +1056,10 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
     const bool dropout = kScoreMods && p.dropout_threshold != 0;
     const uint64_t seed = dropout ? *p.dropout_seed : 0;
 
-    // KV tiles [first_tile, end_tile) are visible to some row; tiles >= mask_from hold a key
-    // some row must not see (the seqlen_k tail, or keys right of the first row's window), as
-    // do tiles < mask_below (keys left of the last row's window).
     const WindowBounds window(p);
-    const int n_kv = (p.seqlen_k + kKv - 1) / kKv;
-    int end_tile = n_kv;
-    int mask_from = p.seqlen_k % kKv ? n_kv - 1 : n_kv;
-    if (p.window_right >= 0) {
-        const int last_key = q0 + q_rows - 1 + shift + p.window_right;
-        end_tile = last_key < 0 ? 0 : min(n_kv, last_key / kKv + 1);
-        mask_from = min(mask_from, max(q0 + shift + p.window_right + 1, 0) / kKv);
-    }
-    int first_tile = 0, mask_below = 0;
-    if (p.window_left >= 0) {
-        first_tile = min(max(q0 + shift - p.window_left, 0) / kKv, end_tile);
-        const int last_row_first_key = q0 + q_rows - 1 + shift - p.window_left;
-        mask_below = last_row_first_key > 0 ? (last_row_first_key + kKv - 1) / kKv : 0;
-    }
+    const KeyTiles visible = key_tiles<kKv>(p, q0, q_rows);
+    const int first_tile = visible.first, end_tile = visible.end;
+    const int mask_from = visible.mask_from, mask_below = visible.mask_below;
 
     using RowCopy = TileCopy<C, kRows>;
     using KvCopy = TileCopy<C, kKv>;
@@ -1173,6 +1183,22 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
                    p.dq_strides.seq, q_rows);
 }
 
+// The deterministic scheme's dQ kernel: bwd_dq, or in the d256 warp-specialized module
+// bwd_dq_ws_d256 (padded batches without score modifiers: its other entries are traps, as
+// bwd_dkdv_deterministic's).
+template <bool kScoreMods = false, bool kPackedBatch = false>
+__device__ __forceinline__ void bwd_dq_deterministic(const BwdParams& p) {
+    if constexpr (kD == 256 && C::kWarpSpecialized) {
+        if constexpr (kScoreMods || kPackedBatch) {
+            __trap();
+        } else {
+            bwd_dq_ws_d256<true>(p);
+        }
+    } else {
+        bwd_dq<kScoreMods>(p);
+    }
+}
+
 }  // namespace cudaflash
 
 // The padded batch's entries; each kernel of the deterministic scheme has a second entry,
@@ -1185,14 +1211,14 @@ extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
     cudaflash::bwd_preprocess(p);
 }
 
-// The d256 warp-specialized module's dK/dV kernel: 3 warpgroups and setmaxnreg, as the
-// fused kernel below.
+// The d256 warp-specialized module's dK/dV and dQ kernels: 3 warpgroups and setmaxnreg, as
+// the fused kernel below.
 #if CF_WARP_SPECIALIZED && CF_D_HEAD == 256
-#define CF_DKDV_BOUNDS __launch_bounds__(cudaflash::BwdConfig::kFusedThreads, 1)
+#define CF_DETERMINISTIC_BOUNDS __launch_bounds__(cudaflash::BwdConfig::kFusedThreads, 1)
 #else
-#define CF_DKDV_BOUNDS __launch_bounds__(cudaflash::BwdConfig::kThreads)
+#define CF_DETERMINISTIC_BOUNDS __launch_bounds__(cudaflash::BwdConfig::kThreads)
 #endif
-extern "C" __global__ void CF_DKDV_BOUNDS
+extern "C" __global__ void CF_DETERMINISTIC_BOUNDS
     cudaflash_bwd_dkdv(const __grid_constant__ cudaflash::BwdParams p) {
     cudaflash::bwd_dkdv_deterministic(p);
 }
@@ -1222,9 +1248,9 @@ extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
     cudaflash::bwd_dq_convert(p);
 }
 
-extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
+extern "C" __global__ void CF_DETERMINISTIC_BOUNDS
     cudaflash_bwd_dq(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dq(p);
+    cudaflash::bwd_dq_deterministic(p);
 }
 
 extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
@@ -1239,7 +1265,7 @@ extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dq_varlen(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dq(cudaflash::sequence_view(p, blockIdx.z));
+    cudaflash::bwd_dq_deterministic<false, true>(cudaflash::sequence_view(p, blockIdx.z));
 }
 
 // The score modifiers (score_mods.cuh: softcapping, BwdParams::softcap_pre, and ALiBi,
@@ -1255,7 +1281,7 @@ extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dq_scoremod(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dq<true>(p);
+    cudaflash::bwd_dq_deterministic<true>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
@@ -1265,5 +1291,5 @@ extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dq_varlen_scoremod(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dq<true>(cudaflash::sequence_view(p, blockIdx.z));
+    cudaflash::bwd_dq_deterministic<true, true>(cudaflash::sequence_view(p, blockIdx.z));
 }

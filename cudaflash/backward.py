@@ -117,10 +117,11 @@ class _Launches:
         self._launch(role, (tiles, self.n_heads_k, self.batch), threads)
 
     def per_query_tile(self, role: str) -> None:
-        """dq: one CTA per tile of query rows and query head."""
-        e = self.kernel.entry
-        tiles = (self.seqlen_q + e.cta_rows - 1) // e.cta_rows
-        self._launch(role, (tiles, self.n_heads, self.batch), e.threads)
+        """dq: one CTA per tile of query rows and query head (the module's dq_cta_rows and
+        dq_threads: d256's warp-specialized kernel has 64 rows and a producer warpgroup)."""
+        config = self.kernel.entry.config
+        tiles = (self.seqlen_q + config.dq_cta_rows - 1) // config.dq_cta_rows
+        self._launch(role, (tiles, self.n_heads, self.batch), config.dq_threads)
 
     def dkdv_then_dq(self, suffix: str) -> None:
         """The deterministic scheme's GEMM kernels: dkdv per key tile, then dq per query tile

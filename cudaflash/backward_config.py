@@ -127,6 +127,16 @@ class BackwardConfig:
         return self.fused_threads if self.dkdv_warp_specialized else self.threads
 
     @property
+    def dq_threads(self) -> int:
+        """Threads per block of the dQ entries (the d256 warp-specialized kernel's too)."""
+        return self.dkdv_threads
+
+    @property
+    def dq_cta_rows(self) -> int:
+        """Query rows per dQ CTA (64 in the d256 warp-specialized kernel)."""
+        return self.dkdv_cta_rows
+
+    @property
     def dkdv_cta_rows(self) -> int:
         """Keys per dK/dV CTA (kD256Keys for the d256 warp-specialized kernel)."""
         return 64 if self.dkdv_warp_specialized else self.cta_rows
@@ -170,7 +180,14 @@ class BackwardConfig:
 
     @property
     def dq_smem_bytes(self) -> int:
-        """Q and dO of the CTA, K and V double-buffered."""
+        """Q and dO of the CTA, K and V double-buffered. The d256 warp-specialized kernel: Q
+        and dO of its 64 rows, a ring of BWD_WS_STAGES stages of K and V (B_c keys), two P
+        and two dS hand-off buffers (128 threads x 64 bytes each), lse and delta of its rows,
+        the mbarriers (Q/dO, and full + empty per stage)."""
+        if self.dkdv_warp_specialized:
+            stages, rows = BWD_WS_STAGES, 64
+            return ((2 * rows + stages * 2 * self.B_c) * self.d_head * ELEMENT_BYTES
+                    + 4 * 128 * 64 + 2 * rows * 4 + 8 * (1 + 2 * stages))
         return (2 * self.cta_rows + 4 * self.B_c) * self.d_head * ELEMENT_BYTES
 
     @property
@@ -242,9 +259,11 @@ class BackwardConfig:
                            "warp; they must be whole 16-column slices within one 64-column "
                            "slab, or whole slabs")
         if self.d_head == 256 and self.wgmma and not (self.warp_specialized
-                                                      and self.ws_query_rows == 64):
+                                                      and self.ws_query_rows == 64
+                                                      and self.B_c == 64):
             bad("d_head", "256 runs the two-pass mma.sync dK/dV kernel (wgmma false) or the "
-                          "warp-specialized one (wgmma, warp_specialized, ws_query_rows 64)")
+                          "warp-specialized kernels (wgmma, warp_specialized, ws_query_rows "
+                          "64, B_c 64)")
         if self.wgmma and self.B_r != 64:
             bad("B_r", "must be 64 with wgmma (the step's dQ = dS K is one 64-row wgmma)")
         if self.warp_specialized and not (self.wgmma and self.n_warps == 8 and self.B_r == 64):

@@ -407,12 +407,13 @@ def test_a_d256_backward_entry_must_not_serve_the_atomic_scheme(tmp_path):
         build_cubins.load_spec(path)
     path.write_text(yaml.safe_dump({**data, "backward": [{**entry, "scheme": "deterministic"}]}))
     assert build_cubins.load_spec(path).backward_configs
-    assert any("warp-specialized one (wgmma, warp_specialized, ws_query_rows 64)" in e
+    assert any("warp-specialized kernels (wgmma, warp_specialized, ws_query_rows 64, B_c 64)" in e
                for e in BackwardConfig(**{**entry, "B_r": 64, "wgmma": True}).errors())
-    ws = BackwardConfig(**{**entry, "B_r": 64, "n_warps": 8, "wgmma": True,
+    ws = BackwardConfig(**{**entry, "B_r": 64, "B_c": 64, "n_warps": 8, "wgmma": True,
                            "warp_specialized": True})
     assert ws.errors() == [] and not ws.fuses_dq and ws.plain_calls_only
-    assert (ws.dkdv_threads, ws.dkdv_cta_rows) == (384, 64)
+    assert (ws.dkdv_threads, ws.dkdv_cta_rows) == (ws.dq_threads, ws.dq_cta_rows) == (384, 64)
+    assert max(ws.dkdv_smem_bytes, ws.dq_smem_bytes) <= 232448  # sm_90's opt-in limit
     assert ws.dkdv_dq_smem_bytes == 0  # its fused entries are traps
 
 

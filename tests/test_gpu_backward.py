@@ -398,9 +398,10 @@ def test_d256_backward_runs_the_deterministic_kernels_in_either_scheme(dtype, de
 def test_d256_warp_specialized_dkdv_and_its_fallback(dtype, b, sq, sk, h, hk, causal,
                                                       monkeypatch):
     """On Hopper a padded d256 call without score modifiers takes the warp-specialized dK/dV
-    kernel (two warpgroups on the same 64 keys, P^T handed over in shared memory): within
-    the rule. When its tensor maps are refused the call runs on the mma.sync module, within
-    the rule too; dK and dV of the two differ only by the order of float32 sums."""
+    and dQ kernels (two warpgroups on the same 64 keys or query rows, P and dS handed over in
+    shared memory): within
+    the rule, and bitwise reproducible. When its tensor maps are refused the call runs on
+    the mma.sync module, within the rule too."""
     index = torch.cuda.current_device()
     ws = internals.find_backward_entry(index, DTYPES[dtype], 256, "deterministic", True)
     if ws is None or not ws.config.dkdv_warp_specialized:
@@ -420,7 +421,6 @@ def test_d256_warp_specialized_dkdv_and_its_fallback(dtype, b, sq, sk, h, hk, ca
         fallback = run_with_grad(q, k, v, dout, causal=causal, deterministic=True)[1]
     internals.clear_backward_cache()
     check_grads(fallback, q, k, v, dout, causal)
-    assert torch.equal(fallback[0], grads[0]), "dq comes from the same dQ kernel code"
 
 
 @pytest.mark.parametrize("d", [160, 192, 255])
