@@ -110,7 +110,7 @@ class _Launches:
         kernel has 64 keys per CTA)."""
         e = self.kernel.entry
         if role.startswith("dkdv_dq"):
-            rows, threads = e.cta_rows, e.fused_threads
+            rows, threads = e.config.cta_rows, e.fused_threads
         else:
             rows, threads = e.config.dkdv_cta_rows, e.config.dkdv_threads
         tiles = (self.seqlen_k + rows - 1) // rows

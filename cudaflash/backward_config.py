@@ -158,7 +158,7 @@ class BackwardConfig:
     def dkdv_dq_smem_bytes(self) -> int:
         """dkdv_smem_bytes and the step's dS^T, (cta_rows, 64) 16-bit values; with wgmma at
         d128 also two dQ tiles for the bulk reductions, (B_r, d_head) float32
-        (bwd_config.cuh kBulkDq). None at d256, whose fused entries are traps."""
+        (bwd_config.cuh kBulkDq). 0 at d256, whose fused entries are traps."""
         if not self.fuses_dq:
             return 0
         if self.warp_specialized:

@@ -125,9 +125,19 @@ def force_atomic_kernels(monkeypatch) -> None:
 
 def force_backward_module(monkeypatch, entry) -> None:
     """Every backward call runs the module ``entry`` (its caches cleared first; call
-    clear_backward_cache again after the monkeypatch context ends)."""
+    clear_backward_cache again after the monkeypatch context ends). A module that serves only
+    plain calls (BackwardConfig.plain_calls_only) is not given to the lookups of other calls
+    (find_backward_entry's ``plain`` false: the fallback after a refused tensor map), which
+    then find the module the manifest gives them."""
     clear_backward_cache()
-    replace(monkeypatch, dispatch.find_backward_entry, lambda *args: entry)
+    find = dispatch.find_backward_entry
+
+    def forced(index, dtype, d_head, scheme, plain=False):
+        if entry.config.plain_calls_only and not plain:
+            return find(index, dtype, d_head, scheme, plain)
+        return entry
+
+    replace(monkeypatch, dispatch.find_backward_entry, forced)
 
 
 clear_backward_cache = dispatch.clear_backward_cache

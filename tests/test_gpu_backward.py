@@ -388,6 +388,30 @@ def test_d256_backward_runs_the_deterministic_kernels_in_either_scheme(dtype, de
     check_grads(grads, q, k, v, dout, True)
 
 
+def launched_backward_modules(monkeypatch) -> list:
+    """A list that collects (module name, role) of every backward kernel launched from now on
+    (backward._Launches)."""
+    launched = []
+    launch = backward_module._Launches._launch
+
+    def spy(self, role, grid, threads):
+        launched.append((self.kernel.entry.name, role))
+        return launch(self, role, grid, threads)
+
+    monkeypatch.setattr(backward_module._Launches, "_launch", spy)
+    return launched
+
+
+def d256_warp_specialized_backward(dtype):
+    """The d256 warp-specialized module on Hopper (asserted present there), else skip."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the d256 warp-specialized backward runs on sm_90 only")
+    entry = internals.find_backward_entry(torch.cuda.current_device(), dtype, 256,
+                                          "deterministic", True)
+    assert entry is not None and entry.config.dkdv_warp_specialized, entry
+    return entry
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("b,sq,sk,h,hk,causal", [
     (2, 333, 517, 4, 2, False),  # query and key tails (zero fill), GQA
@@ -402,24 +426,26 @@ def test_d256_warp_specialized_dkdv_and_its_fallback(dtype, b, sq, sk, h, hk, ca
     shared memory): within
     the rule, and bitwise reproducible. When its tensor maps are refused the call runs on
     the mma.sync module, within the rule too."""
-    index = torch.cuda.current_device()
-    ws = internals.find_backward_entry(index, DTYPES[dtype], 256, "deterministic", True)
-    if ws is None or not ws.config.dkdv_warp_specialized:
-        pytest.skip("the d256 warp-specialized backward runs on sm_90 only")
-    fallback_entry = internals.find_backward_entry(index, DTYPES[dtype], 256, "deterministic")
+    ws = d256_warp_specialized_backward(DTYPES[dtype])
+    fallback_entry = internals.find_backward_entry(torch.cuda.current_device(), DTYPES[dtype],
+                                                   256, "deterministic")
     assert fallback_entry is not None and not fallback_entry.config.plain_calls_only
     q, k, v = make_qkv(b, sq, sk, h, hk, 256, DTYPES[dtype], seed=sq + sk)
     dout = torch.randn_like(q)
-    out, grads = run_with_grad(q, k, v, dout, causal=causal, deterministic=True)
+    launched = launched_backward_modules(monkeypatch)
+    out, grads = run_with_grad(q, k, v, dout, causal=causal, deterministic=False)
+    assert {name for name, role in launched if role in ("dkdv", "dq")} == {ws.name}, launched
     check_grads(grads, q, k, v, dout, causal)
     again = run_with_grad(q, k, v, dout, causal=causal, deterministic=True)[1]
-    for a, c in zip(grads, again):
-        assert torch.equal(a, c), "the deterministic scheme is not bitwise reproducible"
+    for a, c in zip(grads, again):  # (either scheme runs these deterministic kernels)
+        assert torch.equal(a, c), "the deterministic kernels are not bitwise reproducible"
     internals.clear_backward_cache()
+    launched.clear()
     with monkeypatch.context() as m:
         m.setattr(_tma, "backward_maps", lambda *args: None)
         fallback = run_with_grad(q, k, v, dout, causal=causal, deterministic=True)[1]
     internals.clear_backward_cache()
+    assert {name for name, role in launched if role in ("dkdv", "dq")} == {fallback_entry.name}
     check_grads(fallback, q, k, v, dout, causal)
 
 

@@ -109,7 +109,7 @@ def reference_grads(q, k, v, dout, mask, p, causal, upcast, **mods):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])  # 256: the mma.sync module (plain_calls_only)
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_gradients_match_the_mask_rebuilt_on_the_host(dtype, d, causal):
     """The backward rebuilds the forward's mask from the saved seed (dV from the dropped P,

@@ -203,6 +203,22 @@ def test_window_gradients(shape, window, causal, deterministic, monkeypatch):
     check_window_grads(grads, q, k, v, dout, *window, causal)
 
 
+@pytest.mark.parametrize("window", [(70, 90), (0, 0), (200, -1)])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_d256_warp_specialized_backward_with_a_window(causal, window, monkeypatch):
+    """The d256 warp-specialized kernels (the module a plain d256 call takes on Hopper) with
+    sliding windows: tiles the window's edges cut, CTAs whose rows or keys see nothing."""
+    from test_gpu_backward import d256_warp_specialized_backward, launched_backward_modules
+
+    ws = d256_warp_specialized_backward(torch.bfloat16)
+    q, k, v = make_qkv(2, 333, 517, 4, 2, 256, torch.bfloat16, seed=29)
+    dout = torch.randn_like(q)
+    launched = launched_backward_modules(monkeypatch)
+    _, grads = run_with_grad(q, k, v, dout, causal=causal, window_size=window)
+    assert {name for name, role in launched if role in ("dkdv", "dq")} == {ws.name}, launched
+    check_window_grads(grads, q, k, v, dout, *window, causal)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 def test_every_backward_module_with_a_window(causal, monkeypatch):
     """Each backward module this GPU runs, in each scheme it serves, with a two-sided window
