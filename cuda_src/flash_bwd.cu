@@ -1056,10 +1056,26 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
     const bool dropout = kScoreMods && p.dropout_threshold != 0;
     const uint64_t seed = dropout ? *p.dropout_seed : 0;
 
+    // KV tiles [first_tile, end_tile) are visible to some row; tiles >= mask_from hold a key
+    // some row must not see (the seqlen_k tail, or keys right of the first row's window), as
+    // do tiles < mask_below (keys left of the last row's window). (key_tiles computes the
+    // same; inlined here because the helper moved registers: the d64 dQ kernel spilled 20
+    // bytes with it.)
     const WindowBounds window(p);
-    const KeyTiles visible = key_tiles<kKv>(p, q0, q_rows);
-    const int first_tile = visible.first, end_tile = visible.end;
-    const int mask_from = visible.mask_from, mask_below = visible.mask_below;
+    const int n_kv = (p.seqlen_k + kKv - 1) / kKv;
+    int end_tile = n_kv;
+    int mask_from = p.seqlen_k % kKv ? n_kv - 1 : n_kv;
+    if (p.window_right >= 0) {
+        const int last_key = q0 + q_rows - 1 + shift + p.window_right;
+        end_tile = last_key < 0 ? 0 : min(n_kv, last_key / kKv + 1);
+        mask_from = min(mask_from, max(q0 + shift + p.window_right + 1, 0) / kKv);
+    }
+    int first_tile = 0, mask_below = 0;
+    if (p.window_left >= 0) {
+        first_tile = min(max(q0 + shift - p.window_left, 0) / kKv, end_tile);
+        const int last_row_first_key = q0 + q_rows - 1 + shift - p.window_left;
+        mask_below = last_row_first_key > 0 ? (last_row_first_key + kKv - 1) / kKv : 0;
+    }
 
     using RowCopy = TileCopy<C, kRows>;
     using KvCopy = TileCopy<C, kKv>;

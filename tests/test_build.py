@@ -539,7 +539,7 @@ def check_manifest(m: dict, out_dir: Path) -> None:
         assert k["name"] == cfg.name
         assert k["schemes"] and set(k["schemes"]) <= {"atomic", "deterministic"}
         check_entries(k, cfg, BACKWARD_ENTRIES)
-        assert (k["threads"], k["cta_rows"]) == (cfg.threads, cfg.cta_rows)
+        assert (k["threads"], k["cta_rows"]) == (cfg.dkdv_threads, cfg.dkdv_cta_rows)
         # The fused dK/dV + dQ entries: a producer warpgroup more where warp-specialized.
         assert k["fused_threads"] == cfg.threads + 128 * cfg.warp_specialized
         if k["kind"] == "cubin":
