@@ -284,7 +284,8 @@ def warp_specialized_backward(dtype, d):
     return entry
 
 
-@pytest.mark.parametrize("combo", BWD_COMBOS, ids=_combo_id)
+# (d256 has no atomic-scheme module: its warp-specialized kernels have tests of their own)
+@pytest.mark.parametrize("combo", [c for c in BWD_COMBOS if c[1] != 256], ids=_combo_id)
 @pytest.mark.parametrize("b,sq,sk,h,hk,causal", [
     (2, 333, 517, 4, 2, False),  # query and key tails (zero fill), GQA
     (1, 700, 300, 2, 1, True),  # MQA, more query rows than keys, bottom-right causal
