@@ -73,6 +73,74 @@ __device__ __forceinline__ void step_score_grads_packed(float (&dS)[kQ / 8][4],
         }
 }
 
+// The (query head, first query row) pairs of a dK/dV CTA's steps (kQ query rows each), in
+// order: each role walks them with counters, not a division per step (the producer's few
+// registers).
+template <int kQ>
+struct StepWalk {
+    int head, q0, first_q0, end_q0;
+    __device__ __forceinline__ StepWalk(int first_head, const QueryTiles& tiles)
+        : head(first_head), q0(tiles.first * kQ), first_q0(tiles.first * kQ),
+          end_q0((tiles.first + tiles.per_head) * kQ) {}
+    __device__ __forceinline__ void next() {
+        q0 += kQ;
+        if (q0 == end_q0) {
+            q0 = first_q0;
+            ++head;
+        }
+    }
+};
+
+// The warp-specialized kernels' setup: thread 0 prefetches the four tensor maps (their
+// fetch overlaps the rest) and initialises the barriers, `once` (the CTA's own tiles, loaded
+// once: one arrival with their bytes) and per stage of the ring "full" (the loader's one
+// arrival with the stage's bytes) and "empty" (lane 0 of each consumer warp); then the CTA
+// meets. The copy engine (the async proxy) completes transactions on these barriers: it
+// must see them initialised (the CUDA guide's TMA pattern).
+template <int kStages>
+__device__ __forceinline__ void ws_setup(const BwdParams& p, uint64_t* once, uint64_t* full,
+                                         uint64_t* empty) {
+    if (threadIdx.x == 0) {
+        tma_prefetch_map(p.tma_k);
+        tma_prefetch_map(p.tma_v);
+        tma_prefetch_map(p.tma_q);
+        tma_prefetch_map(p.tma_do);
+        mbarrier_init(once, 1);
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+            mbarrier_init(&full[s], 1);
+            mbarrier_init(&empty[s], kBwdConsumerThreads / 32);
+        }
+        fence_proxy_async_shared();
+    }
+    __syncthreads();
+}
+
+// The dK/dV loader's step `step` (one thread): once every consumer warp has released its
+// stage, the Q and dO tiles of query head `head` from row q0 (tensor maps) and those rows'
+// lse and delta (bulk copies of the padded statistics, kept in stage order), counted down
+// on the stage's "full" barrier.
+template <int kQ, int kStages>
+__device__ __forceinline__ void load_query_stage(const BwdParams& p, int step, int head, int q0,
+                                                 int batch, elem_t* sQ, elem_t* sdO,
+                                                 float* sLse, float* sDelta, uint64_t* full,
+                                                 uint64_t* empty) {
+    constexpr uint32_t kStageBytes = 2 * kQ * kD * sizeof(elem_t) + 2 * kQ * sizeof(float);
+    const int stage = step % kStages;
+    mbarrier_wait(&empty[stage], ((step / kStages) & 1) ^ 1);
+    mbarrier_arrive_expect_tx(&full[stage], kStageBytes);
+    tma_load_5d(smem_addr(sQ + stage * kQ * kD), p.tma_q, &full[stage], 0, q0, 0, head, batch);
+    tma_load_5d(smem_addr(sdO + stage * kQ * kD), p.tma_do, &full[stage], 0, q0, 0, head,
+                batch);
+    // (recomputed per step from the params, not kept across the loop: the producer's 24
+    // registers)
+    const int64_t row = (int64_t(batch) * p.n_heads + head) * dq_accum_rows(p) + q0;
+    bulk_load(smem_addr(sLse + stage * kQ), p.lse_log2_tiles + row, kQ * sizeof(float),
+              &full[stage]);
+    bulk_load(smem_addr(sDelta + stage * kQ), p.delta_tiles + row, kQ * sizeof(float),
+              &full[stage]);
+}
+
 template <bool kWindow, class Cfg = C>
 __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
     static_assert(Cfg::kWarpSpecialized && Cfg::kWgmma && Cfg::kWarps == 8,
@@ -109,44 +177,14 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
     const int shift = p.seqlen_k - p.seqlen_q;
     const QueryTiles tiles = query_tiles<kQ, kWindow>(p, key0, key_rows);
     const int n_steps = group * tiles.per_head;  // (query head, query tile) pairs, in order
-    // Each role walks the steps' (head, first query row) pairs in order with a StepWalk
-    // (counters, not a division per step: the producer's few registers).
-    struct StepWalk {
-        int head, q0, first_q0, end_q0;
-        __device__ __forceinline__ void next() {
-            q0 += kQ;
-            if (q0 == end_q0) {
-                q0 = first_q0;
-                ++head;
-            }
-        }
-    };
-    const StepWalk walk0{head_k * group, tiles.first * kQ, tiles.first * kQ,
-                         (tiles.first + tiles.per_head) * kQ};
+    const StepWalk<kQ> walk0(head_k * group, tiles);  // each role walks the steps with it
 
     // One producer thread issues every load through TMA: K and V once (tensor maps), then
     // per step the Q and dO tiles (tensor maps) and the tile's lse and delta (plain bulk
     // copies of the padded statistics). Each "full" barrier takes that thread's one arrival
     // with the bytes as its transaction count, which the copies count down.
     constexpr uint32_t kKvBytes = 2 * kKeys * kD * sizeof(elem_t);
-    constexpr uint32_t kStageBytes = 2 * kQ * kD * sizeof(elem_t) + 2 * kQ * sizeof(float);
-    if (threadIdx.x == 0) {
-        // The maps' fetch overlaps the barrier setup.
-        tma_prefetch_map(p.tma_k);
-        tma_prefetch_map(p.tma_v);
-        tma_prefetch_map(p.tma_q);
-        tma_prefetch_map(p.tma_do);
-        mbarrier_init(&kv_full, 1);
-#pragma unroll
-        for (int s = 0; s < kStages; ++s) {
-            mbarrier_init(&full[s], 1);
-            mbarrier_init(&empty[s], kBwdConsumerThreads / 32);
-        }
-        // The copy engine (the async proxy) completes transactions on these barriers: it must
-        // see them initialised (the CUDA guide's TMA pattern).
-        fence_proxy_async_shared();
-    }
-    __syncthreads();
+    ws_setup<kStages>(p, &kv_full, full, empty);
 
     if (warp < 4) {
         warpgroup_reg_dealloc<kBwdProducerRegs>();
@@ -156,29 +194,15 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
             mbarrier_arrive_expect_tx(&kv_full, kKvBytes);
             tma_load_5d(smem_addr(sK), p.tma_k, &kv_full, 0, key0, 0, head_k, batch);
             tma_load_5d(smem_addr(sV), p.tma_v, &kv_full, 0, key0, 0, head_k, batch);
-            StepWalk at = walk0;
+            StepWalk<kQ> at = walk0;
             // Not unrolled: nvcc's unrolled copies spilled at the producer's 24 registers.
 #pragma unroll 1
-            for (int step = 0; step < n_steps; ++step, at.next()) {
-                const int stage = step % kStages;
-                mbarrier_wait(&empty[stage], ((step / kStages) & 1) ^ 1);
-                mbarrier_arrive_expect_tx(&full[stage], kStageBytes);
-                tma_load_5d(smem_addr(sQ + stage * kQ * kD), p.tma_q, &full[stage], 0, at.q0, 0,
-                            at.head, batch);
-                tma_load_5d(smem_addr(sdO + stage * kQ * kD), p.tma_do, &full[stage], 0, at.q0,
-                            0, at.head, batch);
-                // (recomputed per step from the params, not kept across the loop: the
-                // producer's 24 registers)
-                const int64_t row =
-                    (int64_t(batch) * p.n_heads + at.head) * dq_accum_rows(p) + at.q0;
-                bulk_load(smem_addr(sLse + stage * kQ), p.lse_log2_tiles + row,
-                          kQ * sizeof(float), &full[stage]);
-                bulk_load(smem_addr(sDelta + stage * kQ), p.delta_tiles + row,
-                          kQ * sizeof(float), &full[stage]);
-            }
+            for (int step = 0; step < n_steps; ++step, at.next())
+                load_query_stage<kQ, kStages>(p, step, at.head, at.q0, batch, sQ, sdO, sLse,
+                                              sDelta, full, empty);
         } else if (warp == 1) {
             // ---- dQ reducer --------------------------------------------------------------
-            StepWalk at = walk0;
+            StepWalk<kQ> at = walk0;
             for (int step = 0; step < n_steps; ++step, at.next()) {
                 const int buf = step % 2;
                 named_barrier_sync(kBwdDqFullBarrier + buf, kBwdDqBarrierThreads);
@@ -219,7 +243,7 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
     const uint32_t dq_k_cols = k_tile + (dq_col0 / 64) * kKeys * 128 + (dq_col0 % 64) * 2;
     mbarrier_wait(&kv_full, 0);
 
-    StepWalk at = walk0;
+    StepWalk<kQ> at = walk0;
     for (int step = 0; step < n_steps; ++step, at.next()) {
         const int stage = step % kStages;
         const int buf = step % 2;

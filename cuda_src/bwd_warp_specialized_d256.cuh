@@ -75,36 +75,10 @@ __device__ __forceinline__ void bwd_dkdv_ws_d256(const BwdParams& p) {
     const int shift = p.seqlen_k - p.seqlen_q;
     const QueryTiles tiles = query_tiles<kQ, kWindow>(p, key0, key_rows);
     const int n_steps = group * tiles.per_head;
-    // (head, first query row) of each step, walked with counters as the d128 kernel does.
-    struct StepWalk {
-        int head, q0, first_q0, end_q0;
-        __device__ __forceinline__ void next() {
-            q0 += kQ;
-            if (q0 == end_q0) {
-                q0 = first_q0;
-                ++head;
-            }
-        }
-    };
-    const StepWalk walk0{head_k * group, tiles.first * kQ, tiles.first * kQ,
-                         (tiles.first + tiles.per_head) * kQ};
+    const StepWalk<kQ> walk0(head_k * group, tiles);  // as the d128 kernel's
 
     constexpr uint32_t kKvBytes = 2 * kKeys * kD * sizeof(elem_t);
-    constexpr uint32_t kStageBytes = 2 * kQ * kD * sizeof(elem_t) + 2 * kQ * sizeof(float);
-    if (threadIdx.x == 0) {
-        tma_prefetch_map(p.tma_k);
-        tma_prefetch_map(p.tma_v);
-        tma_prefetch_map(p.tma_q);
-        tma_prefetch_map(p.tma_do);
-        mbarrier_init(&kv_full, 1);
-#pragma unroll
-        for (int s = 0; s < kStages; ++s) {
-            mbarrier_init(&full[s], 1);
-            mbarrier_init(&empty[s], kBwdConsumerThreads / 32);  // every consumer warp
-        }
-        fence_proxy_async_shared();
-    }
-    __syncthreads();
+    ws_setup<kStages>(p, &kv_full, full, empty);
 
     if (warp < 4) {
         warpgroup_reg_dealloc<kBwdProducerRegs>();
@@ -113,22 +87,11 @@ __device__ __forceinline__ void bwd_dkdv_ws_d256(const BwdParams& p) {
         mbarrier_arrive_expect_tx(&kv_full, kKvBytes);
         tma_load_5d(smem_addr(sK), p.tma_k, &kv_full, 0, key0, 0, head_k, batch);
         tma_load_5d(smem_addr(sV), p.tma_v, &kv_full, 0, key0, 0, head_k, batch);
-        StepWalk at = walk0;
+        StepWalk<kQ> at = walk0;
 #pragma unroll 1
-        for (int step = 0; step < n_steps; ++step, at.next()) {
-            const int stage = step % kStages;
-            mbarrier_wait(&empty[stage], ((step / kStages) & 1) ^ 1);
-            mbarrier_arrive_expect_tx(&full[stage], kStageBytes);
-            tma_load_5d(smem_addr(sQ + stage * kQ * kD), p.tma_q, &full[stage], 0, at.q0, 0,
-                        at.head, batch);
-            tma_load_5d(smem_addr(sdO + stage * kQ * kD), p.tma_do, &full[stage], 0, at.q0, 0,
-                        at.head, batch);
-            const int64_t row = (int64_t(batch) * p.n_heads + at.head) * dq_accum_rows(p) + at.q0;
-            bulk_load(smem_addr(sLse + stage * kQ), p.lse_log2_tiles + row, kQ * sizeof(float),
-                      &full[stage]);
-            bulk_load(smem_addr(sDelta + stage * kQ), p.delta_tiles + row, kQ * sizeof(float),
-                      &full[stage]);
-        }
+        for (int step = 0; step < n_steps; ++step, at.next())
+            load_query_stage<kQ, kStages>(p, step, at.head, at.q0, batch, sQ, sdO, sLse, sDelta,
+                                          full, empty);
         return;
     }
 
@@ -146,7 +109,7 @@ __device__ __forceinline__ void bwd_dkdv_ws_d256(const BwdParams& p) {
         for (int e = 0; e < 4; ++e) acc[nd][e] = 0.f;
     mbarrier_wait(&kv_full, 0);
 
-    StepWalk at = walk0;
+    StepWalk<kQ> at = walk0;
     for (int step = 0; step < n_steps; ++step, at.next()) {
         const int stage = step % kStages;
         const int buf = step % 2;
@@ -293,20 +256,7 @@ __device__ __forceinline__ void bwd_dq_ws_d256(const BwdParams& p) {
 
     constexpr uint32_t kRowsBytes = 2 * kRows * kD * sizeof(elem_t) + 2 * kRows * sizeof(float);
     constexpr uint32_t kStageBytes = 2 * kKv * kD * sizeof(elem_t);
-    if (threadIdx.x == 0) {
-        tma_prefetch_map(p.tma_k);
-        tma_prefetch_map(p.tma_v);
-        tma_prefetch_map(p.tma_q);
-        tma_prefetch_map(p.tma_do);
-        mbarrier_init(&rows_full, 1);
-#pragma unroll
-        for (int s = 0; s < kStages; ++s) {
-            mbarrier_init(&full[s], 1);
-            mbarrier_init(&empty[s], kBwdConsumerThreads / 32);  // every consumer warp
-        }
-        fence_proxy_async_shared();
-    }
-    __syncthreads();
+    ws_setup<kStages>(p, &rows_full, full, empty);
 
     if (warp < 4) {
         warpgroup_reg_dealloc<kBwdProducerRegs>();
