@@ -39,6 +39,28 @@ constexpr int kD256EpilogueBarrier = 5;  // both consumer groups, around dK/dV s
 constexpr int kD256Keys = 64;            // keys per CTA (both consumer warpgroups' M)
 constexpr int kD256PFragments = 4;       // 16-byte fragments per thread of a 64 x 64 P^T
 
+// A consumer warpgroup's 64 x 64 tile of 16-bit A fragments (kD256PFragments per thread)
+// into, or out of, a hand-off buffer in thread order: `slot` is the buffer at this thread's
+// place, each fragment one 16-byte store (a warpgroup's 2 KB apart), so the other group's
+// thread of the same place reads back its own layout.
+__device__ __forceinline__ void put_fragments(uint4* slot,
+                                              const uint32_t (&a)[1][kD256PFragments][4]) {
+#pragma unroll
+    for (int i = 0; i < kD256PFragments; ++i)
+        slot[i * 128] = make_uint4(a[0][i][0], a[0][i][1], a[0][i][2], a[0][i][3]);
+}
+__device__ __forceinline__ void take_fragments(uint32_t (&a)[1][kD256PFragments][4],
+                                               const uint4* slot) {
+#pragma unroll
+    for (int i = 0; i < kD256PFragments; ++i) {
+        const uint4 f = slot[i * 128];
+        a[0][i][0] = f.x;
+        a[0][i][1] = f.y;
+        a[0][i][2] = f.z;
+        a[0][i][3] = f.w;
+    }
+}
+
 // Shared memory (cudaflash.backward_config.BackwardConfig.dkdv_smem_bytes mirrors it):
 // K, V (64 x 256) | kBwdStages x Q, dO (64 x 256) | 2 x P^T fragments (128 threads x 64 B) |
 // kBwdStages x lse, delta (64 float32) | mbarriers (1 + 2 * kBwdStages).
@@ -137,10 +159,7 @@ __device__ __forceinline__ void bwd_dkdv_ws_d256(const BwdParams& p) {
             pack_a_fragments<C::kBf16>(a, S);
             // Buffer `buf` was last read by the keys group at step - 2.
             if (step >= 2) named_barrier_sync(kD256PFreeBarrier + buf, kBwdConsumerThreads);
-#pragma unroll
-            for (int i = 0; i < kD256PFragments; ++i)
-                p_slot[i * kGroupThreads] = make_uint4(a[0][i][0], a[0][i][1], a[0][i][2],
-                                                       a[0][i][3]);
+            put_fragments(p_slot, a);
             named_barrier_arrive(kD256PReadyBarrier + buf, kBwdConsumerThreads);
             // dV += P^T dO
             wgmma_fence_operands(wg::flat(acc));
@@ -148,14 +167,7 @@ __device__ __forceinline__ void bwd_dkdv_ws_d256(const BwdParams& p) {
             wg::regs_tile<kQ, kQ / 16>(acc, a, do_tile);
         } else {
             named_barrier_sync(kD256PReadyBarrier + buf, kBwdConsumerThreads);
-#pragma unroll
-            for (int i = 0; i < kD256PFragments; ++i) {
-                const uint4 f = p_slot[i * kGroupThreads];
-                a[0][i][0] = f.x;
-                a[0][i][1] = f.y;
-                a[0][i][2] = f.z;
-                a[0][i][3] = f.w;
-            }
+            take_fragments(a, p_slot);
             // The values group waits for this buffer again only at step + 2.
             if (step + 2 < n_steps)
                 named_barrier_arrive(kD256PFreeBarrier + buf, kBwdConsumerThreads);
@@ -340,35 +352,18 @@ __device__ __forceinline__ void bwd_dq_ws_d256(const BwdParams& p) {
             pack_a_fragments<C::kBf16>(a, S);
             uint4* p_slot = sP + buf * kFrags + gtid;
             if (i >= 2) named_barrier_sync(kD256PFreeBarrier + buf, kBwdConsumerThreads);
-#pragma unroll
-            for (int f = 0; f < kD256PFragments; ++f)
-                p_slot[f * kGroupThreads] =
-                    make_uint4(a[0][f][0], a[0][f][1], a[0][f][2], a[0][f][3]);
+            put_fragments(p_slot, a);
             named_barrier_arrive(kD256PReadyBarrier + buf, kBwdConsumerThreads);
             // dS from the grads group, as the A operand of this group's half of dQ += dS K.
             const uint4* ds_slot = sdS + buf * kFrags + gtid;
             named_barrier_sync(kD256DsReadyBarrier + buf, kBwdConsumerThreads);
-#pragma unroll
-            for (int f = 0; f < kD256PFragments; ++f) {
-                const uint4 x = ds_slot[f * kGroupThreads];
-                a[0][f][0] = x.x;
-                a[0][f][1] = x.y;
-                a[0][f][2] = x.z;
-                a[0][f][3] = x.w;
-            }
+            take_fragments(a, ds_slot);
             if (i + 2 < n_tiles)
                 named_barrier_arrive(kD256DsFreeBarrier + buf, kBwdConsumerThreads);
         } else {
             const uint4* p_slot = sP + buf * kFrags + gtid;
             named_barrier_sync(kD256PReadyBarrier + buf, kBwdConsumerThreads);
-#pragma unroll
-            for (int f = 0; f < kD256PFragments; ++f) {
-                const uint4 x = p_slot[f * kGroupThreads];
-                a[0][f][0] = x.x;
-                a[0][f][1] = x.y;
-                a[0][f][2] = x.z;
-                a[0][f][3] = x.w;
-            }
+            take_fragments(a, p_slot);
             if (i + 2 < n_tiles)
                 named_barrier_arrive(kD256PFreeBarrier + buf, kBwdConsumerThreads);
             // dS = P (dP - delta), P read back from its 16-bit fragments (the value the
@@ -383,10 +378,7 @@ __device__ __forceinline__ void bwd_dq_ws_d256(const BwdParams& p) {
             pack_a_fragments<C::kBf16>(a, S);
             uint4* ds_slot = sdS + buf * kFrags + gtid;
             if (i >= 2) named_barrier_sync(kD256DsFreeBarrier + buf, kBwdConsumerThreads);
-#pragma unroll
-            for (int f = 0; f < kD256PFragments; ++f)
-                ds_slot[f * kGroupThreads] =
-                    make_uint4(a[0][f][0], a[0][f][1], a[0][f][2], a[0][f][3]);
+            put_fragments(ds_slot, a);
             named_barrier_arrive(kD256DsReadyBarrier + buf, kBwdConsumerThreads);
         }
         // This warpgroup's half of dQ += dS K.
