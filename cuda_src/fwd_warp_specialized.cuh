@@ -134,7 +134,7 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
             // One thread issues every copy: a tile is one TMA box (all its slabs), so the
             // addresses are the copy engine's, not 128 threads' (docs/perf-log.md, "TMA").
             if (threadIdx.x != 0) return;
-            int g = 0;  // the KV steps of the CTA's earlier tiles: the ring runs on across
+            int g = 0;  // KV steps so far, over the CTA's tiles: the ring's position
             int j = 0;  // the CTA's tiles so far
             for (int t = first_tile; t < n_tiles; t += tile_stride, ++j) {
                 const CtaPlace at = place_of(t);
@@ -238,7 +238,7 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     const float scale = OnlineSoftmax<C>::score_scale(p.scale_log2);
     const uint64_t seed = kDropout ? *p.dropout_seed : 0;
 
-    int g = 0;  // the KV steps of the CTA's earlier tiles (the ring's position)
+    int g = 0;  // KV steps so far, over the CTA's tiles: the ring's position
     int j = 0;  // the CTA's tiles so far
     for (int t = first_tile; t < n_tiles; t += tile_stride, ++j) {
         const CtaPlace at = place_of(t);

@@ -8,7 +8,7 @@
 //        -DCF_ASYNC_COPY=1 -DCF_EAGER_LOAD_BLOCKS=1 -DCF_SWIZZLED=1 -DCF_Q_FRAGS=2 \
 //        -DCF_K_FRAGS=2 -DCF_V_FRAGS=0 -DCF_DOUBLE_BUFFER=1 -DCF_OPTIMIZED_SOFTMAX=1 \
 //        -DCF_MIN_CTAS_PER_SM=1 -DCF_WGMMA=0 -DCF_EXP2_SOFTMAX=1 -DCF_KV_REVERSE=1 \
-//        -DCF_D_HEAD_TILED=1 -DCF_O_STORE_CACHE=0 -DCF_WARP_SPECIALIZED=0 \
+//        -DCF_D_HEAD_TILED=1 -DCF_O_STORE_CACHE=0 -DCF_WARP_SPECIALIZED=0 -DCF_PERSISTENT=0 \
 //        cuda_src/flash_fwd.cu -o fwd.cubin
 // (wgmma configs: -gencode arch=compute_90a,code=sm_90a; Hopper only)
 #pragma once
