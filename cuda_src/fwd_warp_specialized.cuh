@@ -377,6 +377,9 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
             }
         if (persistent) {
             // This warp has read its rows of O back: the Q buffer may take a later tile's Q.
+            // The proxy fence orders these generic reads before that TMA (async-proxy) write;
+            // the mbarrier alone does not.
+            fence_proxy_async_shared();
             __syncwarp();
             if (lane == 0) mbarrier_arrive(&q_empty[qb]);
         }

@@ -19,7 +19,7 @@ query row.
 import pytest
 import torch
 
-from cudaflash import _plans, _tma, flash_attn_func, forward, list_kernels
+from cudaflash import _driver, _plans, _tma, flash_attn_func, forward, list_kernels
 from test_gpu_correctness import (check_attention,
                                   fp32_reference_without_tf32,  # noqa: F401 (autouse fixture)
                                   make_qkv)
@@ -131,10 +131,27 @@ def test_persistent_ctas_walk_several_tiles(monkeypatch, dtype, b, sq, sk, h, hk
     one-tile-per-CTA cp.async path of the same kernel, and within the rule."""
     q, k, v = make_qkv(b, sq, sk, h, hk, 128, DTYPES[dtype], seed=sq)
     config = WSP.format(dtype)
+    grids = []
+    launcher = _driver.Launcher
+
+    def recording(function, label, *, grid, **kwargs):
+        grids.append(grid)
+        return launcher(function, label, grid=grid, **kwargs)
+
+    monkeypatch.setattr(_driver, "Launcher", recording)
     (out, lse), (out_ref, lse_ref) = both_paths(
         monkeypatch, lambda: forward(config, q, k, v, causal=causal, num_splits=1))
+    tiles = -(-sq // 128) * h * b
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    assert tiles > sms and grids[0] == (sms, 1, 1), grids  # with maps: one CTA per SM
+    assert grids[-1] == (-(-sq // 128), h, b), grids  # without: the tile grid
     assert_identical((out, lse), (out_ref, lse_ref))
     check_attention(out, lse, q, k, v, causal)
+    monkeypatch.setattr(_tma, "MIN_SCORES", 0)  # repeats: a race would show as a difference
+    for _ in range(5):
+        _plans.plans.clear()
+        again = forward(config, q, k, v, causal=causal, num_splits=1)
+        assert_identical(again, (out, lse))
 
 
 @pytest.mark.parametrize("d,name", [(128, WS), V6[0], V6[2]], ids=["ws", "v6_d64", "v6_d128"])
@@ -174,8 +191,8 @@ def test_strided_views_of_packed_qkv(monkeypatch, dtype):
     check_attention(out, lse, q, k, v, True)
 
 
-@pytest.mark.parametrize("d,name", [(128, WS), V6[0], V6[4]],
-                         ids=["ws_d128", "v6_d64", "v6_d256"])
+@pytest.mark.parametrize("d,name", [(128, WS), (128, WSP), V6[0], V6[4]],
+                         ids=["ws_d128", "ws_d128_persistent", "v6_d64", "v6_d256"])
 def test_score_modifiers(monkeypatch, d, name):
     """A window, softcap and ALiBi change only the consumers: same result either way (the
     *_softcap and *_alibi entries load through the maps too)."""
