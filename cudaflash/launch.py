@@ -227,7 +227,8 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
     maps = None
     if (tma_tensors is not None and kernel.tma_loads and num_splits == 1
             and _tma.worth_maps(rows, seqlen_k, heads, batch,
-                                causal=window[1] == 0 and window[0] < 0)):
+                                causal=window[1] == 0 and window[0] < 0,
+                                persistent=kernel.persistent)):
         maps = _tma.tensor_maps(*tma_tensors, kernel.block_rows, kernel.block_cols)
     fixed_params = (fixed_params + (num_splits, per_split)
                     + (NO_CACHE_ADDRESSING if cache is None else cache.params())
