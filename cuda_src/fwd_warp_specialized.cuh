@@ -54,39 +54,54 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     constexpr uint32_t kStageBytes = C::kBc * C::kDHead * sizeof(elem_t);
 
     extern __shared__ __align__(1024) unsigned char smem[];
-    elem_t* sQ = reinterpret_cast<elem_t*>(smem);      // (B_r, d_head); holds O at the end
-    elem_t* sK = sQ + C::kBr * C::kDHead;              // kStages x (B_c, d_head)
-    elem_t* sV = sK + kStages * C::kBc * C::kDHead;    // kStages x (B_c, d_head)
+    // (B_r, d_head) each; a tile's Q buffer holds its O at the end. Persistent configs have
+    // two, so the next tile's Q loads while this one's epilogue reads O.
+    elem_t* sQ = reinterpret_cast<elem_t*>(smem);
+    elem_t* sK = sQ + C::kQBuffers * C::kBr * C::kDHead;  // kStages x (B_c, d_head)
+    elem_t* sV = sK + kStages * C::kBc * C::kDHead;       // kStages x (B_c, d_head)
     // The mbarriers, after the tiles (kBarrierBytes; cudaflash.config counts them). full: the
     // producer's 128 threads arrive when their copies of the tile have landed (cp.async), or
     // its one TMA thread arrives with the tile's byte count, which the copy counts down.
-    // empty: lane 0 of each consumer warp arrives when its warpgroup's GEMM has read it.
+    // empty: lane 0 of each consumer warp arrives when its warpgroup's GEMM has read it (a Q
+    // buffer: when the tile's epilogue has read its O back).
     uint64_t* bars = reinterpret_cast<uint64_t*>(sV + kStages * C::kBc * C::kDHead);
-    uint64_t& q_full = bars[0];
-    uint64_t* k_full = bars + 1;
+    uint64_t* q_full = bars;       // per Q buffer
+    uint64_t* q_empty = bars + 2;  // per Q buffer (persistent tiles only)
+    uint64_t* k_full = bars + 4;
     uint64_t* v_full = k_full + kStages;
     uint64_t* k_empty = v_full + kStages;
     uint64_t* v_empty = k_empty + kStages;
-    static_assert(8 * (1 + 4 * kStages) <= kWsBarrierBytes, "the barriers fit their bytes");
+    static_assert(8 * (4 + 4 * kStages) <= kWsBarrierBytes, "the barriers fit their bytes");
 
-    const CtaPlace at = cta_place<kSplit>(p);
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-
-    const Sequence seq = sequence<kKvcache>(p, at.batch);
-    const int q_row0 = at.q_block * C::kBr;
-    if (q_row0 >= seq.len_q) return;  // the whole CTA, before any barrier
-    const int q_rows = min(C::kBr, seq.len_q - q_row0);
-    const KvRange range = kv_range<C, kSplit>(p, seq, q_row0, q_rows, at.split);
-    const int n_steps = max(range.end - range.begin, 0);
-    // The KV block of step i: last to first (kv_reverse) or first to last.
-    auto block_of = [&](int i) { return C::kKvReverse ? range.end - 1 - i : range.begin + i; };
 
     // TMA loads (Params::tma_loads): one producer thread fills each tile, so a "full"
     // barrier takes its one arrival (with the tile's bytes as the transaction count) instead
     // of the 128 cp.async threads'. The host sets them for whole, unsplit calls only; the
     // split and cache-addressing entries compile without them.
     const bool tma = !kSplit && !kKvcache && p.tma_loads != 0;
+    // The CTA's tiles: its own grid place, or with persistent CTAs (only where the host gave
+    // tensor maps: a padded batch, so every tile has rows) tiles blockIdx.x, + gridDim.x, ...
+    // of the batch's (query block, head, batch entry) tiles, query blocks fastest so that
+    // neighbouring CTAs share K/V in L2 as the grid's do.
+    const bool persistent = C::kPersistent && tma;
+    const int n_q_blocks = (p.seqlen_q + C::kBr - 1) / C::kBr;
+    const int n_tiles = persistent ? n_q_blocks * p.n_heads * p.batch : 1;
+    const int first_tile = persistent ? int(blockIdx.x) : 0;
+    const int tile_stride = persistent ? int(gridDim.x) : 1;
+    auto place_of = [&](int t) -> CtaPlace {
+        if (!persistent) return cta_place<kSplit>(p);
+        const int block = t % n_q_blocks, head = (t / n_q_blocks) % p.n_heads;
+        // Causal: a head's last query blocks (the most KV blocks) first, as cta_place.
+        return {p.is_causal ? n_q_blocks - 1 - block : block, head,
+                t / n_q_blocks / p.n_heads, 0, head / (p.n_heads / p.n_heads_k)};
+    };
+    if (!persistent) {  // a CTA past its sequence's rows (packed batches): the whole CTA
+        const CtaPlace at = place_of(0);
+        if (at.q_block * C::kBr >= sequence<kKvcache>(p, at.batch).len_q) return;
+    }
+
     if (threadIdx.x == 0) {
         if (tma) {  // the maps' fetch overlaps the setup (short CTAs waited for it)
             tma_prefetch_map(p.tma_q);
@@ -94,7 +109,11 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
             tma_prefetch_map(p.tma_v);
         }
         const int fill_arrivals = tma ? 1 : 128;
-        mbarrier_init(&q_full, fill_arrivals);
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            mbarrier_init(&q_full[b], fill_arrivals);
+            mbarrier_init(&q_empty[b], C::kWarps);
+        }
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
             mbarrier_init(&k_full[s], fill_arrivals);
@@ -115,30 +134,53 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
             // One thread issues every copy: a tile is one TMA box (all its slabs), so the
             // addresses are the copy engine's, not 128 threads' (docs/perf-log.md, "TMA").
             if (threadIdx.x != 0) return;
-            mbarrier_arrive_expect_tx(&q_full, C::kBr * C::kDHead * sizeof(elem_t));
-            tma_load_5d(smem_addr(sQ), p.tma_q, &q_full, 0, q_row0, 0, at.head, at.batch);
-            for (int i = 0; i < n_steps; ++i) {
-                const int stage = i % kStages;
-                const int reuse = ((i / kStages) & 1) ^ 1;  // parity of the stage's last release
-                const int row = block_of(i) * C::kBc;
-                mbarrier_wait(&k_empty[stage], reuse);
-                mbarrier_arrive_expect_tx(&k_full[stage], kStageBytes);
-                tma_load_5d(smem_addr(sK + stage * C::kBc * C::kDHead), p.tma_k, &k_full[stage],
-                            0, row, 0, at.head_k, at.batch);
-                mbarrier_wait(&v_empty[stage], reuse);
-                mbarrier_arrive_expect_tx(&v_full[stage], kStageBytes);
-                tma_load_5d(smem_addr(sV + stage * C::kBc * C::kDHead), p.tma_v, &v_full[stage],
-                            0, row, 0, at.head_k, at.batch);
+            int g = 0;  // KV steps so far, over the CTA's tiles: the ring's position
+            int j = 0;  // the CTA's tiles so far
+            for (int t = first_tile; t < n_tiles; t += tile_stride, ++j) {
+                const CtaPlace at = place_of(t);
+                const Sequence seq = sequence<kKvcache>(p, at.batch);
+                const int q_row0 = at.q_block * C::kBr;
+                const KvRange range =
+                    kv_range<C, kSplit>(p, seq, q_row0, min(C::kBr, seq.len_q - q_row0), 0);
+                const int n_steps = max(range.end - range.begin, 0);
+                const int qb = j % C::kQBuffers;
+                // (a fresh barrier passes the wait for the phase before its first)
+                mbarrier_wait(&q_empty[qb], ((j / C::kQBuffers) & 1) ^ 1);
+                mbarrier_arrive_expect_tx(&q_full[qb], C::kBr * C::kDHead * sizeof(elem_t));
+                tma_load_5d(smem_addr(sQ + qb * C::kBr * C::kDHead), p.tma_q, &q_full[qb], 0,
+                            q_row0, 0, at.head, at.batch);
+                for (int i = 0; i < n_steps; ++i, ++g) {
+                    const int stage = g % kStages;
+                    const int reuse = ((g / kStages) & 1) ^ 1;  // parity of its last release
+                    const int block = C::kKvReverse ? range.end - 1 - i : range.begin + i;
+                    const int row = block * C::kBc;
+                    mbarrier_wait(&k_empty[stage], reuse);
+                    mbarrier_arrive_expect_tx(&k_full[stage], kStageBytes);
+                    tma_load_5d(smem_addr(sK + stage * C::kBc * C::kDHead), p.tma_k,
+                                &k_full[stage], 0, row, 0, at.head_k, at.batch);
+                    mbarrier_wait(&v_empty[stage], reuse);
+                    mbarrier_arrive_expect_tx(&v_full[stage], kStageBytes);
+                    tma_load_5d(smem_addr(sV + stage * C::kBc * C::kDHead), p.tma_v,
+                                &v_full[stage], 0, row, 0, at.head_k, at.batch);
+                }
             }
             return;
         }
+        // cp.async: one tile (persistent CTAs take the TMA path only).
+        const CtaPlace at = place_of(0);
+        const Sequence seq = sequence<kKvcache>(p, at.batch);
+        const int q_row0 = at.q_block * C::kBr;
+        const int q_rows = min(C::kBr, seq.len_q - q_row0);
+        const KvRange range = kv_range<C, kSplit>(p, seq, q_row0, q_rows, at.split);
+        const int n_steps = max(range.end - range.begin, 0);
+        auto block_of = [&](int i) { return C::kKvReverse ? range.end - 1 - i : range.begin + i; };
         const unsigned tid = threadIdx.x;
         const HeadTiles<C> tiles = head_tiles<C, kKvcache>(p, at, seq, q_row0);
         load_rows_by<C, C::kBr, C::kCopyThreads>(sQ, tiles.q, p.q_seq_stride, q_rows, tid);
         cp_async_commit();
         // Each tile's copies are one cp.async group; waiting for all but the newest group
         // lands the previous tile (its "full" barrier gets the arrival) while this one flies.
-        uint64_t* landed = &q_full;  // the "full" barrier of the tile the previous group holds
+        uint64_t* landed = &q_full[0];  // the "full" barrier of the previous group's tile
         auto load_stage = [&](elem_t* dst, const elem_t* head_base, int64_t seq_stride,
                               int64_t page_stride, int block, uint64_t* empty, int reuse,
                               uint64_t* full) {
@@ -193,126 +235,155 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     const int cwarp = warp - 4;                 // consumer warp: rows 16 * cwarp of the CTA
     const int wg = cwarp / 4;                   // consumer warpgroup
     const int row0 = cwarp * C::kRowsPerWarp;   // this warp's first row in the CTA's tile
-    WarpgroupGemm<C> gemm(sQ, sK, sV, cwarp, lane);
-
-    float O[1][C::kOTiles][4];
-#pragma unroll
-    for (int nd = 0; nd < C::kOTiles; ++nd)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) O[0][nd][e] = 0.f;
-    float S[1][C::kSTiles][4];
-    uint32_t P[1][C::kKvSlices][4];  // the previous block's probabilities, 16-bit
-    float(&s_acc)[C::kSTiles * 4] = reinterpret_cast<float(&)[C::kSTiles * 4]>(S);
-    float(&o_acc)[C::kOTiles * 4] = reinterpret_cast<float(&)[C::kOTiles * 4]>(O);
-    OnlineSoftmax<C> softmax;
     const float scale = OnlineSoftmax<C>::score_scale(p.scale_log2);
-    const float alibi = kAlibi ? alibi_coefficient(p, at.batch, at.head) : 0.f;
     const uint64_t seed = kDropout ? *p.dropout_seed : 0;
 
-    mbarrier_wait(&q_full, 0);
-    // Consumer warpgroup 0 issues first: warpgroup 1 lets it through once. Each turn then
-    // hands over to the other (warpgroup 1's last hand-over has no taker and is skipped, so
-    // every arrival meets a sync).
-    if (wg == 1 && n_steps > 0) named_barrier_arrive(kTurnBarrier + 0, kConsumerThreads);
+    int g = 0;  // KV steps so far, over the CTA's tiles: the ring's position
+    int j = 0;  // the CTA's tiles so far
+    for (int t = first_tile; t < n_tiles; t += tile_stride, ++j) {
+        const CtaPlace at = place_of(t);
+        const Sequence seq = sequence<kKvcache>(p, at.batch);
+        const int q_row0 = at.q_block * C::kBr;
+        const int q_rows = min(C::kBr, seq.len_q - q_row0);
+        const KvRange range = kv_range<C, kSplit>(p, seq, q_row0, q_rows, at.split);
+        const int n_steps = max(range.end - range.begin, 0);
+        // The KV block of step i: last to first (kv_reverse) or first to last.
+        auto block_of = [&](int i) { return C::kKvReverse ? range.end - 1 - i : range.begin + i; };
+        const int qb = j % C::kQBuffers;
+        elem_t* sQt = sQ + qb * C::kBr * C::kDHead;  // this tile's Q, then its O
+        WarpgroupGemm<C> gemm(sQt, sK, sV, cwarp, lane);
 
-    // Step i: Q K^T of block i and P V of block i - 1 are issued together in this warpgroup's
-    // turn, as two wgmma groups; the softmax of block i starts as soon as the first lands and
-    // overlaps the second, which still adds into O, so O's rescale waits for it. The first
-    // step has no previous block (kFirst: a compile-time fact, so that no wgmma sits on a
-    // branch, which makes ptxas serialize them all).
-    auto step = [&](int i, auto first_tag) {
-        constexpr bool kFirst = decltype(first_tag)::value;
-        const int stage = i % kStages;
-        const int prev = (i + kStages - 1) % kStages;  // the previous block's stage
-        mbarrier_wait(&k_full[stage], (i / kStages) & 1);
-        if (!kFirst) mbarrier_wait(&v_full[prev], ((i - 1) / kStages) & 1);
-        named_barrier_sync(kTurnBarrier + wg, kConsumerThreads);
-        wgmma_fence_operands(s_acc);
-        if (!kFirst) wgmma_fence_operands(o_acc);
-        wgmma_fence();
-        gemm.qk_issue(s_acc, stage * kStageBytes);
-        wgmma_commit();
-        if constexpr (!kFirst) {
-            gemm.pv_issue(o_acc, P[0], prev * kStageBytes);
+        float O[1][C::kOTiles][4];
+#pragma unroll
+        for (int nd = 0; nd < C::kOTiles; ++nd)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) O[0][nd][e] = 0.f;
+        float S[1][C::kSTiles][4];
+        uint32_t P[1][C::kKvSlices][4];  // the previous block's probabilities, 16-bit
+        float(&s_acc)[C::kSTiles * 4] = reinterpret_cast<float(&)[C::kSTiles * 4]>(S);
+        float(&o_acc)[C::kOTiles * 4] = reinterpret_cast<float(&)[C::kOTiles * 4]>(O);
+        OnlineSoftmax<C> softmax;
+        const float alibi = kAlibi ? alibi_coefficient(p, at.batch, at.head) : 0.f;
+
+        mbarrier_wait(&q_full[qb], (j / C::kQBuffers) & 1);
+        // Consumer warpgroup 0 issues first: warpgroup 1 lets it through once. Each turn then
+        // hands over to the other (warpgroup 1's last hand-over has no taker and is skipped, so
+        // every arrival meets a sync; so it is per tile).
+        if (wg == 1 && n_steps > 0) named_barrier_arrive(kTurnBarrier + 0, kConsumerThreads);
+
+        // Step i: Q K^T of block i and P V of block i - 1 are issued together in this warpgroup's
+        // turn, as two wgmma groups; the softmax of block i starts as soon as the first lands and
+        // overlaps the second, which still adds into O, so O's rescale waits for it. The first
+        // step has no previous block (kFirst: a compile-time fact, so that no wgmma sits on a
+        // branch, which makes ptxas serialize them all). The ring's stages and phases count the
+        // CTA's steps over all its tiles (g + i).
+        auto step = [&](int i, auto first_tag) {
+            constexpr bool kFirst = decltype(first_tag)::value;
+            const int gi = g + i;
+            const int stage = gi % kStages;
+            const int prev = (gi + kStages - 1) % kStages;  // the previous block's stage
+            mbarrier_wait(&k_full[stage], (gi / kStages) & 1);
+            if (!kFirst) mbarrier_wait(&v_full[prev], ((gi - 1) / kStages) & 1);
+            named_barrier_sync(kTurnBarrier + wg, kConsumerThreads);
+            wgmma_fence_operands(s_acc);
+            if (!kFirst) wgmma_fence_operands(o_acc);
+            wgmma_fence();
+            gemm.qk_issue(s_acc, stage * kStageBytes);
             wgmma_commit();
-        }
-        if (wg == 0 || i < n_steps - 1)
-            named_barrier_arrive(kTurnBarrier + (wg ^ 1), kConsumerThreads);
-        wgmma_wait<kFirst ? 0 : 1>();  // Q K^T has landed
-        wgmma_fence_operands(s_acc);
-        if (lane == 0) mbarrier_arrive(&k_empty[stage]);
-        const int block = block_of(i);
-        if constexpr (kSoftcap) OnlineSoftmax<C>::softcap(S, p.softcap_pre);
-        float row_terms[1][2];  // ALiBi's row parts (read only with kAlibi)
-        if constexpr (kAlibi) {
-            if (!kSoftcap || alibi != 0.f) {  // the *_alibi entries always; softcap's if given
-                OnlineSoftmax<C>::alibi(S, row_terms, alibi, block * C::kBc, q_row0 + row0,
-                                        seq.len_k - seq.len_q, p.window_right == 0, lane);
-            } else {
-                OnlineSoftmax<C>::zero_row_terms(row_terms);
+            if constexpr (!kFirst) {
+                gemm.pv_issue(o_acc, P[0], prev * kStageBytes);
+                wgmma_commit();
             }
-        }
-        if (block >= range.mask_from || block * C::kBc < range.below_keys)
-            OnlineSoftmax<C>::mask(S, block * C::kBc, q_row0 + row0, seq.len_q, seq.len_k,
-                                   p.window_left, p.window_right, lane);
-        float alpha[1][2];
-        const bool rescale =
-            softmax.template update_scores<kFirst && C::kOptimizedSoftmax, kAlibi>(S, scale, alpha,
-                                                                                 row_terms);
-        if constexpr (!kFirst) {
-            wgmma_wait<0>();  // P V of the previous block has landed: O and P are free
+            if (wg == 0 || i < n_steps - 1)
+                named_barrier_arrive(kTurnBarrier + (wg ^ 1), kConsumerThreads);
+            wgmma_wait<kFirst ? 0 : 1>();  // Q K^T has landed
+            wgmma_fence_operands(s_acc);
+            if (lane == 0) mbarrier_arrive(&k_empty[stage]);
+            const int block = block_of(i);
+            if constexpr (kSoftcap) OnlineSoftmax<C>::softcap(S, p.softcap_pre);
+            float row_terms[1][2];  // ALiBi's row parts (read only with kAlibi)
+            if constexpr (kAlibi) {
+                if (!kSoftcap || alibi != 0.f) {  // the *_alibi entries always; softcap's if given
+                    OnlineSoftmax<C>::alibi(S, row_terms, alibi, block * C::kBc, q_row0 + row0,
+                                            seq.len_k - seq.len_q, p.window_right == 0, lane);
+                } else {
+                    OnlineSoftmax<C>::zero_row_terms(row_terms);
+                }
+            }
+            if (block >= range.mask_from || block * C::kBc < range.below_keys)
+                OnlineSoftmax<C>::mask(S, block * C::kBc, q_row0 + row0, seq.len_q, seq.len_k,
+                                       p.window_left, p.window_right, lane);
+            float alpha[1][2];
+            const bool rescale =
+                softmax.template update_scores<kFirst && C::kOptimizedSoftmax, kAlibi>(
+                    S, scale, alpha, row_terms);
+            if constexpr (!kFirst) {
+                wgmma_wait<0>();  // P V of the previous block has landed: O and P are free
+                wgmma_fence_operands(o_acc);
+                if (lane == 0) mbarrier_arrive(&v_empty[prev]);
+            }
+            if (rescale) OnlineSoftmax<C>::rescale(O, alpha);
+            if constexpr (kDropout)
+                OnlineSoftmax<C>::dropout(S, seed, (q_row0 + row0) / 16, block * C::kBc / 16,
+                                          at.batch * p.n_heads + at.head,
+                                          p.dropout_threshold, lane);
+            pack_a_fragments<C::kBf16>(P, S);
+        };
+        if (n_steps > 0) step(0, std::true_type{});
+        for (int i = 1; i < n_steps; ++i) step(i, std::false_type{});
+        if (n_steps > 0) {  // the last block's P V
+            const int last = (g + n_steps - 1) % kStages;
+            mbarrier_wait(&v_full[last], ((g + n_steps - 1) / kStages) & 1);
             wgmma_fence_operands(o_acc);
-            if (lane == 0) mbarrier_arrive(&v_empty[prev]);
+            wgmma_fence();
+            gemm.pv_issue(o_acc, P[0], last * kStageBytes);
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_fence_operands(o_acc);
+            // (persistent configs: the ring runs on into the CTA's next tile)
+            if (C::kPersistent && lane == 0) mbarrier_arrive(&v_empty[last]);
         }
-        if (rescale) OnlineSoftmax<C>::rescale(O, alpha);
-        if constexpr (kDropout)
-            OnlineSoftmax<C>::dropout(S, seed, (q_row0 + row0) / 16, block * C::kBc / 16,
-                                      at.batch * p.n_heads + at.head, p.dropout_threshold, lane);
-        pack_a_fragments<C::kBf16>(P, S);
-    };
-    if (n_steps > 0) step(0, std::true_type{});
-    for (int i = 1; i < n_steps; ++i) step(i, std::false_type{});
-    if (n_steps > 0) {  // the last block's P V
-        const int last = (n_steps - 1) % kStages;
-        mbarrier_wait(&v_full[last], ((n_steps - 1) / kStages) & 1);
-        wgmma_fence_operands(o_acc);
-        wgmma_fence();
-        gemm.pv_issue(o_acc, P[0], last * kStageBytes);
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_operands(o_acc);
-    }
+        g += n_steps;
 
-    float lse[1][2];
-    softmax.finalize(O, lse);
-    if constexpr (kDropout) OnlineSoftmax<C>::scale_o(O, p.dropout_scale);
-    if constexpr (kSplit) {
-        store_split_partials<C>(p, O, lse, at, seq, q_row0, row0, lane);
-        return;
-    }
-    store_lse<C>(p, lse, at, seq, q_row0, row0, lane);
-    // O -> shared (over this warpgroup's own Q rows: only its GEMMs read them, and they are
-    // done) -> global in 16-byte coalesced stores by the warpgroup's 128 threads.
-    o_to_smem<C>(sQ, O, row0, lane);
-    named_barrier_sync(kEpilogueBarrier + wg, 128);
-    elem_t* o = static_cast<elem_t*>(p.o) + at.batch * p.o_batch_stride +
-                at.head * p.o_head_stride + int64_t(seq.start_q + q_row0) * p.o_seq_stride;
-    const int wtid = threadIdx.x % 128;
-    const int chunk = wtid % 8;
-#pragma unroll
-    for (int slab = 0; slab < C::kSlabs; ++slab)
-#pragma unroll
-        for (int pass = 0; pass < kWarpgroupRows / C::kRowsPerCopyPass; ++pass) {
-            const int row = wg * kWarpgroupRows + wtid / 8 + pass * C::kRowsPerCopyPass;
-            if (row < q_rows) {
-                const uint4 val = *reinterpret_cast<const uint4*>(
-                    sQ + SmemTile<C>::template offset<C::kBr>(row, slab * 8 + chunk));
-                st_global_16<C::kOStoreCache>(
-                    reinterpret_cast<uint4*>(o + row * p.o_seq_stride + slab * C::kSlab +
-                                             chunk * 8),
-                    val);
-            }
+        float lse[1][2];
+        softmax.finalize(O, lse);
+        if constexpr (kDropout) OnlineSoftmax<C>::scale_o(O, p.dropout_scale);
+        if constexpr (kSplit) {
+            store_split_partials<C>(p, O, lse, at, seq, q_row0, row0, lane);
+            return;
         }
+        store_lse<C>(p, lse, at, seq, q_row0, row0, lane);
+        // O -> shared (over this warpgroup's own Q rows: only its GEMMs read them, and they are
+        // done) -> global in 16-byte coalesced stores by the warpgroup's 128 threads.
+        o_to_smem<C>(sQt, O, row0, lane);
+        named_barrier_sync(kEpilogueBarrier + wg, 128);
+        elem_t* o = static_cast<elem_t*>(p.o) + at.batch * p.o_batch_stride +
+                    at.head * p.o_head_stride + int64_t(seq.start_q + q_row0) * p.o_seq_stride;
+        const int wtid = threadIdx.x % 128;
+        const int chunk = wtid % 8;
+#pragma unroll
+        for (int slab = 0; slab < C::kSlabs; ++slab)
+#pragma unroll
+            for (int pass = 0; pass < kWarpgroupRows / C::kRowsPerCopyPass; ++pass) {
+                const int row = wg * kWarpgroupRows + wtid / 8 + pass * C::kRowsPerCopyPass;
+                if (row < q_rows) {
+                    const uint4 val = *reinterpret_cast<const uint4*>(
+                        sQt + SmemTile<C>::template offset<C::kBr>(row, slab * 8 + chunk));
+                    st_global_16<C::kOStoreCache>(
+                        reinterpret_cast<uint4*>(o + row * p.o_seq_stride + slab * C::kSlab +
+                                                 chunk * 8),
+                        val);
+                }
+            }
+        if (persistent) {
+            // This warp has read its rows of O back: the Q buffer may take a later tile's Q.
+            // The proxy fence orders these generic reads before that TMA (async-proxy) write;
+            // the mbarrier alone does not.
+            fence_proxy_async_shared();
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(&q_empty[qb]);
+        }
+    }  // tiles
 }
 
 }  // namespace cudaflash

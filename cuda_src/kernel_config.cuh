@@ -8,7 +8,7 @@
 //        -DCF_ASYNC_COPY=1 -DCF_EAGER_LOAD_BLOCKS=1 -DCF_SWIZZLED=1 -DCF_Q_FRAGS=2 \
 //        -DCF_K_FRAGS=2 -DCF_V_FRAGS=0 -DCF_DOUBLE_BUFFER=1 -DCF_OPTIMIZED_SOFTMAX=1 \
 //        -DCF_MIN_CTAS_PER_SM=1 -DCF_WGMMA=0 -DCF_EXP2_SOFTMAX=1 -DCF_KV_REVERSE=1 \
-//        -DCF_D_HEAD_TILED=1 -DCF_O_STORE_CACHE=0 -DCF_WARP_SPECIALIZED=0 \
+//        -DCF_D_HEAD_TILED=1 -DCF_O_STORE_CACHE=0 -DCF_WARP_SPECIALIZED=0 -DCF_PERSISTENT=0 \
 //        cuda_src/flash_fwd.cu -o fwd.cubin
 // (wgmma configs: -gencode arch=compute_90a,code=sm_90a; Hopper only)
 #pragma once
@@ -24,7 +24,7 @@
     !defined(CF_V_FRAGS) || !defined(CF_DOUBLE_BUFFER) || !defined(CF_OPTIMIZED_SOFTMAX) ||  \
     !defined(CF_MIN_CTAS_PER_SM) || !defined(CF_WGMMA) || !defined(CF_EXP2_SOFTMAX) ||        \
     !defined(CF_KV_REVERSE) || !defined(CF_D_HEAD_TILED) || !defined(CF_O_STORE_CACHE) ||   \
-    !defined(CF_WARP_SPECIALIZED)
+    !defined(CF_WARP_SPECIALIZED) || !defined(CF_PERSISTENT)
 #error "define every CF_* macro: see cudaflash.config.KernelConfig.nvcc_defines()"
 #endif
 
@@ -67,8 +67,15 @@ struct KernelConfig {
     // A producer warpgroup loads Q and a ring of K/V stages for kWarps consumer warps
     // (fwd_warp_specialized.cuh); kWarps counts the consumers only.
     static constexpr bool kWarpSpecialized = CF_WARP_SPECIALIZED;
-    // 3: +1-11% over 2 at d128 (perf log v8); d256 fits two (Q 64 KB + 2 x 2 x 32 KB of 227).
-    static constexpr int kKvStages = kWarpSpecialized ? (kDHead == 256 ? 2 : 3) : 1;
+    // Persistent CTAs (config field persistent): one CTA per SM walks the padded batch's
+    // tiles when the host gave tensor maps, the producer loading the next tile's Q (a second
+    // Q buffer) and K/V while the consumers finish this one (fwd_warp_specialized.cuh).
+    static constexpr bool kPersistent = CF_PERSISTENT;
+    // 3: +1-11% over 2 at d128 (perf log v8); d256 fits two (Q 64 KB + 2 x 2 x 32 KB of 227);
+    // persistent configs two, for their second Q buffer.
+    static constexpr int kKvStages =
+        kWarpSpecialized ? (kDHead == 256 || kPersistent ? 2 : 3) : 1;
+    static constexpr int kQBuffers = kPersistent ? 2 : 1;
 
     using elem_t = std::conditional_t<kBf16, __nv_bfloat16, __half>;
 
@@ -131,6 +138,7 @@ struct KernelConfig {
                                         kEagerLoad),
                   "warp_specialized: wgmma, n_warps = 8 (two consumer warpgroups), "
                   "min_ctas_per_sm = 1, eager_load_blocks");
+    static_assert(!kPersistent || kWarpSpecialized, "persistent needs warp_specialized");
 #if CF_WGMMA && defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "wgmma configs compile for sm_90a only: -gencode arch=compute_90a,code=sm_90a"
 #endif

@@ -66,11 +66,15 @@ _layouts: dict = {}
 _backward_layouts: dict = {}
 
 
-def worth_maps(rows: int, seqlen_k: int, heads: int, batch: int, causal: bool) -> bool:
+def worth_maps(rows: int, seqlen_k: int, heads: int, batch: int, causal: bool,
+               persistent: bool = False) -> bool:
     """Whether a call is big enough to pay for its maps: on the host (MIN_SCORES) and on the
-    GPU (MIN_KEYS). ``seqlen_k``: the keys a CTA can visit (a window's span at most)."""
+    GPU (MIN_KEYS). ``seqlen_k``: the keys a CTA can visit (a window's span at most).
+    ``persistent``: a kernel whose CTAs walk several tiles (KernelConfig.persistent) fetches
+    its maps once per SM, not per tile, so the GPU's side does not limit it."""
     visited = seqlen_k // 2 if causal else seqlen_k
-    return visited >= MIN_KEYS and rows * seqlen_k * heads * batch >= MIN_SCORES
+    return ((persistent or visited >= MIN_KEYS)
+            and rows * seqlen_k * heads * batch >= MIN_SCORES)
 
 
 def _layout(shape: tuple, strides: tuple, element_size: int, box_rows: int):

@@ -55,6 +55,10 @@ One Hopper knob beyond the seed, also optional (default false):
   Q K^T of the current one; ``setmaxnreg`` moves registers from the producer to them
   (cuda_src/fwd_warp_specialized.cuh; name suffix ``_ws``). Needs wgmma, eager loads and
   min_ctas_per_sm = 1.
+- ``persistent``: with warp_specialized, where the host gives tensor maps (a padded batch,
+  big enough: _tma.worth_maps) one CTA per SM walks the call's tiles, the producer loading
+  the next tile's Q (a second Q buffer) and K/V while the consumers finish the current one;
+  two K/V stages instead of three (name suffix ``_pers``).
 """
 
 from __future__ import annotations
@@ -139,6 +143,7 @@ class KernelConfig:
     d_head_tiled: bool = True
     o_store_cache: str = "default"
     warp_specialized: bool = False
+    persistent: bool = False
 
     # The translation unit under cuda_src/ and, by role, the extern "C" entries every module
     # of this family exports (EntryRole: the one table of them).
@@ -189,6 +194,7 @@ class KernelConfig:
             + ("" if self.d_head_tiled else "_untiled")
             + _O_STORE_TOKEN.get(self.o_store_cache, "")
             + ("_ws" if self.warp_specialized else "")
+            + ("_pers" if self.persistent else "")
         )
 
     @property
@@ -201,7 +207,9 @@ class KernelConfig:
     def kv_stages(self) -> int:
         """K/V blocks resident in shared memory at once (the producer's ring): three, or two
         at d_head 256, where three would not fit (kKvStages, kernel_config.cuh)."""
-        return (2 if self.d_head == 256 else 3) if self.warp_specialized else 1
+        if not self.warp_specialized:
+            return 1
+        return 2 if self.d_head == 256 or self.persistent else 3
 
     @property
     def copy_threads(self) -> int:
@@ -213,7 +221,9 @@ class KernelConfig:
         """Dynamic shared memory: one Q block (reused for O) plus kv_stages K and V blocks,
         and the mbarriers of the kernels that can load through TMA (the warp-specialized
         kernel's ring, kWsBarrierBytes; the wgmma kernel's three tiles, in the same room)."""
-        tiles = (self.B_r + 2 * self.kv_stages * self.B_c) * self.d_head * ELEMENT_BYTES
+        q_buffers = 2 if self.persistent else 1  # (kQBuffers)
+        rows = q_buffers * self.B_r + 2 * self.kv_stages * self.B_c
+        tiles = rows * self.d_head * ELEMENT_BYTES
         return tiles + (WS_BARRIER_BYTES if self.tma_loads else 0)
 
     @property
@@ -264,6 +274,7 @@ class KernelConfig:
             "CF_D_HEAD_TILED": int(self.d_head_tiled),
             "CF_O_STORE_CACHE": O_STORE_CACHE.index(self.o_store_cache),  # validated
             "CF_WARP_SPECIALIZED": int(self.warp_specialized),
+            "CF_PERSISTENT": int(self.persistent),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -347,6 +358,8 @@ class KernelConfig:
             for field in wrong:
                 bad(field, "warp_specialized needs wgmma=True, n_warps=8 (two consumer "
                            "warpgroups), min_ctas_per_sm=1 and eager_load_blocks=True")
+        if self.persistent and not self.warp_specialized:
+            bad("persistent", "needs warp_specialized=True")
         if self.o_store_cache not in O_STORE_CACHE:
             bad("o_store_cache", f"must be one of {list(O_STORE_CACHE)}")
         if not self.d_head_tiled:
@@ -398,6 +411,7 @@ class KernelConfig:
         data["o_store_cache"] = {None: "default", "cs": "streaming", "na": "no_allocate"}[
             g["ostore"]]
         data["warp_specialized"] = g["ws"] is not None
+        data["persistent"] = g["pers"] is not None
         return cls.from_dict(data, where=f"config name {name!r}")
 
 
@@ -409,8 +423,8 @@ _NAME_RE = re.compile(
     r"_dbuf(?P<mma_double_buffer_loads>[01])_osm(?P<optimized_softmax>[01])"
     r"_ctas(?P<min_ctas_per_sm>\d+)_wgmma(?P<wgmma>[01])"
     r"(?P<natexp>_natexp)?(?P<kvfwd>_kvfwd)?(?P<untiled>_untiled)?(?:_o(?P<ostore>cs|na))?"
-    r"(?P<ws>_ws)?")
-_NAME_SUFFIXES = ("natexp", "kvfwd", "untiled", "ostore", "ws")  # the optional name tokens
+    r"(?P<ws>_ws)?(?P<pers>_pers)?")
+_NAME_SUFFIXES = ("natexp", "kvfwd", "untiled", "ostore", "ws", "pers")  # optional tokens
 
 
 def config_from_dict(cls, data: Mapping[str, Any], where: str):

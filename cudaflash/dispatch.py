@@ -41,6 +41,9 @@ class Kernel:
     # The kernel can load through tensor maps (Params.tma_loads: KernelConfig.tma_loads,
     # sm_90a only).
     tma_loads: bool = False
+    # Persistent CTAs where tensor maps are given (KernelConfig.persistent): the launch's
+    # grid is then one CTA per SM at most, the kernel walking the call's tiles.
+    persistent: bool = False
 
     def split_ctas_per_sm(self, role: str) -> int:
         return next(count for name, count in self.split_ctas if name == role)
@@ -194,7 +197,7 @@ def _make_kernel(dk: DeviceKernels, entry: KernelEntry, ctx: int) -> Kernel:
     return Kernel(fns=fns, label=f"cuLaunchKernel({entry.name})", block_rows=entry.config.B_r,
                   block_cols=entry.config.B_c, threads=entry.threads, smem=entry.smem_bytes,
                   synchronize=dk.debug, split_ctas=split_ctas,
-                  tma_loads=entry.config.tma_loads)
+                  tma_loads=entry.config.tma_loads, persistent=entry.config.persistent)
 
 
 # ---- backward --------------------------------------------------------------------------------

@@ -227,7 +227,8 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
     maps = None
     if (tma_tensors is not None and kernel.tma_loads and num_splits == 1
             and _tma.worth_maps(rows, seqlen_k, heads, batch,
-                                causal=window[1] == 0 and window[0] < 0)):
+                                causal=window[1] == 0 and window[0] < 0,
+                                persistent=kernel.persistent)):
         maps = _tma.tensor_maps(*tma_tensors, kernel.block_rows, kernel.block_cols)
     fixed_params = (fixed_params + (num_splits, per_split)
                     + (NO_CACHE_ADDRESSING if cache is None else cache.params())
@@ -236,9 +237,15 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
         function = ((kernel.fns.forward_dropout if alibi is None
                      else kernel.fns.forward_dropout_alibi) if dropout is not None
                     else _entry(kernel, "forward", mods, cache))
+        grid = (q_blocks, heads, batch)
+        if maps is not None and kernel.persistent:
+            # One CTA per SM (1 per SM fits: warp-specialized) walks the q_blocks x heads x
+            # batch tiles (fwd_warp_specialized.cuh).
+            sm_count = dispatch.device_kernels(index).device.sm_count
+            grid = (min(q_blocks * heads * batch, sm_count), 1, 1)
         return _driver.Launcher(
             function, kernel.label,
-            grid=(q_blocks, heads, batch),
+            grid=grid,
             threads=kernel.threads, smem=kernel.smem, synchronize=kernel.synchronize,
             fixed_params=fixed_params, device_index=index, maps=maps).launch
     return _split_launch(kernel, index, device, fixed_params, q_blocks=q_blocks, heads=heads,

@@ -19,7 +19,7 @@ query row.
 import pytest
 import torch
 
-from cudaflash import _plans, _tma, flash_attn_func, forward, list_kernels
+from cudaflash import _driver, _plans, _tma, flash_attn_func, forward, list_kernels
 from test_gpu_correctness import (check_attention,
                                   fp32_reference_without_tf32,  # noqa: F401 (autouse fixture)
                                   make_qkv)
@@ -34,7 +34,8 @@ V6 = [(64, "fwd_{}_d64_br64_bc128_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas3_
       (128, "fwd_{}_d128_br64_bc128_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1"),
       (256, "fwd_{}_d256_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1")]
 WS256 = "fwd_{}_d256_br128_bc64_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1_ws"
-CONFIGS = [(128, WS), (256, WS256)] + V6
+WSP = WS + "_pers"  # persistent CTAs where maps are given
+CONFIGS = [(128, WS), (128, WSP), (256, WS256)] + V6
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -119,6 +120,40 @@ def test_forward_matches_cp_async(monkeypatch, dtype, d, name, b, sq, sk, h, hk,
     check_attention(out, lse, q, k, v, causal)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,sq,sk,h,hk,causal", [
+    (4, 2048, 1024, 8, 4, True),  # 512 tiles: several per CTA, causal (heaviest first)
+    (3, 1000, 1500, 16, 2, False),  # 384 tiles with query tails, GQA, batch entries
+])
+def test_persistent_ctas_walk_several_tiles(monkeypatch, dtype, b, sq, sk, h, hk, causal):
+    """The persistent config with maps: one CTA per SM, each walking several tiles (its Q
+    buffers alternating, the K/V ring running on across tiles), bit-identical to the
+    one-tile-per-CTA cp.async path of the same kernel, and within the rule."""
+    q, k, v = make_qkv(b, sq, sk, h, hk, 128, DTYPES[dtype], seed=sq)
+    config = WSP.format(dtype)
+    grids = []
+    launcher = _driver.Launcher
+
+    def recording(function, label, *, grid, **kwargs):
+        grids.append(grid)
+        return launcher(function, label, grid=grid, **kwargs)
+
+    monkeypatch.setattr(_driver, "Launcher", recording)
+    (out, lse), (out_ref, lse_ref) = both_paths(
+        monkeypatch, lambda: forward(config, q, k, v, causal=causal, num_splits=1))
+    tiles = -(-sq // 128) * h * b
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    assert tiles > sms and grids[0] == (sms, 1, 1), grids  # with maps: one CTA per SM
+    assert grids[-1] == (-(-sq // 128), h, b), grids  # without: the tile grid
+    assert_identical((out, lse), (out_ref, lse_ref))
+    check_attention(out, lse, q, k, v, causal)
+    monkeypatch.setattr(_tma, "MIN_SCORES", 0)  # repeats: a race would show as a difference
+    for _ in range(5):
+        _plans.plans.clear()
+        again = forward(config, q, k, v, causal=causal, num_splits=1)
+        assert_identical(again, (out, lse))
+
+
 @pytest.mark.parametrize("d,name", [(128, WS), V6[0], V6[2]], ids=["ws", "v6_d64", "v6_d128"])
 def test_the_kernel_reads_the_maps(monkeypatch, d, name):
     """A negative control for the bit-for-bit comparisons: with K's and V's maps swapped
@@ -156,8 +191,8 @@ def test_strided_views_of_packed_qkv(monkeypatch, dtype):
     check_attention(out, lse, q, k, v, True)
 
 
-@pytest.mark.parametrize("d,name", [(128, WS), V6[0], V6[4]],
-                         ids=["ws_d128", "v6_d64", "v6_d256"])
+@pytest.mark.parametrize("d,name", [(128, WS), (128, WSP), V6[0], V6[4]],
+                         ids=["ws_d128", "ws_d128_persistent", "v6_d64", "v6_d256"])
 def test_score_modifiers(monkeypatch, d, name):
     """A window, softcap and ALiBi change only the consumers: same result either way (the
     *_softcap and *_alibi entries load through the maps too)."""

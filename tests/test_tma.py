@@ -232,3 +232,11 @@ def test_backward_maps_encode_new_pointers_of_a_cached_layout(cu):
     raw = buf.raw
     assert [int.from_bytes(raw[i * 128 + 1:i * 128 + 9], "little") for i in range(4)] == \
         [0x1000, 0x2000, 0x3000, 0x4000]
+
+
+def test_worth_maps_for_persistent_kernels_skips_the_keys_rule():
+    """A persistent kernel fetches its maps once per SM: short CTAs (causal S = 512, 256 keys
+    each) still take them when the call is big enough on the host's side."""
+    assert not _tma.worth_maps(512, 512, 16, 32, True)
+    assert _tma.worth_maps(512, 512, 16, 32, True, persistent=True)
+    assert not _tma.worth_maps(512, 512, 1, 1, True, persistent=True)  # MIN_SCORES still
