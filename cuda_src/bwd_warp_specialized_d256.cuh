@@ -39,11 +39,38 @@ constexpr int kD256EpilogueBarrier = 5;  // both consumer groups, around dK/dV s
 constexpr int kD256Keys = 64;            // keys per CTA (both consumer warpgroups' M)
 constexpr int kD256PFragments = 4;       // 16-byte fragments per thread of a 64 x 64 P^T
 
+// Where a CTA's sequence lies in the tensor maps and the padded statistics: a padded batch's
+// entry blockIdx.z from row 0, or a packed (varlen) batch's sequence blockIdx.z from its first
+// row of the maps' one entry (the host describes the packed (total, heads, d) tensors as
+// (1, total, heads, d)). Rows past the sequence's end are then the next sequence's, not zero
+// fill: its keys are masked like the tail of a padded batch's (dQ: key >= seqlen_k; dK/dV:
+// never stored), its query rows carry lse +inf and delta 0 in the statistics (P = dS = 0).
+// stats_rows: the statistics' rows per head (dq_accum_rows of the call: of the longest
+// sequence for a packed batch). maps: the kernel's own __grid_constant__ params, whose
+// tensor maps TMA reads (a sequence view is a local copy, and TMA takes no map from local
+// memory).
+struct MapOrigin {
+    const BwdParams* maps;
+    int q_row, k_row, map_batch, stats_rows;
+};
+// (p: the kernel's params)
+__device__ __forceinline__ MapOrigin padded_origin(const BwdParams& p) {
+    return {&p, 0, 0, int(blockIdx.z), dq_accum_rows(p)};
+}
+// (p: the packed batch's params, before sequence_view; the clamps are sequence_view's)
+__device__ __forceinline__ MapOrigin packed_origin(const BwdParams& p) {
+    const int b = blockIdx.z;
+    return {&p, min(max(p.cu_seqlens_q[b], 0), p.total_q),
+            min(max(p.cu_seqlens_k[b], 0), p.total_k), 0, dq_accum_rows(p)};
+}
+
 // Shared memory (cudaflash.backward_config.BackwardConfig.dkdv_smem_bytes mirrors it):
 // K, V (64 x 256) | kBwdStages x Q, dO (64 x 256) | 2 x P^T fragments (128 threads x 64 B) |
 // kBwdStages x lse, delta (64 float32) | mbarriers (1 + 2 * kBwdStages).
+// p: the CTA's sequence (sequence_view for a packed batch); origin: where it lies in the maps.
 template <bool kWindow>
-__device__ __forceinline__ void bwd_dkdv_ws_d256(const BwdParams& p) {
+__device__ __forceinline__ void bwd_dkdv_ws_d256(const BwdParams& p, const MapOrigin origin) {
+    const BwdParams& maps = *origin.maps;  // the tensor maps (grid-constant params)
     static_assert(kD == 256 && C::kWarpSpecialized && C::kWsQueryRows == 64,
                   "the d256 partition: two consumer warpgroups on the same 64 keys");
     constexpr int kKeys = kD256Keys;
@@ -92,10 +119,10 @@ __device__ __forceinline__ void bwd_dkdv_ws_d256(const BwdParams& p) {
     constexpr uint32_t kKvBytes = 2 * kKeys * kD * sizeof(elem_t);
     constexpr uint32_t kStageBytes = 2 * kQ * kD * sizeof(elem_t) + 2 * kQ * sizeof(float);
     if (threadIdx.x == 0) {
-        tma_prefetch_map(p.tma_k);
-        tma_prefetch_map(p.tma_v);
-        tma_prefetch_map(p.tma_q);
-        tma_prefetch_map(p.tma_do);
+        tma_prefetch_map(maps.tma_k);
+        tma_prefetch_map(maps.tma_v);
+        tma_prefetch_map(maps.tma_q);
+        tma_prefetch_map(maps.tma_do);
         mbarrier_init(&kv_full, 1);
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
@@ -111,19 +138,21 @@ __device__ __forceinline__ void bwd_dkdv_ws_d256(const BwdParams& p) {
         if (warp != 0 || lane != 0) return;
         // ---- loader: one thread, as bwd_dkdv_dq_ws's ------------------------------------
         mbarrier_arrive_expect_tx(&kv_full, kKvBytes);
-        tma_load_5d(smem_addr(sK), p.tma_k, &kv_full, 0, key0, 0, head_k, batch);
-        tma_load_5d(smem_addr(sV), p.tma_v, &kv_full, 0, key0, 0, head_k, batch);
+        const int map_key0 = origin.k_row + key0;
+        tma_load_5d(smem_addr(sK), maps.tma_k, &kv_full, 0, map_key0, 0, head_k, origin.map_batch);
+        tma_load_5d(smem_addr(sV), maps.tma_v, &kv_full, 0, map_key0, 0, head_k, origin.map_batch);
         StepWalk at = walk0;
 #pragma unroll 1
         for (int step = 0; step < n_steps; ++step, at.next()) {
             const int stage = step % kStages;
             mbarrier_wait(&empty[stage], ((step / kStages) & 1) ^ 1);
             mbarrier_arrive_expect_tx(&full[stage], kStageBytes);
-            tma_load_5d(smem_addr(sQ + stage * kQ * kD), p.tma_q, &full[stage], 0, at.q0, 0,
-                        at.head, batch);
-            tma_load_5d(smem_addr(sdO + stage * kQ * kD), p.tma_do, &full[stage], 0, at.q0, 0,
-                        at.head, batch);
-            const int64_t row = (int64_t(batch) * p.n_heads + at.head) * dq_accum_rows(p) + at.q0;
+            const int map_q0 = origin.q_row + at.q0;
+            tma_load_5d(smem_addr(sQ + stage * kQ * kD), maps.tma_q, &full[stage], 0, map_q0, 0,
+                        at.head, origin.map_batch);
+            tma_load_5d(smem_addr(sdO + stage * kQ * kD), maps.tma_do, &full[stage], 0, map_q0, 0,
+                        at.head, origin.map_batch);
+            const int64_t row = (int64_t(batch) * p.n_heads + at.head) * origin.stats_rows + at.q0;
             bulk_load(smem_addr(sLse + stage * kQ), p.lse_log2_tiles + row, kQ * sizeof(float),
                       &full[stage]);
             bulk_load(smem_addr(sDelta + stage * kQ), p.delta_tiles + row, kQ * sizeof(float),
@@ -253,8 +282,10 @@ constexpr int kD256DsFreeBarrier = 9;   // + buffer
 // Shared memory (BackwardConfig.dq_smem_bytes mirrors it): Q, dO (64 x 256) | kBwdStages x
 // K, V (64 x 256) | 2 x P, 2 x dS fragments (128 threads x 64 B each) | lse, delta (64
 // float32) | mbarriers (1 + 2 * kBwdStages).
+// p, origin: as bwd_dkdv_ws_d256's.
 template <bool kWindow>
-__device__ __forceinline__ void bwd_dq_ws_d256(const BwdParams& p) {
+__device__ __forceinline__ void bwd_dq_ws_d256(const BwdParams& p, const MapOrigin origin) {
+    const BwdParams& maps = *origin.maps;  // the tensor maps (grid-constant params)
     static_assert(kD == 256 && C::kWarpSpecialized && C::kBc == 64,
                   "the d256 dQ partition: 64-key tiles (B_c 64)");
     constexpr int kRows = 64;  // query rows per CTA
@@ -294,10 +325,10 @@ __device__ __forceinline__ void bwd_dq_ws_d256(const BwdParams& p) {
     constexpr uint32_t kRowsBytes = 2 * kRows * kD * sizeof(elem_t) + 2 * kRows * sizeof(float);
     constexpr uint32_t kStageBytes = 2 * kKv * kD * sizeof(elem_t);
     if (threadIdx.x == 0) {
-        tma_prefetch_map(p.tma_k);
-        tma_prefetch_map(p.tma_v);
-        tma_prefetch_map(p.tma_q);
-        tma_prefetch_map(p.tma_do);
+        tma_prefetch_map(maps.tma_k);
+        tma_prefetch_map(maps.tma_v);
+        tma_prefetch_map(maps.tma_q);
+        tma_prefetch_map(maps.tma_do);
         mbarrier_init(&rows_full, 1);
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
@@ -313,9 +344,10 @@ __device__ __forceinline__ void bwd_dq_ws_d256(const BwdParams& p) {
         if (warp != 0 || lane != 0) return;
         // ---- loader: one thread ------------------------------------------------------------
         mbarrier_arrive_expect_tx(&rows_full, kRowsBytes);
-        tma_load_5d(smem_addr(sQ), p.tma_q, &rows_full, 0, q0, 0, head, batch);
-        tma_load_5d(smem_addr(sdO), p.tma_do, &rows_full, 0, q0, 0, head, batch);
-        const int64_t row = (int64_t(batch) * p.n_heads + head) * dq_accum_rows(p) + q0;
+        const int map_q0 = origin.q_row + q0;
+        tma_load_5d(smem_addr(sQ), maps.tma_q, &rows_full, 0, map_q0, 0, head, origin.map_batch);
+        tma_load_5d(smem_addr(sdO), maps.tma_do, &rows_full, 0, map_q0, 0, head, origin.map_batch);
+        const int64_t row = (int64_t(batch) * p.n_heads + head) * origin.stats_rows + q0;
         bulk_load(smem_addr(sLse), p.lse_log2_tiles + row, kRows * sizeof(float), &rows_full);
         bulk_load(smem_addr(sDelta), p.delta_tiles + row, kRows * sizeof(float), &rows_full);
 #pragma unroll 1
@@ -324,10 +356,11 @@ __device__ __forceinline__ void bwd_dq_ws_d256(const BwdParams& p) {
             const int key0 = (visible.first + i) * kKv;
             mbarrier_wait(&empty[stage], ((i / kStages) & 1) ^ 1);
             mbarrier_arrive_expect_tx(&full[stage], kStageBytes);
-            tma_load_5d(smem_addr(sK + stage * kKv * kD), p.tma_k, &full[stage], 0, key0, 0,
-                        head_k, batch);
-            tma_load_5d(smem_addr(sV + stage * kKv * kD), p.tma_v, &full[stage], 0, key0, 0,
-                        head_k, batch);
+            const int map_key0 = origin.k_row + key0;
+            tma_load_5d(smem_addr(sK + stage * kKv * kD), maps.tma_k, &full[stage], 0, map_key0, 0,
+                        head_k, origin.map_batch);
+            tma_load_5d(smem_addr(sV + stage * kKv * kD), maps.tma_v, &full[stage], 0, map_key0, 0,
+                        head_k, origin.map_batch);
         }
         return;
     }

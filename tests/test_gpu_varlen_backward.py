@@ -104,3 +104,35 @@ def test_gradients_under_torch_compile():
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     torch.compile(attention)(*leaves).backward(dout)
     check_each_sequence([t.grad / 2.0 for t in leaves], q, k, v, dout, cu, cu, True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_d256_varlen_takes_the_warp_specialized_kernels(causal, monkeypatch):
+    """On Hopper a d256 packed batch without score modifiers runs the warp-specialized
+    kernels, each sequence read from its first row of maps over the packed tensors (rows past
+    a sequence's end are the next sequence's: masked); a refused map sends the call to the
+    mma.sync module. Both within the rule per sequence."""
+    import _internals as internals
+    from cudaflash import _tma
+    from test_gpu_backward import d256_warp_specialized_backward, launched_backward_modules
+
+    ws = d256_warp_specialized_backward(torch.bfloat16)
+    lens_q, lens_k = [70, 1, 300, 129, 64], [200, 64, 300, 0, 65]
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k, 4, 2, 256, torch.bfloat16, seed=31)
+    q, k, v = (torch.cat([t, torch.randn_like(t[:1])]) for t in (q, k, v))  # a spare row
+    dout = torch.randn_like(q)
+    launched = launched_backward_modules(monkeypatch)
+    _, grads = run_with_grad(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), dout,
+                             causal=causal)
+    gemm_modules = {name for name, role in launched if role.startswith(("dkdv", "dq"))}
+    assert gemm_modules == {ws.name}, launched
+    check_each_sequence(grads, q, k, v, dout, cu_q, cu_k, causal)
+    internals.clear_backward_cache()
+    launched.clear()
+    with monkeypatch.context() as m:
+        m.setattr(_tma, "backward_maps", lambda *args: None)
+        _, fallback = run_with_grad(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), dout,
+                                    causal=causal)
+    internals.clear_backward_cache()
+    assert launched and ws.name not in {name for name, _ in launched}, launched
+    check_each_sequence(fallback, q, k, v, dout, cu_q, cu_k, causal)
