@@ -49,19 +49,43 @@ constexpr int kD256PFragments = 4;       // 16-byte fragments per thread of a 64
 // sequence for a packed batch). maps: the kernel's own __grid_constant__ params, whose
 // tensor maps TMA reads (a sequence view is a local copy, and TMA takes no map from local
 // memory).
+// zero_tails: a packed batch, whose tiles past a sequence's end hold the next sequence's rows
+// (zero_tail_rows).
 struct MapOrigin {
     const BwdParams* maps;
     int q_row, k_row, map_batch, stats_rows;
+    bool zero_tails;
 };
 // (p: the kernel's params)
 __device__ __forceinline__ MapOrigin padded_origin(const BwdParams& p) {
-    return {&p, 0, 0, int(blockIdx.z), dq_accum_rows(p)};
+    return {&p, 0, 0, int(blockIdx.z), dq_accum_rows(p), false};
 }
 // (p: the packed batch's params, before sequence_view; the clamps are sequence_view's)
 __device__ __forceinline__ MapOrigin packed_origin(const BwdParams& p) {
     const int b = blockIdx.z;
     return {&p, min(max(p.cu_seqlens_q[b], 0), p.total_q),
-            min(max(p.cu_seqlens_k[b], 0), p.total_k), 0, dq_accum_rows(p)};
+            min(max(p.cu_seqlens_k[b], 0), p.total_k), 0, dq_accum_rows(p), true};
+}
+
+constexpr int kD256TailBarrier = 6;  // both consumer groups: a stage's tail rows are zero
+
+// Rows first_row.. of two (kRows, d) stage tiles set to zero by the 256 consumer threads
+// (ctid), then a barrier of both groups before either's GEMMs read them. A packed batch's
+// tile that runs past its sequence's end holds the next sequence's rows instead of TMA's zero
+// fill: P and dS are 0 there, but 0 times a non-finite value (a spare row of garbage after
+// the last sequence) is NaN, which the GEMMs would sum into this sequence's gradients.
+template <int kRows>
+__device__ __forceinline__ void zero_tail_rows(elem_t* a, elem_t* b, int first_row,
+                                               unsigned ctid) {
+    constexpr int kChunks = kD / 8;  // 16-byte chunks per row
+    for (int i = ctid; i < (kRows - first_row) * kChunks; i += kBwdConsumerThreads) {
+        const int offset = SmemTile<C>::template offset<kRows>(first_row + i / kChunks,
+                                                                i % kChunks);
+        *reinterpret_cast<uint4*>(a + offset) = make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(b + offset) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    fence_proxy_async_shared();  // these generic writes, then the wgmmas' (async) reads
+    named_barrier_sync(kD256TailBarrier, kBwdConsumerThreads);
 }
 
 // Shared memory (cudaflash.backward_config.BackwardConfig.dkdv_smem_bytes mirrors it):
@@ -184,6 +208,9 @@ __device__ __forceinline__ void bwd_dkdv_ws_d256(const BwdParams& p, const MapOr
         const uint32_t do_tile = smem_addr(sdO + stage * kQ * kD);
         uint4* p_slot = sP + buf * kD256PFragments * kGroupThreads + gtid;
         mbarrier_wait(&full[stage], (step / kStages) & 1);
+        if (origin.zero_tails && q0 + kQ > p.seqlen_q)  // (the same in both groups)
+            zero_tail_rows<kQ>(sQ + stage * kQ * kD, sdO + stage * kQ * kD, p.seqlen_q - q0,
+                               threadIdx.x - kBwdProducerThreads);
 
         float S[1][kQ / 8][4];  // S^T then P^T (values group); dP^T then dS^T (keys group)
         uint32_t a[1][kQ / 16][4];
@@ -396,6 +423,9 @@ __device__ __forceinline__ void bwd_dq_ws_d256(const BwdParams& p, const MapOrig
         const uint32_t k_tile = smem_addr(sK + stage * kKv * kD);
         const uint32_t v_tile = smem_addr(sV + stage * kKv * kD);
         mbarrier_wait(&full[stage], (i / kStages) & 1);
+        if (origin.zero_tails && (tile + 1) * kKv > p.seqlen_k)  // (the same in both groups)
+            zero_tail_rows<kKv>(sK + stage * kKv * kD, sV + stage * kKv * kD,
+                                p.seqlen_k - tile * kKv, threadIdx.x - kBwdProducerThreads);
 
         float S[1][kKv / 8][4];  // S then P (scores group); dP then dS (grads group)
         uint32_t a[1][kKv / 16][4];

@@ -1223,7 +1223,12 @@ __device__ __forceinline__ void bwd_dq_deterministic(const BwdParams& p) {
 template <bool kScoreMods = false>
 __device__ __forceinline__ void bwd_dkdv_packed(const BwdParams& p) {
     if constexpr (kD == 256 && C::kWarpSpecialized && !kScoreMods) {
-        bwd_dkdv_ws_d256<true>(sequence_view(p, blockIdx.z), packed_origin(p));
+        const MapOrigin origin = packed_origin(p);
+        BwdParams s = sequence_view(p, blockIdx.z);
+        // A sequence longer than max_seqlen_q (flash-attn: undefined gradients) walks no
+        // rows past the statistics, so it reads nothing out of their bounds.
+        s.seqlen_q = min(s.seqlen_q, origin.stats_rows);
+        bwd_dkdv_ws_d256<true>(s, origin);
     } else {
         bwd_dkdv_deterministic<kScoreMods>(sequence_view(p, blockIdx.z));
     }

@@ -43,6 +43,10 @@ from ._torch import current_stream
 
 _PACK = struct.Struct(BWD_PARAMS_FORMAT)  # all of BwdParams (_params.BwdParams), in one pack
 DQ_ACCUM_ROW_ALIGN = 128  # flash_bwd.cu kDqAccumRowAlign: dq_accum's rows per head, rounded up
+# A packed batch's padded statistics may hold at most this many rows per packed query row
+# (2 float32 per head each: a quarter of the d256 q tensor's bytes), else run_varlen takes
+# the kernels without them.
+STATS_ROWS_PER_PACKED_ROW = 16
 
 
 def scheme(deterministic: bool, softcap: float = 0.0, alibi: bool = False) -> str:
@@ -260,17 +264,20 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     scoremod = bool(softcap) or alibi_slopes is not None or dropout is not None
     kernel = dispatch.backward_kernel(ctx, index, q.dtype, d_head, "deterministic",
                                       plain=not scoremod)
+    # d256's warp-specialized kernels read the packed tensors through maps of one batch
+    # entry, each sequence from its first row (bwd_warp_specialized_d256.cuh, packed_origin),
+    # and padded statistics per sequence: the longest sequence's rows rounded up, as in run.
+    # Where those would be many times the packed rows (many short sequences beside a long
+    # one), the mma.sync module serves the call instead.
+    accum_rows = -(-seqlen_q // DQ_ACCUM_ROW_ALIGN) * DQ_ACCUM_ROW_ALIGN
     maps = None
     if kernel.entry.config.dkdv_warp_specialized:
-        # d256's warp-specialized kernels read the packed tensors through maps of one batch
-        # entry, each sequence from its first row (flash_bwd.cu, packed_origin).
-        maps = _encoded_maps(kernel.entry.config, q[None], k[None], v[None], dout[None])
+        if batch * accum_rows <= STATS_ROWS_PER_PACKED_ROW * total_q:
+            maps = _encoded_maps(kernel.entry.config, q[None], k[None], v[None], dout[None])
         if maps is None:
             kernel = dispatch.backward_kernel(ctx, index, q.dtype, d_head, "deterministic")
     delta = torch.empty((n_heads, total_q), dtype=torch.float32, device=q.device)
     lse = lse.contiguous()  # the forward's own: (nheads, total_q)
-    # Their padded statistics: per sequence, the longest sequence's rows rounded up as in run.
-    accum_rows = -(-seqlen_q // DQ_ACCUM_ROW_ALIGN) * DQ_ACCUM_ROW_ALIGN
     stats = None if maps is None else torch.empty(
         (2, batch, n_heads, accum_rows), dtype=torch.float32, device=q.device)
     # (total, nheads, headdim): batch stride 0
