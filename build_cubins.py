@@ -467,15 +467,16 @@ def parse_ptxas(log: str, cfg=None) -> dict:
 
 
 def _check_register_pool(cfg, stats: dict) -> None:
-    """A warp-specialized backward module's fused entries (at d256 its dK/dV and dQ) move
+    """A warp-specialized backward module's fused entries (at d256 its dK/dV and dQ ones) move
     registers between warpgroups with setmaxnreg, whose .inc waits until the CTA's pool (the
     launch's registers per thread x fused_threads) can give them: asking for more than the
     pool holds deadlocks at run time (perf log "Backward v4"), so a ptxas that gives the entry
     fewer registers fails the build instead."""
     need = (backward_config.BWD_WS_PRODUCER_REGS * (cfg.fused_threads - cfg.threads)
             + backward_config.BWD_WS_CONSUMER_REGS * cfg.threads)
-    # (d256: the dK/dV and dQ entries; its fused entries are traps)
-    roles = ("dkdv", "dq") if cfg.dkdv_warp_specialized else ("dkdv_dq", "dkdv_dq_window")
+    # (d256: the dK/dV and dQ entries, padded and packed; its fused entries are traps)
+    roles = (("dkdv", "dq", "dkdv_varlen", "dq_varlen") if cfg.dkdv_warp_specialized
+             else ("dkdv_dq", "dkdv_dq_window"))
     for role in roles:
         symbol = _symbol(backward_config.BackwardConfig, role)
         registers = stats[symbol][0]

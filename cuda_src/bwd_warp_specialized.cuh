@@ -117,24 +117,28 @@ __device__ __forceinline__ void ws_setup(const BwdParams& p, uint64_t* once, uin
 }
 
 // The dK/dV loader's step `step` (one thread): once every consumer warp has released its
-// stage, the Q and dO tiles of query head `head` from row q0 (tensor maps) and those rows'
-// lse and delta (bulk copies of the padded statistics, kept in stage order), counted down
-// on the stage's "full" barrier.
+// stage, the Q and dO tiles of query head `head` (tensor maps of `maps`, at row map_q0 of
+// map entry map_batch) and the rows' lse and delta (bulk copies of p's padded statistics:
+// stats_rows per head of entry stats_batch, from row q0), counted down on the stage's
+// "full" barrier. A padded batch passes p as maps and its own rows and entry.
 template <int kQ, int kStages>
-__device__ __forceinline__ void load_query_stage(const BwdParams& p, int step, int head, int q0,
-                                                 int batch, elem_t* sQ, elem_t* sdO,
-                                                 float* sLse, float* sDelta, uint64_t* full,
+__device__ __forceinline__ void load_query_stage(const BwdParams& p, const BwdParams& maps,
+                                                 int step, int head, int q0, int map_q0,
+                                                 int map_batch, int stats_batch, int stats_rows,
+                                                 elem_t* sQ, elem_t* sdO, float* sLse,
+                                                 float* sDelta, uint64_t* full,
                                                  uint64_t* empty) {
     constexpr uint32_t kStageBytes = 2 * kQ * kD * sizeof(elem_t) + 2 * kQ * sizeof(float);
     const int stage = step % kStages;
     mbarrier_wait(&empty[stage], ((step / kStages) & 1) ^ 1);
     mbarrier_arrive_expect_tx(&full[stage], kStageBytes);
-    tma_load_5d(smem_addr(sQ + stage * kQ * kD), p.tma_q, &full[stage], 0, q0, 0, head, batch);
-    tma_load_5d(smem_addr(sdO + stage * kQ * kD), p.tma_do, &full[stage], 0, q0, 0, head,
-                batch);
+    tma_load_5d(smem_addr(sQ + stage * kQ * kD), maps.tma_q, &full[stage], 0, map_q0, 0, head,
+                map_batch);
+    tma_load_5d(smem_addr(sdO + stage * kQ * kD), maps.tma_do, &full[stage], 0, map_q0, 0,
+                head, map_batch);
     // (recomputed per step from the params, not kept across the loop: the producer's 24
     // registers)
-    const int64_t row = (int64_t(batch) * p.n_heads + head) * dq_accum_rows(p) + q0;
+    const int64_t row = (int64_t(stats_batch) * p.n_heads + head) * stats_rows + q0;
     bulk_load(smem_addr(sLse + stage * kQ), p.lse_log2_tiles + row, kQ * sizeof(float),
               &full[stage]);
     bulk_load(smem_addr(sDelta + stage * kQ), p.delta_tiles + row, kQ * sizeof(float),
@@ -198,8 +202,9 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
             // Not unrolled: nvcc's unrolled copies spilled at the producer's 24 registers.
 #pragma unroll 1
             for (int step = 0; step < n_steps; ++step, at.next())
-                load_query_stage<kQ, kStages>(p, step, at.head, at.q0, batch, sQ, sdO, sLse,
-                                              sDelta, full, empty);
+                load_query_stage<kQ, kStages>(p, p, step, at.head, at.q0, at.q0, batch, batch,
+                                              dq_accum_rows(p), sQ, sdO, sLse, sDelta, full,
+                                              empty);
         } else if (warp == 1) {
             // ---- dQ reducer --------------------------------------------------------------
             StepWalk<kQ> at = walk0;

@@ -61,11 +61,62 @@ __device__ __forceinline__ void take_fragments(uint32_t (&a)[1][kD256PFragments]
     }
 }
 
+// Where a CTA's sequence lies in the tensor maps and the padded statistics: a padded batch's
+// entry blockIdx.z from row 0, or a packed (varlen) batch's sequence blockIdx.z from its first
+// row of the maps' one entry (the host describes the packed (total, heads, d) tensors as
+// (1, total, heads, d)). Rows past the sequence's end are then the next sequence's, not zero
+// fill: its keys are masked like the tail of a padded batch's (dQ: key >= seqlen_k; dK/dV:
+// never stored), its query rows carry lse +inf and delta 0 in the statistics (P = dS = 0).
+// stats_rows: the statistics' rows per head (dq_accum_rows of the call: of the longest
+// sequence for a packed batch). maps: the kernel's own __grid_constant__ params, whose
+// tensor maps TMA reads (a sequence view is a local copy, and TMA takes no map from local
+// memory).
+// zero_tails: a packed batch, whose tiles past a sequence's end hold the next sequence's rows
+// (zero_tail_rows).
+struct MapOrigin {
+    const BwdParams* maps;
+    int q_row, k_row, map_batch, stats_rows;
+    bool zero_tails;
+};
+// (p: the kernel's params)
+__device__ __forceinline__ MapOrigin padded_origin(const BwdParams& p) {
+    return {&p, 0, 0, int(blockIdx.z), dq_accum_rows(p), false};
+}
+// (p: the packed batch's params, before sequence_view; the clamps are sequence_view's)
+__device__ __forceinline__ MapOrigin packed_origin(const BwdParams& p) {
+    const int b = blockIdx.z;
+    return {&p, min(max(p.cu_seqlens_q[b], 0), p.total_q),
+            min(max(p.cu_seqlens_k[b], 0), p.total_k), 0, dq_accum_rows(p), true};
+}
+
+constexpr int kD256TailBarrier = 6;  // both consumer groups: a stage's tail rows are zero
+
+// Rows first_row.. of two (kRows, d) stage tiles set to zero by the 256 consumer threads
+// (ctid), then a barrier of both groups before either's GEMMs read them. A packed batch's
+// tile that runs past its sequence's end holds the next sequence's rows instead of TMA's zero
+// fill: P and dS are 0 there, but 0 times a non-finite value (a spare row of garbage after
+// the last sequence) is NaN, which the GEMMs would sum into this sequence's gradients.
+template <int kRows>
+__device__ __forceinline__ void zero_tail_rows(elem_t* a, elem_t* b, int first_row,
+                                               unsigned ctid) {
+    constexpr int kChunks = kD / 8;  // 16-byte chunks per row
+    for (int i = ctid; i < (kRows - first_row) * kChunks; i += kBwdConsumerThreads) {
+        const int offset = SmemTile<C>::template offset<kRows>(first_row + i / kChunks,
+                                                                i % kChunks);
+        *reinterpret_cast<uint4*>(a + offset) = make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(b + offset) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    fence_proxy_async_shared();  // these generic writes, then the wgmmas' (async) reads
+    named_barrier_sync(kD256TailBarrier, kBwdConsumerThreads);
+}
+
 // Shared memory (cudaflash.backward_config.BackwardConfig.dkdv_smem_bytes mirrors it):
 // K, V (64 x 256) | kBwdStages x Q, dO (64 x 256) | 2 x P^T fragments (128 threads x 64 B) |
 // kBwdStages x lse, delta (64 float32) | mbarriers (1 + 2 * kBwdStages).
+// p: the CTA's sequence (sequence_view for a packed batch); origin: where it lies in the maps.
 template <bool kWindow>
-__device__ __forceinline__ void bwd_dkdv_ws_d256(const BwdParams& p) {
+__device__ __forceinline__ void bwd_dkdv_ws_d256(const BwdParams& p, const MapOrigin origin) {
+    const BwdParams& maps = *origin.maps;  // the tensor maps (grid-constant params)
     static_assert(kD == 256 && C::kWarpSpecialized && C::kWsQueryRows == 64,
                   "the d256 partition: two consumer warpgroups on the same 64 keys");
     constexpr int kKeys = kD256Keys;
@@ -100,20 +151,24 @@ __device__ __forceinline__ void bwd_dkdv_ws_d256(const BwdParams& p) {
     const StepWalk<kQ> walk0(head_k * group, tiles);  // as the d128 kernel's
 
     constexpr uint32_t kKvBytes = 2 * kKeys * kD * sizeof(elem_t);
-    ws_setup<kStages>(p, &kv_full, full, empty);
+    ws_setup<kStages>(maps, &kv_full, full, empty);
 
     if (warp < 4) {
         warpgroup_reg_dealloc<kBwdProducerRegs>();
         if (warp != 0 || lane != 0) return;
         // ---- loader: one thread, as bwd_dkdv_dq_ws's ------------------------------------
         mbarrier_arrive_expect_tx(&kv_full, kKvBytes);
-        tma_load_5d(smem_addr(sK), p.tma_k, &kv_full, 0, key0, 0, head_k, batch);
-        tma_load_5d(smem_addr(sV), p.tma_v, &kv_full, 0, key0, 0, head_k, batch);
+        const int map_key0 = origin.k_row + key0;
+        tma_load_5d(smem_addr(sK), maps.tma_k, &kv_full, 0, map_key0, 0, head_k,
+                    origin.map_batch);
+        tma_load_5d(smem_addr(sV), maps.tma_v, &kv_full, 0, map_key0, 0, head_k,
+                    origin.map_batch);
         StepWalk<kQ> at = walk0;
 #pragma unroll 1
         for (int step = 0; step < n_steps; ++step, at.next())
-            load_query_stage<kQ, kStages>(p, step, at.head, at.q0, batch, sQ, sdO, sLse, sDelta,
-                                          full, empty);
+            load_query_stage<kQ, kStages>(p, maps, step, at.head, at.q0, origin.q_row + at.q0,
+                                          origin.map_batch, batch, origin.stats_rows, sQ, sdO,
+                                          sLse, sDelta, full, empty);
         return;
     }
 
@@ -140,6 +195,9 @@ __device__ __forceinline__ void bwd_dkdv_ws_d256(const BwdParams& p) {
         const uint32_t do_tile = smem_addr(sdO + stage * kQ * kD);
         uint4* p_slot = sP + buf * kD256PFragments * kGroupThreads + gtid;
         mbarrier_wait(&full[stage], (step / kStages) & 1);
+        if (origin.zero_tails && q0 + kQ > p.seqlen_q)  // (the same in both groups)
+            zero_tail_rows<kQ>(sQ + stage * kQ * kD, sdO + stage * kQ * kD, p.seqlen_q - q0,
+                               threadIdx.x - kBwdProducerThreads);
 
         float S[1][kQ / 8][4];  // S^T then P^T (values group); dP^T then dS^T (keys group)
         uint32_t a[1][kQ / 16][4];
@@ -228,8 +286,10 @@ constexpr int kD256DsFreeBarrier = 9;   // + buffer
 // Shared memory (BackwardConfig.dq_smem_bytes mirrors it): Q, dO (64 x 256) | kBwdStages x
 // K, V (64 x 256) | 2 x P, 2 x dS fragments (128 threads x 64 B each) | lse, delta (64
 // float32) | mbarriers (1 + 2 * kBwdStages).
+// p, origin: as bwd_dkdv_ws_d256's.
 template <bool kWindow>
-__device__ __forceinline__ void bwd_dq_ws_d256(const BwdParams& p) {
+__device__ __forceinline__ void bwd_dq_ws_d256(const BwdParams& p, const MapOrigin origin) {
+    const BwdParams& maps = *origin.maps;  // the tensor maps (grid-constant params)
     static_assert(kD == 256 && C::kWarpSpecialized && C::kBc == 64,
                   "the d256 dQ partition: 64-key tiles (B_c 64)");
     constexpr int kRows = 64;  // query rows per CTA
@@ -268,16 +328,17 @@ __device__ __forceinline__ void bwd_dq_ws_d256(const BwdParams& p) {
 
     constexpr uint32_t kRowsBytes = 2 * kRows * kD * sizeof(elem_t) + 2 * kRows * sizeof(float);
     constexpr uint32_t kStageBytes = 2 * kKv * kD * sizeof(elem_t);
-    ws_setup<kStages>(p, &rows_full, full, empty);
+    ws_setup<kStages>(maps, &rows_full, full, empty);
 
     if (warp < 4) {
         warpgroup_reg_dealloc<kBwdProducerRegs>();
         if (warp != 0 || lane != 0) return;
         // ---- loader: one thread ------------------------------------------------------------
         mbarrier_arrive_expect_tx(&rows_full, kRowsBytes);
-        tma_load_5d(smem_addr(sQ), p.tma_q, &rows_full, 0, q0, 0, head, batch);
-        tma_load_5d(smem_addr(sdO), p.tma_do, &rows_full, 0, q0, 0, head, batch);
-        const int64_t row = (int64_t(batch) * p.n_heads + head) * dq_accum_rows(p) + q0;
+        const int map_q0 = origin.q_row + q0;
+        tma_load_5d(smem_addr(sQ), maps.tma_q, &rows_full, 0, map_q0, 0, head, origin.map_batch);
+        tma_load_5d(smem_addr(sdO), maps.tma_do, &rows_full, 0, map_q0, 0, head, origin.map_batch);
+        const int64_t row = (int64_t(batch) * p.n_heads + head) * origin.stats_rows + q0;
         bulk_load(smem_addr(sLse), p.lse_log2_tiles + row, kRows * sizeof(float), &rows_full);
         bulk_load(smem_addr(sDelta), p.delta_tiles + row, kRows * sizeof(float), &rows_full);
 #pragma unroll 1
@@ -286,10 +347,11 @@ __device__ __forceinline__ void bwd_dq_ws_d256(const BwdParams& p) {
             const int key0 = (visible.first + i) * kKv;
             mbarrier_wait(&empty[stage], ((i / kStages) & 1) ^ 1);
             mbarrier_arrive_expect_tx(&full[stage], kStageBytes);
-            tma_load_5d(smem_addr(sK + stage * kKv * kD), p.tma_k, &full[stage], 0, key0, 0,
-                        head_k, batch);
-            tma_load_5d(smem_addr(sV + stage * kKv * kD), p.tma_v, &full[stage], 0, key0, 0,
-                        head_k, batch);
+            const int map_key0 = origin.k_row + key0;
+            tma_load_5d(smem_addr(sK + stage * kKv * kD), maps.tma_k, &full[stage], 0, map_key0, 0,
+                        head_k, origin.map_batch);
+            tma_load_5d(smem_addr(sV + stage * kKv * kD), maps.tma_v, &full[stage], 0, map_key0, 0,
+                        head_k, origin.map_batch);
         }
         return;
     }
@@ -325,6 +387,9 @@ __device__ __forceinline__ void bwd_dq_ws_d256(const BwdParams& p) {
         const uint32_t k_tile = smem_addr(sK + stage * kKv * kD);
         const uint32_t v_tile = smem_addr(sV + stage * kKv * kD);
         mbarrier_wait(&full[stage], (i / kStages) & 1);
+        if (origin.zero_tails && (tile + 1) * kKv > p.seqlen_k)  // (the same in both groups)
+            zero_tail_rows<kKv>(sK + stage * kKv * kD, sV + stage * kKv * kD,
+                                p.seqlen_k - tile * kKv, threadIdx.x - kBwdProducerThreads);
 
         float S[1][kKv / 8][4];  // S then P (scores group); dP then dS (grads group)
         uint32_t a[1][kKv / 16][4];

@@ -316,7 +316,9 @@ __device__ __forceinline__ float2 to_float2(uint32_t bits) {
     }
 }
 
-__device__ __forceinline__ void bwd_preprocess(const BwdParams& p) {
+// stats_rows: the padded statistics' rows per head (dq_accum_rows of the call; for a packed
+// batch, p is the sequence's view and stats_rows the whole batch's).
+__device__ __forceinline__ void bwd_preprocess(const BwdParams& p, int stats_rows) {
     const int lane = threadIdx.x % 32;
     const int row = blockIdx.x * kPreprocessRows + threadIdx.x / 32;
     const int head = blockIdx.y;
@@ -332,10 +334,10 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& p) {
     // The warp-specialized kernel's padded statistics (bwd_params.cuh): the rows past
     // seqlen_q get lse +inf (P = 0) and delta 0, so its bulk copies of whole tiles read no
     // stale values.
-    const int64_t tile_row = (int64_t(batch) * p.n_heads + head) * dq_accum_rows(p) + row;
+    const int64_t tile_row = (int64_t(batch) * p.n_heads + head) * stats_rows + row;
     const bool tiles = p.lse_log2_tiles != nullptr;
     if (row >= p.seqlen_q) {
-        if (tiles && row < dq_accum_rows(p) && lane == 0) {
+        if (tiles && row < stats_rows && lane == 0) {
             p.lse_log2_tiles[tile_row] = INFINITY;
             p.delta_tiles[tile_row] = 0.f;
         }
@@ -995,13 +997,13 @@ namespace cudaflash {
 // stages dV over V), or at d256 on Hopper the warp-specialized kernel (tensor maps: padded
 // batches without score modifiers only; the host sends the other calls to the mma.sync d256
 // module, so here they compile to a trap: backward_config.BackwardConfig.plain_calls_only).
-template <bool kScoreMods = false, bool kPackedBatch = false>
+template <bool kScoreMods = false>
 __device__ __forceinline__ void bwd_dkdv_deterministic(const BwdParams& p) {
     if constexpr (kD == 256 && C::kWarpSpecialized) {
-        if constexpr (kScoreMods || kPackedBatch) {
+        if constexpr (kScoreMods) {
             __trap();
         } else {
-            bwd_dkdv_ws_d256<true>(p);
+            bwd_dkdv_ws_d256<true>(p, padded_origin(p));
         }
     } else if constexpr (kD == 256) {
         bwd_dkdv<false, true, kScoreMods, kPassValues>(p);
@@ -1202,16 +1204,41 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p) {
 // The deterministic scheme's dQ kernel: bwd_dq, or in the d256 warp-specialized module
 // bwd_dq_ws_d256 (padded batches without score modifiers: its other entries are traps, as
 // bwd_dkdv_deterministic's).
-template <bool kScoreMods = false, bool kPackedBatch = false>
+template <bool kScoreMods = false>
 __device__ __forceinline__ void bwd_dq_deterministic(const BwdParams& p) {
     if constexpr (kD == 256 && C::kWarpSpecialized) {
-        if constexpr (kScoreMods || kPackedBatch) {
+        if constexpr (kScoreMods) {
             __trap();
         } else {
-            bwd_dq_ws_d256<true>(p);
+            bwd_dq_ws_d256<true>(p, padded_origin(p));
         }
     } else {
         bwd_dq<kScoreMods>(p);
+    }
+}
+
+// The deterministic kernels on a packed (varlen) batch: each CTA on its sequence
+// (sequence_view; the d256 warp-specialized kernels also take where the sequence lies in the
+// tensor maps).
+template <bool kScoreMods = false>
+__device__ __forceinline__ void bwd_dkdv_packed(const BwdParams& p) {
+    if constexpr (kD == 256 && C::kWarpSpecialized && !kScoreMods) {
+        const MapOrigin origin = packed_origin(p);
+        BwdParams s = sequence_view(p, blockIdx.z);
+        // A sequence longer than max_seqlen_q (flash-attn: undefined gradients) walks no
+        // rows past the statistics, so it reads nothing out of their bounds.
+        s.seqlen_q = min(s.seqlen_q, origin.stats_rows);
+        bwd_dkdv_ws_d256<true>(s, origin);
+    } else {
+        bwd_dkdv_deterministic<kScoreMods>(sequence_view(p, blockIdx.z));
+    }
+}
+template <bool kScoreMods = false>
+__device__ __forceinline__ void bwd_dq_packed(const BwdParams& p) {
+    if constexpr (kD == 256 && C::kWarpSpecialized && !kScoreMods) {
+        bwd_dq_ws_d256<true>(sequence_view(p, blockIdx.z), packed_origin(p));
+    } else {
+        bwd_dq_deterministic<kScoreMods>(sequence_view(p, blockIdx.z));
     }
 }
 
@@ -1224,7 +1251,7 @@ __device__ __forceinline__ void bwd_dq_deterministic(const BwdParams& p) {
 // registers already) spilled with the per-sequence pointers.
 extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
     cudaflash_bwd_preprocess(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_preprocess(p);
+    cudaflash::bwd_preprocess(p, cudaflash::dq_accum_rows(p));
 }
 
 // The d256 warp-specialized module's dK/dV and dQ kernels: 3 warpgroups and setmaxnreg, as
@@ -1271,17 +1298,19 @@ extern "C" __global__ void CF_DETERMINISTIC_BOUNDS
 
 extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
     cudaflash_bwd_preprocess_varlen(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_preprocess(cudaflash::sequence_view(p, blockIdx.z));
+    // (the statistics' rows per head: the whole batch's, from the params before the view)
+    cudaflash::bwd_preprocess(cudaflash::sequence_view(p, blockIdx.z),
+                              cudaflash::dq_accum_rows(p));
 }
 
-extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
+extern "C" __global__ void CF_DETERMINISTIC_BOUNDS
     cudaflash_bwd_dkdv_varlen(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dkdv_deterministic<false, true>(cudaflash::sequence_view(p, blockIdx.z));
+    cudaflash::bwd_dkdv_packed(p);
 }
 
-extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
+extern "C" __global__ void CF_DETERMINISTIC_BOUNDS
     cudaflash_bwd_dq_varlen(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dq_deterministic<false, true>(cudaflash::sequence_view(p, blockIdx.z));
+    cudaflash::bwd_dq_packed(p);
 }
 
 // The score modifiers (score_mods.cuh: softcapping, BwdParams::softcap_pre, and ALiBi,
@@ -1302,10 +1331,10 @@ extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dkdv_varlen_scoremod(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dkdv_deterministic<true, true>(cudaflash::sequence_view(p, blockIdx.z));
+    cudaflash::bwd_dkdv_packed<true>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(cudaflash::BwdConfig::kThreads)
     cudaflash_bwd_dq_varlen_scoremod(const __grid_constant__ cudaflash::BwdParams p) {
-    cudaflash::bwd_dq_deterministic<true, true>(cudaflash::sequence_view(p, blockIdx.z));
+    cudaflash::bwd_dq_packed<true>(p);
 }

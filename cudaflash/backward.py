@@ -43,6 +43,10 @@ from ._torch import current_stream
 
 _PACK = struct.Struct(BWD_PARAMS_FORMAT)  # all of BwdParams (_params.BwdParams), in one pack
 DQ_ACCUM_ROW_ALIGN = 128  # flash_bwd.cu kDqAccumRowAlign: dq_accum's rows per head, rounded up
+# A packed batch's padded statistics may hold at most this many rows per packed query row
+# (2 float32 per head each: a quarter of the d256 q tensor's bytes), else run_varlen takes
+# the kernels without them.
+STATS_ROWS_PER_PACKED_ROW = 16
 
 
 def scheme(deterministic: bool, softcap: float = 0.0, alibi: bool = False) -> str:
@@ -130,6 +134,24 @@ class _Launches:
         self.per_query_tile("dq" + suffix)
 
 
+def _encoded_maps(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  dout: torch.Tensor):
+    """The warp-specialized kernels' four tensor maps (BwdParams.tma_*), encoded into a
+    scratch buffer, or None where TMA cannot describe a tensor or the driver refuses the
+    pointers (the caller then takes a module without maps). q, k, v, dout: (batch, seqlen,
+    heads, d_head); a packed batch passes its (total, heads, d_head) tensors as one entry."""
+    layout = _tma.backward_maps(q, k, v, dout, config.ws_query_rows, config.dkdv_cta_rows)
+    if layout is None:
+        return None
+    maps = ctypes.create_string_buffer(4 * _tma.MAP_BYTES)
+    try:
+        layout.write(ctypes.addressof(maps), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                     dout.data_ptr())
+    except _driver.CudaError:
+        return None
+    return maps
+
+
 def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, scheme: str,
         window: tuple[int, int], softcap: float = 0.0, alibi_slopes=None, dropout=None
@@ -173,14 +195,7 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # tensors (whole 16-byte strides and alignment) always have them; should the driver
         # still refuse a layout or these pointers, a module without maps serves the call:
         # the deterministic scheme's (d64, d128), the mma.sync one (d256).
-        layout = _tma.backward_maps(q, k, v, dout, config.ws_query_rows, config.dkdv_cta_rows)
-        if layout is not None:
-            maps = ctypes.create_string_buffer(4 * _tma.MAP_BYTES)
-            try:
-                layout.write(ctypes.addressof(maps), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                             dout.data_ptr())
-            except _driver.CudaError:
-                maps = None
+        maps = _encoded_maps(config, q, k, v, dout)
         if maps is None:
             scheme = "deterministic"
             kernel = dispatch.backward_kernel(ctx, index, q.dtype, d_head, scheme)
@@ -245,10 +260,26 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         return dq, dk, dv
 
     index = q.get_device()
-    kernel = dispatch.backward_kernel(_driver.current_context(index), index, q.dtype, d_head,
-                                      "deterministic")
+    ctx = _driver.current_context(index)
+    scoremod = bool(softcap) or alibi_slopes is not None or dropout is not None
+    kernel = dispatch.backward_kernel(ctx, index, q.dtype, d_head, "deterministic",
+                                      plain=not scoremod)
+    # d256's warp-specialized kernels read the packed tensors through maps of one batch
+    # entry, each sequence from its first row (bwd_warp_specialized_d256.cuh, packed_origin),
+    # and padded statistics per sequence: the longest sequence's rows rounded up, as in run.
+    # Where those would be many times the packed rows (many short sequences beside a long
+    # one), the mma.sync module serves the call instead.
+    accum_rows = -(-seqlen_q // DQ_ACCUM_ROW_ALIGN) * DQ_ACCUM_ROW_ALIGN
+    maps = None
+    if kernel.entry.config.dkdv_warp_specialized:
+        if batch * accum_rows <= STATS_ROWS_PER_PACKED_ROW * total_q:
+            maps = _encoded_maps(kernel.entry.config, q[None], k[None], v[None], dout[None])
+        if maps is None:
+            kernel = dispatch.backward_kernel(ctx, index, q.dtype, d_head, "deterministic")
     delta = torch.empty((n_heads, total_q), dtype=torch.float32, device=q.device)
     lse = lse.contiguous()  # the forward's own: (nheads, total_q)
+    stats = None if maps is None else torch.empty(
+        (2, batch, n_heads, accum_rows), dtype=torch.float32, device=q.device)
     # (total, nheads, headdim): batch stride 0
     strides = [x for t in (q, k, v, out, dout, dq, dk, dv) for x in (0, *t.stride()[:2])]
     scales = score_scales(scale, softcap)
@@ -259,11 +290,13 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         *scales[:2], cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), total_q, total_k,
         *window, *scales[2:], *alibi_params(alibi_slopes), *dropout_params(dropout),
         0,  # reserved
-        0, 0))  # the warp-specialized kernel's statistics: not run here
+        *((0, 0) if stats is None else (stats[0].data_ptr(), stats[1].data_ptr()))))
+    if maps is not None:
+        ctypes.memmove(args.address + _tma.BWD_MAPS_OFFSET, maps, len(maps))
 
     go = _Launches(kernel, current_stream(index), args, seqlen_q,
                    seqlen_k, n_heads, n_heads_k, batch)
-    go.per_row("preprocess_varlen")
-    scoremod = bool(softcap) or alibi_slopes is not None or dropout is not None
+    # (with statistics, every padded row of each sequence: +inf and 0 past its length)
+    go.per_row("preprocess_varlen", None if stats is None else accum_rows)
     go.dkdv_then_dq("_varlen_scoremod" if scoremod else "_varlen")
     return dq, dk, dv

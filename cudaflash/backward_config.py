@@ -35,7 +35,7 @@ class BackwardConfig:
       the deterministic scheme only (``fuses_dq`` is false: its fused entries are traps). Its
       dK/dV kernel either runs a dV pass and a dK pass (mma.sync), or, warp_specialized, has
       two consumer warpgroups on the same 64 keys, one holding dV and one dK
-      (cuda_src/bwd_warp_specialized_d256.cuh; ``plain_calls_only``).
+      (cuda_src/bwd_warp_specialized_d256.cuh; ``plain_calls_only``: no score modifiers).
     - ``n_warps``: warps per CTA of the dK/dV and dQ kernels; each warp owns 16 rows of the
       CTA's own tile (keys in dK/dV, query rows in dQ), so a CTA owns 16 * n_warps of them.
     - ``B_r``: query rows per tile the dK/dV kernel streams past its keys.
@@ -116,9 +116,8 @@ class BackwardConfig:
 
     @property
     def plain_calls_only(self) -> bool:
-        """The module serves padded batches without score modifiers only: its dK/dV kernel
-        loads through tensor maps (a packed batch has none), and its varlen and score-modifier
-        dK/dV entries are traps (dispatch.find_backward_entry's ``plain``)."""
+        """The module serves calls without score modifiers only (softcap, ALiBi, dropout):
+        its score-modifier entries are traps (dispatch.find_backward_entry's ``plain``)."""
         return self.dkdv_warp_specialized
 
     @property

@@ -206,8 +206,9 @@ def _make_kernel(dk: DeviceKernels, entry: KernelEntry, ctx: int) -> Kernel:
 def find_backward_entry(index: int, dtype: torch.dtype, d_head: int, scheme: str,
                         plain: bool = False) -> BackwardEntry | None:
     """The backward module for (dtype, d_head, scheme) that runs on cuda:``index``, or None.
-    ``plain``: the call is a padded batch without score modifiers, which modules that serve
-    only such calls may take (BackwardConfig.plain_calls_only: d256's warp-specialized one)."""
+    ``plain``: the call has no score modifiers (softcap, ALiBi, dropout), so modules that
+    serve only such calls may take it (BackwardConfig.plain_calls_only: d256's
+    warp-specialized one)."""
     key = (index, dtype, d_head, scheme, plain)
     if key not in _backward_entries:
         device = _driver.device(index)

@@ -104,3 +104,76 @@ def test_gradients_under_torch_compile():
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     torch.compile(attention)(*leaves).backward(dout)
     check_each_sequence([t.grad / 2.0 for t in leaves], q, k, v, dout, cu, cu, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)),
+                                           (False, (90, 40))],
+                         ids=["noncausal", "causal", "window"])
+def test_d256_varlen_takes_the_warp_specialized_kernels(dtype, causal, window, monkeypatch):
+    """On Hopper a d256 packed batch without score modifiers runs the warp-specialized
+    kernels, each sequence read from its first row of maps over the packed tensors (rows past
+    a sequence's end are the next sequence's: masked); a refused map sends the call to the
+    mma.sync module. Both within the rule per sequence."""
+    import _internals as internals
+    from cudaflash import _tma
+    from test_gpu_backward import d256_warp_specialized_backward, launched_backward_modules
+
+    from test_gpu_window import check_window_grads
+
+    ws = d256_warp_specialized_backward(dtype)
+    lens_q, lens_k = [70, 1, 300, 129, 64], [200, 64, 300, 0, 65]
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k, 4, 2, 256, dtype, seed=31)
+    # Spare rows after the last sequence, NaN: a tile past a sequence's end reads its
+    # neighbour's rows (here the last sequence's tiles read these), which must not leak in.
+    q, k, v = (torch.cat([t, torch.full_like(t[:3], float("nan"))]) for t in (q, k, v))
+    dout = torch.randn_like(q)
+    dout[-3:] = float("nan")
+
+    def each_sequence(grads):
+        oq, ok = cu_q.tolist(), cu_k.tolist()
+        for b in range(len(lens_q)):
+            rows, keys = slice(oq[b], oq[b + 1]), slice(ok[b], ok[b + 1])
+            one = [t[None] for t in (grads[0][rows], grads[1][keys], grads[2][keys])]
+            args = (q[rows][None], k[keys][None], v[keys][None], dout[rows][None])
+            if lens_k[b] == 0:  # no keys: no gradient
+                assert not grads[0][rows].any()
+            elif window == (-1, -1):
+                check_grads(one, *args, causal)
+            else:
+                check_window_grads(one, *args, *window, causal)
+        assert not any(g[-3:].any() for g in grads), "the spare rows got gradients"
+
+    launched = launched_backward_modules(monkeypatch)
+    _, grads = run_with_grad(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), dout,
+                             causal=causal, window_size=window)
+    gemm_modules = {name for name, role in launched if role.startswith(("dkdv", "dq"))}
+    assert gemm_modules == {ws.name}, launched
+    each_sequence(grads)
+    internals.clear_backward_cache()
+    launched.clear()
+    with monkeypatch.context() as m:
+        m.setattr(_tma, "backward_maps", lambda *args: None)
+        _, fallback = run_with_grad(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), dout,
+                                    causal=causal, window_size=window)
+    internals.clear_backward_cache()
+    assert launched and ws.name not in {name for name, _ in launched}, launched
+    each_sequence(fallback)
+
+
+def test_d256_varlen_maxima_below_a_length_stay_in_bounds():
+    """max_seqlen_q/k below a sequence's real length (outside flash-attn's contract: its
+    gradients are undefined) must not read or write out of bounds: the call completes and
+    the other sequences' gradients are right."""
+    from test_gpu_backward import d256_warp_specialized_backward
+
+    d256_warp_specialized_backward(torch.bfloat16)
+    lens = [64, 400, 30]
+    q, k, v, cu_q, cu_k = packed(lens, lens, 2, 2, 256, torch.bfloat16, seed=8)
+    dout = torch.randn_like(q)
+    _, grads = run_with_grad(q, k, v, cu_q, cu_k, 200, 200, dout, causal=True)
+    torch.cuda.synchronize()
+    for b in (0, 2):
+        rows = slice(cu_q[b].item(), cu_q[b + 1].item())
+        check_grads([g[rows][None] for g in grads], q[rows][None], k[rows][None],
+                    v[rows][None], dout[rows][None], True)
