@@ -3,7 +3,7 @@
 Compiles the real cuda_src/flash_fwd.cu for sm_90 once per field: a base config and, for each
 field, the base with only that field changed (each variant is itself a valid config). The
 machine code with the variant must differ from the base's. CPU only; needs nvcc (skipped with
-the reason when it is missing). 23 compiles of about 1 s each.
+the reason when it is missing). 25 compiles of about 1 s each.
 """
 
 import dataclasses
@@ -35,13 +35,17 @@ CHANGED = {  # field -> another value that keeps the config valid
     "exp2_softmax": False, "kv_reverse": False, "d_head_tiled": False,
     "o_store_cache": "no_allocate",
     "warp_specialized": True,  # against WS_BASE below: it needs wgmma and eager loads
+    "persistent": True,  # against PERSISTENT_BASE below: it needs warp_specialized
 }
 # wgmma needs 16 rows per warp and no fragment loading, so its variant changes from this base.
 WGMMA_BASE = dataclasses.replace(BASE, n_warps=8, K_mma_load_K_fragments=0,
                                  V_mma_load_K_fragments=0, mma_double_buffer_loads=False)
 WS_BASE = dataclasses.replace(WGMMA_BASE, wgmma=True, eager_load_blocks=True)
-BASE_OF = {"wgmma": "wgmma_base", "warp_specialized": "ws_base"}  # the rest vary BASE
-BASES = {"base": BASE, "wgmma_base": WGMMA_BASE, "ws_base": WS_BASE}
+PERSISTENT_BASE = dataclasses.replace(WS_BASE, warp_specialized=True)
+BASE_OF = {"wgmma": "wgmma_base", "warp_specialized": "ws_base",
+           "persistent": "persistent_base"}  # the rest vary BASE
+BASES = {"base": BASE, "wgmma_base": WGMMA_BASE, "ws_base": WS_BASE,
+         "persistent_base": PERSISTENT_BASE}
 
 
 def test_every_field_has_a_variant():
