@@ -305,8 +305,13 @@ struct WindowBounds {
 
 // ---- delta = rowsum(dO * O) -----------------------------------------------------------------
 
-constexpr int kPreprocessRows = 4;  // one warp per row
-constexpr int kPreprocessThreads = 32 * kPreprocessRows;
+// 16-byte accesses: kRowLanes lanes per query row, 8 elements each (8 lanes at d64, 16 at
+// d128, 32 at d256), so a warp holds whole rows. One warp per row with 4-byte accesses issued
+// four times the instructions and reached half the DRAM bandwidth (ncu, twenty-third session).
+constexpr int kPreprocessThreads = 128;
+constexpr int kRowLanes = kD / 8;
+constexpr int kPreprocessRows = kPreprocessThreads / kRowLanes;
+static_assert(kD % 8 == 0 && 32 % kRowLanes == 0, "a row's lanes must tile a warp");
 
 __device__ __forceinline__ float2 to_float2(uint32_t bits) {
     if constexpr (C::kBf16) {
@@ -316,20 +321,30 @@ __device__ __forceinline__ float2 to_float2(uint32_t bits) {
     }
 }
 
+// The lanes of the warp that share this thread's row (shuffles stay inside them: a row past
+// the sequence's end leaves the kernel as a group).
+__device__ __forceinline__ uint32_t row_lanes_mask() {
+    if constexpr (kRowLanes == 32) {
+        return 0xffffffffu;
+    } else {
+        const int first = threadIdx.x % 32 / kRowLanes * kRowLanes;
+        return ((1u << kRowLanes) - 1) << first;
+    }
+}
+
 // stats_rows: the padded statistics' rows per head (dq_accum_rows of the call; for a packed
 // batch, p is the sequence's view and stats_rows the whole batch's).
 __device__ __forceinline__ void bwd_preprocess(const BwdParams& p, int stats_rows) {
-    const int lane = threadIdx.x % 32;
-    const int row = blockIdx.x * kPreprocessRows + threadIdx.x / 32;
+    const int lane = threadIdx.x % kRowLanes;  // 8 columns from 8 * lane
+    const int row = blockIdx.x * kPreprocessRows + threadIdx.x / kRowLanes;
     const int head = blockIdx.y;
     const int batch = blockIdx.z;
     if (p.dq_accum != nullptr && row < dq_accum_rows(p)) {
         // The atomic scheme: its dQ accumulator starts at zero, the tail tile's padding too
         // (the grid covers dq_accum_rows; any order of a tile's elements is zeroed alike).
-        float* accum = dq_accum_row(p, batch, head, row);
-#pragma unroll
-        for (int c = 2 * lane; c < kD; c += 64)
-            *reinterpret_cast<float2*>(accum + c) = make_float2(0.f, 0.f);
+        float4* accum = reinterpret_cast<float4*>(dq_accum_row(p, batch, head, row) + 8 * lane);
+        accum[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+        accum[1] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
     // The warp-specialized kernel's padded statistics (bwd_params.cuh): the rows past
     // seqlen_q get lse +inf (P = 0) and delta 0, so its bulk copies of whole tiles read no
@@ -343,18 +358,20 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& p, int stats_row
         }
         return;
     }
-    const elem_t* o = row_of(static_cast<const elem_t*>(p.o), p.o_strides, batch, row, head);
-    const elem_t* dout =
-        row_of(static_cast<const elem_t*>(p.dout), p.do_strides, batch, row, head);
+    const uint4 o = *reinterpret_cast<const uint4*>(
+        row_of(static_cast<const elem_t*>(p.o), p.o_strides, batch, row, head) + 8 * lane);
+    const uint4 dout = *reinterpret_cast<const uint4*>(
+        row_of(static_cast<const elem_t*>(p.dout), p.do_strides, batch, row, head) + 8 * lane);
     float sum = 0.f;
+    const uint32_t xs[4] = {o.x, o.y, o.z, o.w}, ys[4] = {dout.x, dout.y, dout.z, dout.w};
 #pragma unroll
-    for (int c = 2 * lane; c < kD; c += 64) {  // a warp reads 128 contiguous bytes per step
-        const float2 x = to_float2(*reinterpret_cast<const uint32_t*>(o + c));
-        const float2 y = to_float2(*reinterpret_cast<const uint32_t*>(dout + c));
+    for (int i = 0; i < 4; ++i) {
+        const float2 x = to_float2(xs[i]), y = to_float2(ys[i]);
         sum += x.x * y.x + x.y * y.y;
     }
+    const uint32_t mask = row_lanes_mask();
 #pragma unroll
-    for (int m = 16; m > 0; m /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, m);
+    for (int m = kRowLanes / 2; m > 0; m /= 2) sum += __shfl_xor_sync(mask, sum, m);
     if (lane == 0) {
         const int64_t stats_row = batch * p.lse_batch_stride + head * p.lse_head_stride + row;
         p.delta[stats_row] = sum;
@@ -367,24 +384,45 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& p, int stats_row
 
 // ---- dQ = softmax_scale * accumulator (the atomic scheme) -----------------------------------
 
+// Each thread converts 8 consecutive floats of the accumulator (two 16-byte loads), a CTA
+// kPreprocessRows rows' worth, so the reads are contiguous in either layout. The host covers
+// dq_accum_rows (whole tiles: a warp-specialized tile's rows are spread over all of it).
 __device__ __forceinline__ void bwd_dq_convert(const BwdParams& p) {
-    const int lane = threadIdx.x % 32;
-    const int row = blockIdx.x * kPreprocessRows + threadIdx.x / 32;
     const int head = blockIdx.y;
     const int batch = blockIdx.z;
-    if (row >= p.seqlen_q) return;
-    elem_t* dq = row_of(static_cast<elem_t*>(p.dq), p.dq_strides, batch, row, head);
-#pragma unroll
-    for (int c = 2 * lane; c < kD; c += 64) {
-        // Warp-specialized modules: the tile's elements in fragment order (dq_tile_index).
-        const float* x_at =
-            C::kWarpSpecialized
-                ? dq_accum_row(p, batch, head, row / kDqTileRows * kDqTileRows) +
-                      dq_tile_index(row % kDqTileRows, c)
-                : dq_accum_row(p, batch, head, row) + c;
-        const float2 x = *reinterpret_cast<const float2*>(x_at);
-        *reinterpret_cast<uint32_t*>(dq + c) =
-            pack_2<C::kBf16>(x.x * p.softmax_scale, x.y * p.softmax_scale);
+    const int first = blockIdx.x * kPreprocessRows * kD + 8 * threadIdx.x;  // within the head
+    const float4* accum = reinterpret_cast<const float4*>(dq_accum_row(p, batch, head, 0) + first);
+    const float4 a = accum[0], b = accum[1];
+    const float s = p.softmax_scale;
+    if constexpr (!C::kWarpSpecialized) {
+        // Row order: row first / kD, columns first % kD .. + 7.
+        const int row = first / kD;
+        if (row >= p.seqlen_q) return;
+        elem_t* dq = row_of(static_cast<elem_t*>(p.dq), p.dq_strides, batch, row, head);
+        *reinterpret_cast<uint4*>(dq + first % kD) = make_uint4(
+            pack_2<C::kBf16>(a.x * s, a.y * s), pack_2<C::kBf16>(a.z * s, a.w * s),
+            pack_2<C::kBf16>(b.x * s, b.y * s), pack_2<C::kBf16>(b.z * s, b.w * s));
+    } else {
+        // Fragment order (dq_tile_index): a float4 holds columns c, c + 1 of rows r and r + 8;
+        // the thread's two are lanes 2j, 2j + 1 of one n8 block: columns c .. c + 3.
+        constexpr int kTile = kDqTileRows * kD;
+        constexpr int kHalf = kD / 2;
+        const int in_tile = first % kTile;
+        const int block = in_tile / 128;  // 32 lanes x 4 floats
+        const int lane = in_tile % 128 / 4;  // even
+        const int warp = block / (kHalf / 8);
+        const int r = first / kTile * kDqTileRows + 16 * (warp % 4) + lane / 4;
+        const int c = warp / 4 * kHalf + block % (kHalf / 8) * 8 + 2 * (lane % 4);
+        if (r < p.seqlen_q) {
+            elem_t* dq = row_of(static_cast<elem_t*>(p.dq), p.dq_strides, batch, r, head);
+            *reinterpret_cast<uint2*>(dq + c) =
+                make_uint2(pack_2<C::kBf16>(a.x * s, a.y * s), pack_2<C::kBf16>(b.x * s, b.y * s));
+        }
+        if (r + 8 < p.seqlen_q) {
+            elem_t* dq = row_of(static_cast<elem_t*>(p.dq), p.dq_strides, batch, r + 8, head);
+            *reinterpret_cast<uint2*>(dq + c) =
+                make_uint2(pack_2<C::kBf16>(a.z * s, a.w * s), pack_2<C::kBf16>(b.z * s, b.w * s));
+        }
     }
 }
 

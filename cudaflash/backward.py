@@ -233,7 +233,7 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # The fused kernel without window code where the mask is only causal (or none): the
         # window's masking cost it 2-5% (flash_bwd.cu, bwd_dkdv).
         go.per_key_tile("dkdv_dq" if window == (-1, 0 if causal else -1) else "dkdv_dq_window")
-        go.per_row("dq_convert")
+        go.per_row("dq_convert", accum_rows)  # whole tiles (fragment order: spread rows)
     else:
         go.dkdv_then_dq("_scoremod" if scoremod else "")
     return dq, dk, dv

@@ -82,8 +82,13 @@ class BackwardConfig:
              EntryRole("dq_varlen_scoremod", "cudaflash_bwd_dq_varlen_scoremod",
                        "dq_smem_bytes"))
     ENTRIES = tuple(role.symbol for role in ROLES)
-    PREPROCESS_THREADS = 128  # kPreprocessThreads: one warp per query row, 4 rows per CTA
-    PREPROCESS_ROWS = 4
+    PREPROCESS_THREADS = 128  # kPreprocessThreads: d_head / 8 lanes per query row
+
+    @property
+    def preprocess_rows(self) -> int:
+        """Query rows per preprocess / dq_convert CTA (kPreprocessRows: each thread takes 8
+        elements of a row)."""
+        return self.PREPROCESS_THREADS * 8 // self.d_head
 
     @property
     def name(self) -> str:

@@ -294,7 +294,7 @@ def module_record(cfg: KernelConfig | BackwardConfig, *, arch: int, kind: str, f
         # The dK/dV and dQ kernels' block (d256's warp-specialized ones: 384 threads, 64 rows).
         record.update(threads=cfg.dkdv_threads, fused_threads=cfg.fused_threads,
                       preprocess_threads=cfg.PREPROCESS_THREADS,
-                      preprocess_rows=cfg.PREPROCESS_ROWS, cta_rows=cfg.dkdv_cta_rows,
+                      preprocess_rows=cfg.preprocess_rows, cta_rows=cfg.dkdv_cta_rows,
                       schemes=list(schemes))
     record.update(registers=registers, spill_bytes=spill_bytes, sha256=sha256,
                   nvcc_version=nvcc_version, ptxas_version=ptxas_version, ptx_isa=ptx_isa,
