@@ -83,11 +83,8 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     const bool tma = !kSplit && !kKvcache && p.tma_loads != 0;
     // The CTA's tiles: its own grid place, or with persistent CTAs (only where the host gave
     // tensor maps: a padded batch, so every tile has rows) tiles blockIdx.x, + gridDim.x, ...
-    // of the batch's (query block, head, batch entry) tiles. Query blocks fastest so that
-    // neighbouring CTAs share K/V in L2 as the grid's do; causal calls slowest, the last
-    // (longest) query blocks of every head first: with blocks fastest, gridDim.x (132) a
-    // multiple of the blocks per head gave each CTA the same block of every head, up to
-    // n_q_blocks times another CTA's work; longest-first rounds differ by at most a tile.
+    // of the batch's (query block, head, batch entry) tiles, query blocks fastest so that
+    // neighbouring CTAs share K/V in L2 as the grid's do.
     const bool persistent = C::kPersistent && tma;
     const int n_q_blocks = (p.seqlen_q + C::kBr - 1) / C::kBr;
     const int n_tiles = persistent ? n_q_blocks * p.n_heads * p.batch : 1;
@@ -95,11 +92,10 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     const int tile_stride = persistent ? int(gridDim.x) : 1;
     auto place_of = [&](int t) -> CtaPlace {
         if (!persistent) return cta_place<kSplit>(p);
-        const int heads = p.n_heads * p.batch;  // (head, batch entry) pairs
-        const int block = p.is_causal ? n_q_blocks - 1 - t / heads : t % n_q_blocks;
-        const int pair = p.is_causal ? t % heads : t / n_q_blocks;
-        const int head = pair % p.n_heads;
-        return {block, head, pair / p.n_heads, 0, head / (p.n_heads / p.n_heads_k)};
+        const int block = t % n_q_blocks, head = (t / n_q_blocks) % p.n_heads;
+        // Causal: a head's last query blocks (the most KV blocks) first, as cta_place.
+        return {p.is_causal ? n_q_blocks - 1 - block : block, head,
+                t / n_q_blocks / p.n_heads, 0, head / (p.n_heads / p.n_heads_k)};
     };
     if (!persistent) {  // a CTA past its sequence's rows (packed batches): the whole CTA
         const CtaPlace at = place_of(0);
