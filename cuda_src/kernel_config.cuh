@@ -72,10 +72,9 @@ struct KernelConfig {
     // Q buffer) and K/V while the consumers finish this one (fwd_warp_specialized.cuh).
     static constexpr bool kPersistent = CF_PERSISTENT;
     // 3: +1-11% over 2 at d128 (perf log v8); d256 fits two (Q 64 KB + 2 x 2 x 32 KB of 227);
-    // persistent configs two above d_head 64, for their second Q buffer (d64's tiles are
-    // half as large: two Q buffers and three stages take 128 KB).
+    // persistent configs two, for their second Q buffer.
     static constexpr int kKvStages =
-        kWarpSpecialized ? (kDHead == 256 || (kPersistent && kDHead > 64) ? 2 : 3) : 1;
+        kWarpSpecialized ? (kDHead == 256 || kPersistent ? 2 : 3) : 1;
     static constexpr int kQBuffers = kPersistent ? 2 : 1;
 
     using elem_t = std::conditional_t<kBf16, __nv_bfloat16, __half>;

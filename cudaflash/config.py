@@ -206,11 +206,10 @@ class KernelConfig:
     @property
     def kv_stages(self) -> int:
         """K/V blocks resident in shared memory at once (the producer's ring): three, or two
-        at d_head 256, where three would not fit, and in persistent configs above d_head 64,
-        for their second Q block (kKvStages, kernel_config.cuh)."""
+        at d_head 256, where three would not fit (kKvStages, kernel_config.cuh)."""
         if not self.warp_specialized:
             return 1
-        return 2 if self.d_head == 256 or (self.persistent and self.d_head > 64) else 3
+        return 2 if self.d_head == 256 or self.persistent else 3
 
     @property
     def copy_threads(self) -> int:
