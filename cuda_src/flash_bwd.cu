@@ -390,16 +390,17 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& p, int stats_row
 __device__ __forceinline__ void bwd_dq_convert(const BwdParams& p) {
     const int head = blockIdx.y;
     const int batch = blockIdx.z;
-    const int first = blockIdx.x * kPreprocessRows * kD + 8 * threadIdx.x;  // within the head
+    // (64-bit: a head's accumulator passes 2^31 floats at 2^24 rows of d128)
+    const int64_t first = int64_t(blockIdx.x) * kPreprocessRows * kD + 8 * threadIdx.x;
     const float4* accum = reinterpret_cast<const float4*>(dq_accum_row(p, batch, head, 0) + first);
     const float4 a = accum[0], b = accum[1];
     const float s = p.softmax_scale;
     if constexpr (!C::kWarpSpecialized) {
         // Row order: row first / kD, columns first % kD .. + 7.
-        const int row = first / kD;
+        const int row = int(first / kD);
         if (row >= p.seqlen_q) return;
         elem_t* dq = row_of(static_cast<elem_t*>(p.dq), p.dq_strides, batch, row, head);
-        *reinterpret_cast<uint4*>(dq + first % kD) = make_uint4(
+        *reinterpret_cast<uint4*>(dq + int(first % kD)) = make_uint4(
             pack_2<C::kBf16>(a.x * s, a.y * s), pack_2<C::kBf16>(a.z * s, a.w * s),
             pack_2<C::kBf16>(b.x * s, b.y * s), pack_2<C::kBf16>(b.z * s, b.w * s));
     } else {
@@ -407,11 +408,11 @@ __device__ __forceinline__ void bwd_dq_convert(const BwdParams& p) {
         // the thread's two are lanes 2j, 2j + 1 of one n8 block: columns c .. c + 3.
         constexpr int kTile = kDqTileRows * kD;
         constexpr int kHalf = kD / 2;
-        const int in_tile = first % kTile;
+        const int in_tile = int(first % kTile);
         const int block = in_tile / 128;  // 32 lanes x 4 floats
         const int lane = in_tile % 128 / 4;  // even
         const int warp = block / (kHalf / 8);
-        const int r = first / kTile * kDqTileRows + 16 * (warp % 4) + lane / 4;
+        const int r = int(first / kTile) * kDqTileRows + 16 * (warp % 4) + lane / 4;
         const int c = warp / 4 * kHalf + block % (kHalf / 8) * 8 + 2 * (lane % 4);
         if (r < p.seqlen_q) {
             elem_t* dq = row_of(static_cast<elem_t*>(p.dq), p.dq_strides, batch, r, head);

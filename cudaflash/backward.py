@@ -65,6 +65,15 @@ def _kernel_ready(t: torch.Tensor) -> bool:
     return s[-1] == 1 and t.data_ptr() % 16 == 0 and not any(x % 8 for x in s[:-1])
 
 
+def _kernel_out(out: torch.Tensor) -> torch.Tensor:
+    """The forward's output as the preprocess kernel reads it (16-byte loads): a copy where
+    its layout is not kernel-ready. The library's own outputs always are; the public op
+    (torch.ops.cudaflash.bwd) may be handed any view."""
+    if _kernel_ready(out):
+        return out
+    return torch.empty_like(out, memory_format=torch.contiguous_format).copy_(out)
+
+
 def _kernel_dout(dout: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """The gradient of out as the kernels take it: q's dtype and shape (else ValueError), and
     a copy where its layout is not kernel-ready (e.g. the expanded gradient of out.sum():
@@ -170,7 +179,7 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          f"{scheme!r}")
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
-    dout = _kernel_dout(dout, q)
+    dout, out = _kernel_dout(dout, q), _kernel_out(out)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if batch == 0 or seqlen_q == 0 or seqlen_k == 0:
         # No query row or no key: every gradient is zero (out was zero-filled).
@@ -253,7 +262,7 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     total_q, n_heads, d_head = q.shape
     total_k, n_heads_k = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.numel() - 1
-    dout = _kernel_dout(dout, q)
+    dout, out = _kernel_dout(dout, q), _kernel_out(out)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     seqlen_q, seqlen_k = min(max_seqlen_q, total_q), min(max_seqlen_k, total_k)
     if batch == 0 or seqlen_q == 0 or seqlen_k == 0:

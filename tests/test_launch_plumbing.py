@@ -685,3 +685,21 @@ def test_gqa_decoding_is_packed_as_rows_only_without_alibi():
     assert internals.kernel_problem(1, 32, 8, 4096, True) == (4, 8, False, (-1, -1))
     assert internals.kernel_problem(1, 32, 8, 4096, True, alibi=True) == (1, 32, True, (-1, 0))
     assert internals.kernel_problem(1, 8, 8, 4096, False, alibi=True) == (1, 8, False, (-1, -1))
+
+
+def test_backward_reads_out_only_kernel_ready():
+    """The preprocess kernel reads out with 16-byte loads: an out view that is not
+    16-byte aligned (storage offset of 2 elements) or has strides that are not multiples of
+    8 elements reaches the kernels as an aligned copy; a ready one as itself."""
+    from cudaflash.backward import _kernel_out
+    base = torch.randn(2 * 64 * 4 * 64 + 2, dtype=torch.bfloat16)
+    shifted = base[2:].view(2, 64, 4, 64)  # data pointer 4 bytes past an aligned one
+    ready = torch.randn(2, 64, 4, 64, dtype=torch.bfloat16)
+    odd_stride = torch.randn(2, 64, 4, 66, dtype=torch.bfloat16)[..., :64]  # row stride 66
+    for t in (shifted, odd_stride):
+        if t.data_ptr() % 16 == 0 and not any(s % 8 for s in t.stride()[:-1]):
+            pytest.skip("the allocator placed the test tensor where it is already ready")
+        copy = _kernel_out(t)
+        assert copy.data_ptr() % 16 == 0 and not any(s % 8 for s in copy.stride()[:-1])
+        assert torch.equal(copy, t)
+    assert _kernel_out(ready) is ready
