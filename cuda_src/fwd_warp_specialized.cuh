@@ -71,7 +71,12 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     uint64_t* v_full = k_full + kStages;
     uint64_t* k_empty = v_full + kStages;
     uint64_t* v_empty = k_empty + kStages;
-    static_assert(8 * (4 + 4 * kStages) <= kWsBarrierBytes, "the barriers fit their bytes");
+    // Persistent causal calls (Params::tile_counter): each Q buffer's tile, written by the
+    // producer before its q_full arrival (so the consumers' wait sees it); n_tiles: no more.
+    int* tile_of_buffer = reinterpret_cast<int*>(v_empty + kStages);
+    static_assert(8 * (4 + 4 * kStages) + (C::kPersistent ? 4 * C::kQBuffers : 0) <=
+                      kWsBarrierBytes,
+                  "the barriers (and the persistent kernel's tile slots) fit their bytes");
 
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -86,6 +91,10 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     // of the batch's (query block, head, batch entry) tiles, query blocks fastest so that
     // neighbouring CTAs share K/V in L2 as the grid's do.
     const bool persistent = C::kPersistent && tma;
+    // Causal persistent calls: tiles after the first from the host's counter (the order is
+    // the same: a head's query blocks longest first, so a CTA that drew short tiles draws
+    // more, and neighbouring draws still share K/V in L2).
+    const bool dynamic = persistent && p.tile_counter != nullptr;
     const int n_q_blocks = (p.seqlen_q + C::kBr - 1) / C::kBr;
     const int n_tiles = persistent ? n_q_blocks * p.n_heads * p.batch : 1;
     const int first_tile = persistent ? int(blockIdx.x) : 0;
@@ -135,17 +144,31 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
             // addresses are the copy engine's, not 128 threads' (docs/perf-log.md, "TMA").
             if (threadIdx.x != 0) return;
             int g = 0;  // KV steps so far, over the CTA's tiles: the ring's position
-            int j = 0;  // the CTA's tiles so far
-            for (int t = first_tile; t < n_tiles; t += tile_stride, ++j) {
+            int t = first_tile;
+            for (int j = 0;; ++j) {  // j: the CTA's tiles so far
+                if (!dynamic && t >= n_tiles) break;
+                const int qb = j % C::kQBuffers;
+                // (a fresh barrier passes the wait for the phase before its first)
+                mbarrier_wait(&q_empty[qb], ((j / C::kQBuffers) & 1) ^ 1);
+                if (dynamic) {
+                    // The consumers learn the tile (or the end) from the buffer's slot, which
+                    // the q_full arrival publishes; the end's arrival carries no copy.
+                    tile_of_buffer[qb] = t;
+                    if (t >= n_tiles) {
+                        mbarrier_arrive(&q_full[qb]);
+                        break;
+                    }
+                }
+                // The next tile, drawn now so that the atomic's latency passes under this
+                // tile's copies.
+                const int next = dynamic ? int(gridDim.x) + atomicAdd(p.tile_counter, 1)
+                                         : t + tile_stride;
                 const CtaPlace at = place_of(t);
                 const Sequence seq = sequence<kKvcache>(p, at.batch);
                 const int q_row0 = at.q_block * C::kBr;
                 const KvRange range =
                     kv_range<C, kSplit>(p, seq, q_row0, min(C::kBr, seq.len_q - q_row0), 0);
                 const int n_steps = max(range.end - range.begin, 0);
-                const int qb = j % C::kQBuffers;
-                // (a fresh barrier passes the wait for the phase before its first)
-                mbarrier_wait(&q_empty[qb], ((j / C::kQBuffers) & 1) ^ 1);
                 mbarrier_arrive_expect_tx(&q_full[qb], C::kBr * C::kDHead * sizeof(elem_t));
                 tma_load_5d(smem_addr(sQ + qb * C::kBr * C::kDHead), p.tma_q, &q_full[qb], 0,
                             q_row0, 0, at.head, at.batch);
@@ -163,6 +186,7 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
                     tma_load_5d(smem_addr(sV + stage * C::kBc * C::kDHead), p.tma_v,
                                 &v_full[stage], 0, row, 0, at.head_k, at.batch);
                 }
+                t = next;
             }
             return;
         }
@@ -239,8 +263,14 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     const uint64_t seed = kDropout ? *p.dropout_seed : 0;
 
     int g = 0;  // KV steps so far, over the CTA's tiles: the ring's position
-    int j = 0;  // the CTA's tiles so far
-    for (int t = first_tile; t < n_tiles; t += tile_stride, ++j) {
+    int t = first_tile;
+    for (int j = 0;; ++j) {  // j: the CTA's tiles so far
+        const int qb = j % C::kQBuffers;
+        if (dynamic) {
+            mbarrier_wait(&q_full[qb], (j / C::kQBuffers) & 1);
+            t = tile_of_buffer[qb];
+        }
+        if (t >= n_tiles) break;
         const CtaPlace at = place_of(t);
         const Sequence seq = sequence<kKvcache>(p, at.batch);
         const int q_row0 = at.q_block * C::kBr;
@@ -249,7 +279,6 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         const int n_steps = max(range.end - range.begin, 0);
         // The KV block of step i: last to first (kv_reverse) or first to last.
         auto block_of = [&](int i) { return C::kKvReverse ? range.end - 1 - i : range.begin + i; };
-        const int qb = j % C::kQBuffers;
         elem_t* sQt = sQ + qb * C::kBr * C::kDHead;  // this tile's Q, then its O
         WarpgroupGemm<C> gemm(sQt, sK, sV, cwarp, lane);
 
@@ -383,6 +412,7 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
             __syncwarp();
             if (lane == 0) mbarrier_arrive(&q_empty[qb]);
         }
+        if (!dynamic) t += tile_stride;
     }  // tiles
 }
 

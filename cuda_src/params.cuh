@@ -117,6 +117,12 @@ struct Params {
 
     float* o_accum;
     float* lse_accum;
+    // Persistent warp-specialized calls with a causal mask (KernelConfig.persistent): an
+    // int32 the host zeroes per call, from which each CTA takes its next tile (gridDim.x +
+    // atomicAdd) once its first (blockIdx.x) is loaded, so that CTAs given short tiles take
+    // more of them. Null: the CTAs walk blockIdx.x + k gridDim.x (every tile equally long).
+    int32_t* tile_counter;
+    unsigned char maps_pad[56];  // the maps at a multiple of 64 bytes, as alignas places them
 
     // The tensor maps (CUtensorMap, 128 opaque bytes each, encoded by the driver on the host
     // per call: cudaflash/_tma.py) of q, k and v when tma_loads is 1, else not read. Each
@@ -129,8 +135,10 @@ struct Params {
     alignas(64) unsigned char tma_v[128];
 };
 
-constexpr int kParamsBytes = 704;
+constexpr int kParamsBytes = 768;
 static_assert(sizeof(Params) == kParamsBytes, "Params layout changed: update cudaflash/_params.py");
+static_assert(offsetof(Params, tma_q) == 384,
+              "the maps moved: update _params.Params (maps_pad, PARAMS_MAPS_OFFSET)");
 
 // AppendParams: the argument of cudaflash_append_kv, which writes flash_attn_with_kvcache's new
 // keys and values (k_new, v_new: (batch, seqlen_new, n_heads_k, d_head)) into the caches at

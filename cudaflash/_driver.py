@@ -386,8 +386,9 @@ class _ArgBuffer(threading.local):
 _arg_buffer = _ArgBuffer()
 # One pack per call: the five pointers, then the fixed fields, already packed, as one string
 # (a single pack_into is cheaper than packing the pointers and copying the rest).
-# The split-KV workspace pointers at the end are not part of it: launch_with_workspace packs
-# them first, and the plain forward never reads them (it may see a previous call's).
+# The workspace pointers at the end (split-KV's, the persistent kernel's tile counter) are not
+# part of it: launch_with_workspace packs them first, and the other launches never read them
+# (they may see a previous call's).
 _pack_params = struct.Struct(
     f"{PARAMS_POINTERS_FORMAT}{PARAMS_WORKSPACE_OFFSET - PARAMS_POINTERS_BYTES}s").pack_into
 _pack_fixed = struct.Struct(PARAMS_FIXED_FORMAT).pack
@@ -467,10 +468,11 @@ class Launcher:
 
     def launch_with_workspace(self, stream: int, q: int, k: int, v: int, o: int, lse: int,
                               cu_seqlens_q: int, cu_seqlens_k: int, o_accum: int,
-                              lse_accum: int) -> None:
-        """``launch`` with the split-KV workspace pointers set (split and combine kernels)."""
+                              lse_accum: int, tile_counter: int = 0) -> None:
+        """``launch`` with the workspace pointers set: split-KV's (split and combine kernels)
+        and the persistent kernel's tile counter (0: none)."""
         _pack_workspace(_arg_buffer.pack_target[0], PARAMS_WORKSPACE_OFFSET, o_accum,
-                        lse_accum)
+                        lse_accum, tile_counter)
         self.launch(stream, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
 
 

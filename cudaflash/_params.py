@@ -82,6 +82,10 @@ class Params(ctypes.Structure):
         ("tma_loads", ctypes.c_int32),
         ("o_accum", ctypes.c_void_p),
         ("lse_accum", ctypes.c_void_p),
+        # persistent causal calls: the zeroed int32 the CTAs take their tiles from, else 0
+        ("tile_counter", ctypes.c_void_p),
+        # the maps at a multiple of 64 bytes, as alignas places them in the C struct
+        ("maps_pad", ctypes.c_ubyte * 56),
         # the tensor maps of q, k and v (CUtensorMap, 64-byte aligned in the CUDA struct:
         # the fields before them end at a multiple of 64); written per call by _tma.py, never
         # packed through the struct formats below
@@ -157,7 +161,8 @@ NO_CACHE_ADDRESSING = (0, 0, 0, 0, 0, 0, 0)
 # ... and when no ALiBi and no dropout are: alibi_slopes to dropout_scale.
 NO_ALIBI = (0, 0)
 NO_DROPOUT = (0, 0, 1.0)
-PARAMS_WORKSPACE_FORMAT = struct_format(Params, "o_accum", "lse_accum")
+# (o_accum, lse_accum, tile_counter, then maps_pad's zeros)
+PARAMS_WORKSPACE_FORMAT = struct_format(Params, "o_accum", "maps_pad")
 PARAMS_MAPS_OFFSET = Params.tma_q.offset  # the three tensor maps, to the struct's end
 PARAMS_POINTERS_BYTES = Params.q_batch_stride.offset
 PARAMS_WORKSPACE_OFFSET = Params.o_accum.offset

@@ -243,11 +243,14 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
             # batch tiles (fwd_warp_specialized.cuh).
             sm_count = dispatch.device_kernels(index).device.sm_count
             grid = (min(q_blocks * heads * batch, sm_count), 1, 1)
-        return _driver.Launcher(
+        launcher = _driver.Launcher(
             function, kernel.label,
             grid=grid,
             threads=kernel.threads, smem=kernel.smem, synchronize=kernel.synchronize,
-            fixed_params=fixed_params, device_index=index, maps=maps).launch
+            fixed_params=fixed_params, device_index=index, maps=maps)
+        if maps is not None and kernel.persistent:
+            return _persistent_launch(launcher, device, tile_counter=window[1] == 0)
+        return launcher.launch
     return _split_launch(kernel, index, device, fixed_params, q_blocks=q_blocks, heads=heads,
                          batch=batch, rows=rows, d_head=d_head, num_splits=num_splits,
                          mods=mods, cache=cache)
@@ -259,6 +262,29 @@ def _entry(kernel: dispatch.Kernel, role: str, mods: str, cache):
     alone) and with or without cache addressing: the role names of
     config.KernelConfig.ROLES."""
     return getattr(kernel.fns, role + mods + ("" if cache is None else "_kvcache"))
+
+
+def _persistent_launch(launcher: "_driver.Launcher", device: torch.device, *,
+                       tile_counter: bool):
+    """The launch function of a persistent kernel's call. Causal calls (``tile_counter``:
+    tiles of different lengths) get a zeroed int32 per call, from which the CTAs draw their
+    tiles after the first; the others walk a fixed order and get a null counter (packed
+    explicitly: a launch's workspace fields may hold a previous call's)."""
+    if not tile_counter:
+        def launch(stream: int, q: int, k: int, v: int, o: int, lse: int, cu_seqlens_q: int,
+                   cu_seqlens_k: int) -> None:
+            launcher.launch_with_workspace(stream, q, k, v, o, lse, cu_seqlens_q,
+                                           cu_seqlens_k, 0, 0, 0)
+        return launch
+
+    def launch(stream: int, q: int, k: int, v: int, o: int, lse: int, cu_seqlens_q: int,
+               cu_seqlens_k: int) -> None:
+        # On the current stream, like the split workspace: held until the kernel is enqueued,
+        # then free for later work on this stream, which runs after it.
+        counter = torch.zeros(1, dtype=torch.int32, device=device)
+        launcher.launch_with_workspace(stream, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
+                                       0, 0, counter.data_ptr())
+    return launch
 
 
 def _split_launch(kernel: dispatch.Kernel, index: int, device: torch.device,

@@ -56,7 +56,9 @@ from .selection import Rule, parse_rules
 # 16: BwdParams carries the warp-specialized backward's padded row statistics and the tensor
 # maps of q, k, v and dout (960 bytes, 64-byte aligned: launched through kernelParams); that
 # kernel loads through them only.
-SCHEMA = 16
+# 17: Params carries tile_counter after the split-KV workspace pointers (768 bytes): the
+# persistent forward's causal calls take their tiles from it.
+SCHEMA = 17
 KINDS = ("cubin", "ptx")
 MANIFEST_NAME = "manifest.json"
 

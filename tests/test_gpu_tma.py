@@ -127,8 +127,9 @@ def test_forward_matches_cp_async(monkeypatch, dtype, d, name, b, sq, sk, h, hk,
 ])
 def test_persistent_ctas_walk_several_tiles(monkeypatch, dtype, b, sq, sk, h, hk, causal):
     """The persistent config with maps: one CTA per SM, each walking several tiles (its Q
-    buffers alternating, the K/V ring running on across tiles), bit-identical to the
-    one-tile-per-CTA cp.async path of the same kernel, and within the rule."""
+    buffers alternating, the K/V ring running on across tiles; causal calls drawing them
+    from a tile counter), bit-identical to the one-tile-per-CTA cp.async path of the same
+    kernel, and within the rule."""
     q, k, v = make_qkv(b, sq, sk, h, hk, 128, DTYPES[dtype], seed=sq)
     config = WSP.format(dtype)
     grids = []
@@ -138,13 +139,22 @@ def test_persistent_ctas_walk_several_tiles(monkeypatch, dtype, b, sq, sk, h, hk
         grids.append(grid)
         return launcher(function, label, grid=grid, **kwargs)
 
+    counters = []  # the tile counter each persistent launch packs (0: none)
+    with_workspace = launcher.launch_with_workspace
+
+    def counting(self, *args):
+        counters.append(args[-1])
+        return with_workspace(self, *args)
+
     monkeypatch.setattr(_driver, "Launcher", recording)
+    monkeypatch.setattr(launcher, "launch_with_workspace", counting)
     (out, lse), (out_ref, lse_ref) = both_paths(
         monkeypatch, lambda: forward(config, q, k, v, causal=causal, num_splits=1))
     tiles = -(-sq // 128) * h * b
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     assert tiles > sms and grids[0] == (sms, 1, 1), grids  # with maps: one CTA per SM
     assert grids[-1] == (-(-sq // 128), h, b), grids  # without: the tile grid
+    assert len(counters) == 1 and bool(counters[0]) == causal, counters  # with maps only
     assert_identical((out, lse), (out_ref, lse_ref))
     check_attention(out, lse, q, k, v, causal)
     monkeypatch.setattr(_tma, "MIN_SCORES", 0)  # repeats: a race would show as a difference
@@ -152,6 +162,32 @@ def test_persistent_ctas_walk_several_tiles(monkeypatch, dtype, b, sq, sk, h, hk
         _plans.plans.clear()
         again = forward(config, q, k, v, causal=causal, num_splits=1)
         assert_identical(again, (out, lse))
+
+
+def test_persistent_causal_call_in_a_cuda_graph(monkeypatch):
+    """A captured persistent causal call zeroes its tile counter on every replay (a counter
+    left at the previous replay's count would skip tiles): replays match the eager call."""
+    monkeypatch.setattr(_tma, "MIN_KEYS", 0)
+    monkeypatch.setattr(_tma, "MIN_SCORES", 0)
+    q, k, v = make_qkv(4, 1024, 1024, 8, 8, 128, torch.bfloat16, seed=5)
+    config = WSP.format("bf16")
+    _plans.plans.clear()
+    expected = forward(config, q, k, v, causal=True, num_splits=1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the warm-up call PyTorch's graph docs ask for
+        forward(config, q, k, v, causal=True, num_splits=1)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = forward(config, q, k, v, causal=True, num_splits=1)
+    for _ in range(3):
+        for t in captured:
+            t.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_identical(captured, expected)
+    _plans.plans.clear()
 
 
 @pytest.mark.parametrize("d,name", [(128, WS), V6[0], V6[2]], ids=["ws", "v6_d64", "v6_d128"])

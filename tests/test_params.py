@@ -23,14 +23,15 @@ PARAMS_CUH = Path(__file__).resolve().parents[1] / "cuda_src" / "params.cuh"
 _CUDA_TYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p,
                "const uint64_t*": ctypes.c_void_p, "uint32_t": ctypes.c_uint32,
                "float*": ctypes.c_void_p, "const float*": ctypes.c_void_p,
-               "const int32_t*": ctypes.c_void_p,
+               "const int32_t*": ctypes.c_void_p, "int32_t*": ctypes.c_void_p,
                "int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32,
                "float": ctypes.c_float, "unsigned char": ctypes.c_ubyte}
 
 
 def test_sizes_agree():
-    assert ctypes.sizeof(Params) == PARAMS_BYTES == 704
-    assert PARAMS_MAPS_OFFSET % 64 == 0  # alignas(64) in the CUDA struct: no padding there
+    assert ctypes.sizeof(Params) == PARAMS_BYTES == 768
+    # alignas(64) maps in the CUDA struct: maps_pad brings the fields before them to 384
+    assert Params.tma_q.offset == PARAMS_MAPS_OFFSET == 384
     assert ctypes.sizeof(BwdParams) == BWD_PARAMS_BYTES == 960
     # alignas(64) maps in the CUDA struct: maps_pad brings the fields before them to 448
     assert BwdParams.tma_q.offset == BWD_PARAMS_MAPS_OFFSET == 448
@@ -41,8 +42,9 @@ def test_sizes_agree():
 def test_struct_format_fills_every_field_in_order():
     """Distinct values packed with the launcher's format read back field by field."""
     packed = [(name, ctype) for name, ctype in Params._fields_
-              if not issubclass(ctype, ctypes.Array)]  # the tensor maps: padding to the format
-    assert [name for name, _ in Params._fields_[len(packed):]] == ["tma_q", "tma_k", "tma_v"]
+              if not issubclass(ctype, ctypes.Array)]  # the maps and their pad: padding
+    assert [name for name, _ in Params._fields_[len(packed):]] == ["maps_pad", "tma_q", "tma_k",
+                                                                   "tma_v"]
     values = []
     for i, (name, ctype) in enumerate(packed):
         values.append(float(i) + 0.5 if ctype is ctypes.c_float else 1000 + i)
@@ -63,8 +65,9 @@ def test_pointers_fixed_fields_and_workspace_split_the_struct():
     assert PARAMS_WORKSPACE_OFFSET + struct.calcsize(PARAMS_WORKSPACE_FORMAT) == \
         PARAMS_MAPS_OFFSET == Params.tma_q.offset
     assert PARAMS_MAPS_OFFSET + 3 * 128 == PARAMS_BYTES
+    assert PARAMS_WORKSPACE_FORMAT == "=3Q56x"  # o_accum, lse_accum, tile_counter; the pad
     assert PARAMS_STRUCT_FORMAT == (PARAMS_POINTERS_FORMAT + PARAMS_FIXED_FORMAT[1:]
-                                    + PARAMS_WORKSPACE_FORMAT[1:] + "384x")
+                                    + "3Q440x")  # the pad and the maps: one run of padding
 
 
 def test_struct_format_writes_c_padding_out():
