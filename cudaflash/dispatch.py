@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -149,13 +150,15 @@ def device_kernels(index: int) -> DeviceKernels:
 
 
 def auto_kernel(ctx: int, index: int, dtype: torch.dtype, d_head: int, causal: bool,
-                seqlen_q: int, seqlen_k: int) -> Kernel:
+                seqlen_q: int, seqlen_k: int, maps: bool = False) -> Kernel:
     """The kernel the selection rules choose for the problem (kernel_problem's rows and
-    causal), loaded in context ``ctx``."""
+    causal), loaded in context ``ctx``. ``maps``: whether the call will load through tensor
+    maps (launch.run: _tma.worth_maps); without them a persistent config gives way to its
+    twin (without_persistence)."""
     dk = device_kernels(index)
     r = rules(dk.device.arch)
     key = (ctx, dtype, d_head, causal, bisect.bisect_left(r.q_bounds, seqlen_q),
-           bisect.bisect_left(r.k_bounds, seqlen_k))
+           bisect.bisect_left(r.k_bounds, seqlen_k), maps)
     kernel = _auto_kernels.get(key)
     if kernel is None:
         name = DTYPES[dtype]
@@ -165,11 +168,25 @@ def auto_kernel(ctx: int, index: int, dtype: torch.dtype, d_head: int, causal: b
         config_name, reason = selection.select(
             r.rules, dk.usable, arch=dk.device.arch, dtype=name, d_head=d_head, causal=causal,
             seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        entry = dk.usable[config_name]
+        if not maps:
+            entry = without_persistence(dk.usable, entry)
         if dk.debug:
-            log.debug("cuda:%d %s d_head=%d causal=%s seqlen_q=%d seqlen_k=%d -> %s (%s)", index,
-                      name, d_head, causal, seqlen_q, seqlen_k, config_name, reason)
-        kernel = _auto_kernels[key] = _make_kernel(dk, dk.usable[config_name], ctx)
+            log.debug("cuda:%d %s d_head=%d causal=%s seqlen_q=%d seqlen_k=%d -> %s (%s%s)",
+                      index, name, d_head, causal, seqlen_q, seqlen_k, entry.name, reason,
+                      "" if entry.name == config_name else "; no tensor maps: not persistent")
+        kernel = _auto_kernels[key] = _make_kernel(dk, entry, ctx)
     return kernel
+
+
+def without_persistence(usable: dict, entry: KernelEntry) -> KernelEntry:
+    """The config a call without tensor maps runs in place of ``entry``: a persistent
+    config's non-persistent twin where it is built (the persistent kernel walks tiles only
+    with maps; without them it runs one tile per CTA on two K/V stages where its twin has
+    three), else ``entry`` itself."""
+    if not entry.config.persistent:
+        return entry
+    return usable.get(dataclasses.replace(entry.config, persistent=False).name, entry)
 
 
 def config_kernel(ctx: int, index: int, config: KernelConfig) -> Kernel:

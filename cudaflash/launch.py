@@ -67,8 +67,17 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
         seqlen_q, n_heads, n_heads_k, seqlen_k, causal, window,
         alibi is not None or dropout is not None)
     ctx = _driver.current_context(index)
+    # Tensor maps describe whole (batch, seqlen, heads, d_head) tensors: not cache addressing,
+    # not key counts (keys past a count may be garbage that cp.async's zero fill hides), not
+    # GQA decoding's rows.
+    maps_ok = cache is None and seqused_k is None and rows == seqlen_q
     if config is None:
-        kernel = dispatch.auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k)
+        # (whether maps will be given, as launch_function decides it for a persistent kernel)
+        maps = maps_ok and _tma.worth_maps(
+            rows, seqlen_k, heads, batch, causal=kernel_window[1] == 0 and kernel_window[0] < 0,
+            persistent=True)
+        kernel = dispatch.auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k,
+                                      maps=maps)
     else:
         kernel = dispatch.config_kernel(ctx, index, config)
 
@@ -92,10 +101,6 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
                     os_[0], o_seq, o_head, n_heads * seqlen_q, rows, batch, heads, n_heads_k,
                     rows, seqlen_k, int(causal), 0, 0, *kernel_window,
                     *score_scales(scale, softcap))
-    # Tensor maps describe whole (batch, seqlen, heads, d_head) tensors: not cache addressing,
-    # not key counts (keys past a count may be garbage that cp.async's zero fill hides), not
-    # GQA decoding's rows.
-    maps_ok = cache is None and seqused_k is None and rows == seqlen_q
     launch = launch_function(kernel, index, q.device, fixed_params, num_splits, rows=rows,
                              heads=heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
                              window=kernel_window, softcap=bool(softcap), cache=cache,

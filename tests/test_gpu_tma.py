@@ -326,3 +326,15 @@ def test_cuda_graph_replays_the_captured_maps(monkeypatch):
         torch.cuda.synchronize()
         check_attention(static_out, None, *static, False)
     _plans.plans.clear()
+
+
+def test_calls_without_maps_run_the_non_persistent_twin():
+    """The rules pick the persistent config for d128 causal calls up to 2k keys; a call that
+    gets no tensor maps (packed, cache addressing, too small: launch.run's `maps`) runs its
+    three-stage twin instead, which walks no tiles either way."""
+    from cudaflash import dispatch
+    ctx = _driver.current_context(0)
+    for maps, suffix in ((True, "_ws_pers)"), (False, "_ws)")):
+        kernel = dispatch.auto_kernel(ctx, 0, torch.bfloat16, 128, True, 1024, 1024, maps=maps)
+        assert kernel.label.endswith(suffix), kernel.label
+        assert kernel.persistent == maps

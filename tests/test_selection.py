@@ -217,3 +217,18 @@ def test_user_rules_errors_name_the_file(tmp_path, text, error):
     with pytest.raises(ConfigError) as exc:
         selection.load_user_rules(path)
     assert str(exc.value).startswith(str(path)) and error in str(exc.value), str(exc.value)
+
+
+def test_calls_without_tensor_maps_leave_persistent_configs_for_their_twin():
+    """A persistent config walks tiles only through tensor maps: a call without them (packed,
+    cache addressing, too small) runs the non-persistent twin where it is built."""
+    from types import SimpleNamespace
+
+    from cudaflash.dispatch import without_persistence
+    pers = next(c for c in SPEC.configs if c.persistent)
+    twin = next(c for c in SPEC.configs if c.name == pers.name.removesuffix("_pers"))
+    entry = {c.name: SimpleNamespace(name=c.name, config=c) for c in (pers, twin)}
+    assert without_persistence(entry, entry[pers.name]) is entry[twin.name]
+    assert without_persistence(entry, entry[twin.name]) is entry[twin.name]
+    alone = {pers.name: entry[pers.name]}  # no twin built: the persistent config itself
+    assert without_persistence(alone, entry[pers.name]) is entry[pers.name]
