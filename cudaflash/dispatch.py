@@ -124,17 +124,25 @@ def rules(arch: int) -> Rules:
 
 def selected_config(device_index: int, dtype: str, d_head: int, causal: bool, seqlen_q: int,
                     seqlen_k: int, n_heads: int = 1, n_heads_k: int = 1,
-                    window: tuple[int, int] = (-1, -1), alibi: bool = False) -> tuple[str, str]:
+                    window: tuple[int, int] = (-1, -1), alibi: bool = False,
+                    maps: bool = True) -> tuple[str, str]:
     """The config ``flash_attn_func`` runs on cuda:``device_index`` for such a call (with
     ``n_heads`` query heads reading ``n_heads_k`` K/V heads, the sliding ``window`` and ALiBi
-    slopes or not), and the rule that chose it. Raises LookupError when no built config
-    fits."""
+    slopes or not), and the rule that chose it. ``maps``: whether the call loads through
+    tensor maps (a padded batch big enough for them; packed batches, cache addressing and
+    small calls do not, and run a persistent config's twin: without_persistence). Raises
+    LookupError when no built config fits."""
     dk = device_kernels(device_index)
     rows, _, causal, _ = heuristics.kernel_problem(seqlen_q, n_heads, n_heads_k, seqlen_k,
                                                    causal, window, alibi)
-    return selection.select(rules(dk.device.arch).rules, dk.usable, arch=dk.device.arch,
-                            dtype=dtype, d_head=d_head, causal=causal, seqlen_q=rows,
-                            seqlen_k=seqlen_k)
+    name, reason = selection.select(rules(dk.device.arch).rules, dk.usable,
+                                    arch=dk.device.arch, dtype=dtype, d_head=d_head,
+                                    causal=causal, seqlen_q=rows, seqlen_k=seqlen_k)
+    if not maps:
+        twin = without_persistence(dk.usable, dk.usable[name]).name
+        if twin != name:
+            name, reason = twin, f"{reason}; no tensor maps: its non-persistent twin"
+    return name, reason
 
 
 def device_kernels(index: int) -> DeviceKernels:
