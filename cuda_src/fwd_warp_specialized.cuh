@@ -38,6 +38,9 @@ constexpr int kWsBarrierBytes = 128;
 // 40 the producer's copy addresses spilled).
 constexpr int kProducerRegs = 56;
 constexpr int kConsumerRegs = 224;
+// The K/V bytes a group of the persistent causal walk may keep in flight (a third of the
+// H100's 50 MB L2, which the other traffic and the two L2 halves share).
+constexpr int64_t kL2GroupBytes = 16ll << 20;
 // Named barriers (0 is __syncthreads): the consumers' turns, then each one's epilogue.
 constexpr int kTurnBarrier = 1;      // + consumer warpgroup (0 or 1)
 constexpr int kEpilogueBarrier = 3;  // + consumer warpgroup
@@ -91,16 +94,30 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     // of the batch's (query block, head, batch entry) tiles, query blocks fastest so that
     // neighbouring CTAs share K/V in L2 as the grid's do.
     const bool persistent = C::kPersistent && tma;
-    // Causal persistent calls: tiles after the first from the host's counter (the order is
-    // the same: a head's query blocks longest first, so a CTA that drew short tiles draws
-    // more, and neighbouring draws still share K/V in L2).
+    // Causal persistent calls: tiles after the first from the host's counter, so that a CTA
+    // that drew short tiles draws more. They come in groups of (head, batch entry) pairs
+    // whose K/V fit a share of L2 (kL2GroupBytes), each group's tiles longest first (query
+    // block slowest, then pair): the pairs in flight share K/V in L2, and the draws that end
+    // a group, the call's last ones too, are its short tiles (a short tail).
     const bool dynamic = persistent && p.tile_counter != nullptr;
     const int n_q_blocks = (p.seqlen_q + C::kBr - 1) / C::kBr;
-    const int n_tiles = persistent ? n_q_blocks * p.n_heads * p.batch : 1;
+    const int pairs = p.n_heads * p.batch;
+    const int n_tiles = persistent ? n_q_blocks * pairs : 1;
     const int first_tile = persistent ? int(blockIdx.x) : 0;
     const int tile_stride = persistent ? int(gridDim.x) : 1;
+    const int64_t pair_kv_bytes = 2ll * p.seqlen_k * C::kDHead * sizeof(elem_t);
+    const int group_pairs = int(max(int64_t(1), min(int64_t(pairs), kL2GroupBytes / pair_kv_bytes)));
     auto place_of = [&](int t) -> CtaPlace {
         if (!persistent) return cta_place<kSplit>(p);
+        if (dynamic) {
+            const int first_pair = t / (group_pairs * n_q_blocks) * group_pairs;
+            const int in_group = min(group_pairs, pairs - first_pair);
+            const int i = t - first_pair * n_q_blocks;  // within the group
+            const int pair = first_pair + i % in_group;
+            const int head = pair % p.n_heads;
+            return {n_q_blocks - 1 - i / in_group, head, pair / p.n_heads, 0,
+                    head / (p.n_heads / p.n_heads_k)};
+        }
         const int block = t % n_q_blocks, head = (t / n_q_blocks) % p.n_heads;
         // Causal: a head's last query blocks (the most KV blocks) first, as cta_place.
         return {p.is_causal ? n_q_blocks - 1 - block : block, head,

@@ -123,6 +123,8 @@ def test_forward_matches_cp_async(monkeypatch, dtype, d, name, b, sq, sk, h, hk,
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("b,sq,sk,h,hk,causal", [
     (4, 2048, 1024, 8, 4, True),  # 512 tiles: several per CTA, causal (heaviest first)
+    # causal, K/V of 4 MB a head: L2 groups of 4 heads and a last one of 2 (kL2GroupBytes)
+    (1, 4096, 8192, 6, 2, True),
     (3, 1000, 1500, 16, 2, False),  # 384 tiles with query tails, GQA, batch entries
 ])
 def test_persistent_ctas_walk_several_tiles(monkeypatch, dtype, b, sq, sk, h, hk, causal):
