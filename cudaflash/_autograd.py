@@ -26,17 +26,24 @@ def _keep_call(ctx, softmax_scale, d_head: int, causal, window, seqlen_k: int, s
 
 class FlashAttnFunction(torch.autograd.Function):
     """flash_attn_func with gradients: the forward also keeps the lse, the backward runs
-    backward.run. Inside forward grad mode is off, so the checked forward takes its usual
-    path (and records a plan)."""
+    backward.run. Inside forward grad mode is off, so the forward replays the signature's
+    plan as an inference call does (the first call takes the checked path and records it)."""
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, deterministic, window=(-1, -1),
                 softcap=0.0, alibi_slopes=None, dropout=None):
         # dropout: the call's _dropout.Dropout (its seed drawn by the caller) or None
         _checks.check_deterministic(deterministic)
-        out, lse = _call.checked_forward(None, q, k, v, None, softmax_scale, causal, True,
-                                         window=window, softcap=softcap,
-                                         alibi_slopes=alibi_slopes, dropout=dropout)
+        if dropout is not None:  # each call its own seed: no plan
+            out, lse = _call.checked_forward(None, q, k, v, None, softmax_scale, causal, True,
+                                             window=window, softcap=softcap,
+                                             alibi_slopes=alibi_slopes, dropout=dropout)
+        else:
+            # The signature's plan, as flash_attn_func's inference calls take it: the checked
+            # path costs ~90 us more host time per call, which a training step at 1k tokens
+            # pays on the GPU's critical path (the backward's host work queues behind it).
+            out, lse = _call.planned_forward(q, k, v, softmax_scale, causal, True, window,
+                                             softcap, alibi_slopes)
         # Fail now, not in the backward after a whole forward pass of work.
         dispatch.check_backward_supported(
             q.get_device(), q.dtype, q.shape[3],

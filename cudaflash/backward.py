@@ -65,13 +65,14 @@ def _kernel_ready(t: torch.Tensor) -> bool:
     return s[-1] == 1 and t.data_ptr() % 16 == 0 and not any(x % 8 for x in s[:-1])
 
 
-def _kernel_out(out: torch.Tensor) -> torch.Tensor:
-    """The forward's output as the preprocess kernel reads it (16-byte loads): a copy where
-    its layout is not kernel-ready. The library's own outputs always are; the public op
-    (torch.ops.cudaflash.bwd) may be handed any view."""
-    if _kernel_ready(out):
-        return out
-    return torch.empty_like(out, memory_format=torch.contiguous_format).copy_(out)
+def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the kernels read it: itself, or a contiguous copy where its layout is not
+    kernel-ready (the forward's output: the library's own always is, but the public op
+    torch.ops.cudaflash.bwd may be handed any view, and the preprocess reads it with
+    16-byte loads)."""
+    if _kernel_ready(t):
+        return t
+    return torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
 
 
 def _kernel_dout(dout: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -81,9 +82,7 @@ def _kernel_dout(dout: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     if dout.dtype != q.dtype or dout.shape != q.shape:
         raise ValueError(f"the gradient of out has dtype {dout.dtype} and shape "
                          f"{tuple(dout.shape)}; expected {q.dtype} and {tuple(q.shape)}")
-    if not _kernel_ready(dout):
-        dout = torch.empty_like(dout, memory_format=torch.contiguous_format).copy_(dout)
-    return dout
+    return _kernel_layout(dout)
 
 
 @dataclass(frozen=True)
@@ -179,7 +178,7 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          f"{scheme!r}")
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
-    dout, out = _kernel_dout(dout, q), _kernel_out(out)
+    dout, out = _kernel_dout(dout, q), _kernel_layout(out)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if batch == 0 or seqlen_q == 0 or seqlen_k == 0:
         # No query row or no key: every gradient is zero (out was zero-filled).
@@ -262,7 +261,7 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     total_q, n_heads, d_head = q.shape
     total_k, n_heads_k = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.numel() - 1
-    dout, out = _kernel_dout(dout, q), _kernel_out(out)
+    dout, out = _kernel_dout(dout, q), _kernel_layout(out)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     seqlen_q, seqlen_k = min(max_seqlen_q, total_q), min(max_seqlen_k, total_k)
     if batch == 0 or seqlen_q == 0 or seqlen_k == 0:

@@ -135,9 +135,16 @@ def selected_config(device_index: int, dtype: str, d_head: int, causal: bool, se
     dk = device_kernels(device_index)
     rows, _, causal, _ = heuristics.kernel_problem(seqlen_q, n_heads, n_heads_k, seqlen_k,
                                                    causal, window, alibi)
-    name, reason = selection.select(rules(dk.device.arch).rules, dk.usable,
-                                    arch=dk.device.arch, dtype=dtype, d_head=d_head,
-                                    causal=causal, seqlen_q=rows, seqlen_k=seqlen_k)
+    return _select(dk, rules(dk.device.arch), dtype, d_head, causal, rows, seqlen_k, maps)
+
+
+def _select(dk: DeviceKernels, r: Rules, dtype: str, d_head: int, causal: bool,
+            seqlen_q: int, seqlen_k: int, maps: bool) -> tuple[str, str]:
+    """The built config the rules choose for the problem, and why; a call without tensor
+    maps takes a persistent config's twin (without_persistence)."""
+    name, reason = selection.select(r.rules, dk.usable, arch=dk.device.arch, dtype=dtype,
+                                    d_head=d_head, causal=causal, seqlen_q=seqlen_q,
+                                    seqlen_k=seqlen_k)
     if not maps:
         twin = without_persistence(dk.usable, dk.usable[name]).name
         if twin != name:
@@ -173,17 +180,11 @@ def auto_kernel(ctx: int, index: int, dtype: torch.dtype, d_head: int, causal: b
         if d_head not in dk.head_dims(name):
             raise ValueError(f"no {name} kernel with head dim {d_head} runs on {dk.describe()}; "
                              f"{name} head dims built for it: {dk.head_dims(name)}")
-        config_name, reason = selection.select(
-            r.rules, dk.usable, arch=dk.device.arch, dtype=name, d_head=d_head, causal=causal,
-            seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-        entry = dk.usable[config_name]
-        if not maps:
-            entry = without_persistence(dk.usable, entry)
+        config_name, reason = _select(dk, r, name, d_head, causal, seqlen_q, seqlen_k, maps)
         if dk.debug:
-            log.debug("cuda:%d %s d_head=%d causal=%s seqlen_q=%d seqlen_k=%d -> %s (%s%s)",
-                      index, name, d_head, causal, seqlen_q, seqlen_k, entry.name, reason,
-                      "" if entry.name == config_name else "; no tensor maps: not persistent")
-        kernel = _auto_kernels[key] = _make_kernel(dk, entry, ctx)
+            log.debug("cuda:%d %s d_head=%d causal=%s seqlen_q=%d seqlen_k=%d -> %s (%s)", index,
+                      name, d_head, causal, seqlen_q, seqlen_k, config_name, reason)
+        kernel = _auto_kernels[key] = _make_kernel(dk, dk.usable[config_name], ctx)
     return kernel
 
 

@@ -691,7 +691,7 @@ def test_backward_reads_out_only_kernel_ready():
     """The preprocess kernel reads out with 16-byte loads: an out view that is not
     16-byte aligned (storage offset of 2 elements) or has strides that are not multiples of
     8 elements reaches the kernels as an aligned copy; a ready one as itself."""
-    from cudaflash.backward import _kernel_out
+    from cudaflash.backward import _kernel_layout
     base = torch.randn(2 * 64 * 4 * 64 + 2, dtype=torch.bfloat16)
     shifted = base[2:].view(2, 64, 4, 64)  # data pointer 4 bytes past an aligned one
     ready = torch.randn(2, 64, 4, 64, dtype=torch.bfloat16)
@@ -699,7 +699,7 @@ def test_backward_reads_out_only_kernel_ready():
     for t in (shifted, odd_stride):
         if t.data_ptr() % 16 == 0 and not any(s % 8 for s in t.stride()[:-1]):
             pytest.skip("the allocator placed the test tensor where it is already ready")
-        copy = _kernel_out(t)
+        copy = _kernel_layout(t)
         assert copy.data_ptr() % 16 == 0 and not any(s % 8 for s in copy.stride()[:-1])
         assert torch.equal(copy, t)
-    assert _kernel_out(ready) is ready
+    assert _kernel_layout(ready) is ready
