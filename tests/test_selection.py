@@ -143,7 +143,7 @@ def test_configs_yaml_rules_serve_every_built_kernel_family():
             for causal in (False, True):
                 # One length per bucket of the rules, and decoding (one query row).
                 for seqlen_q, seqlen_k in ((512, 512), (2048, 2048), (4096, 4096), (8192, 8192),
-                                           (1, 8192)):
+                                           (16384, 16384), (1, 8192)):
                     name, reason = call(SPEC.rules, fits, arch=arch, dtype=dtype,
                                         d_head=d_head, causal=causal, seqlen_q=seqlen_q,
                                         seqlen_k=seqlen_k)
