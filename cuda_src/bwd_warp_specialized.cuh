@@ -47,6 +47,9 @@ constexpr int kBwdDsBarrier = 1;        // the consumers: both halves of dS^T ar
 constexpr int kBwdDqFullBarrier = 2;    // + buffer: consumers -> reducer, the dQ tile is written
 constexpr int kBwdDqEmptyBarrier = 4;   // + buffer: reducer -> consumers, the tile was read
 constexpr int kBwdEpilogueBarrier = 6;  // the consumers, around dK/dV through shared memory
+// The consumers: a packed batch's tail rows of a tile are zero (zero_tail_rows). It shares
+// the epilogue's id: both have the same 256 threads, and the epilogue follows every step.
+constexpr int kBwdTailBarrier = 6;
 constexpr int kBwdDqBarrierThreads = kBwdConsumerThreads + 32;
 
 // Shared memory of the kernel (cudaflash.backward_config.BackwardConfig.dkdv_dq_smem_bytes mirrors it):
@@ -145,8 +148,61 @@ __device__ __forceinline__ void load_query_stage(const BwdParams& p, const BwdPa
               &full[stage]);
 }
 
-template <bool kWindow, class Cfg = C>
-__device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
+// Where a CTA's sequence lies in the tensor maps and the padded statistics: a padded batch's
+// entry blockIdx.z from row 0, or a packed (varlen) batch's sequence blockIdx.z from its first
+// row of the maps' one entry (the host describes the packed (total, heads, d) tensors as
+// (1, total, heads, d)). Rows past the sequence's end are then the next sequence's, not zero
+// fill: its keys are masked like the tail of a padded batch's (dQ: key >= seqlen_k; dK/dV:
+// never stored), its query rows carry lse +inf and delta 0 in the statistics (P = dS = 0).
+// stats_rows: the statistics' rows per head (dq_accum_rows of the call: of the longest
+// sequence for a packed batch). maps: the kernel's own __grid_constant__ params, whose
+// tensor maps TMA reads (a sequence view is a local copy, and TMA takes no map from local
+// memory).
+// zero_tails: a packed batch, whose tiles past a sequence's end hold the next sequence's rows
+// (zero_tail_rows).
+struct MapOrigin {
+    const BwdParams* maps;
+    int q_row, k_row, map_batch, stats_rows;
+    bool zero_tails;
+};
+// (p: the kernel's params)
+__device__ __forceinline__ MapOrigin padded_origin(const BwdParams& p) {
+    return {&p, 0, 0, int(blockIdx.z), dq_accum_rows(p), false};
+}
+// (p: the packed batch's params, before sequence_view; the clamps are sequence_view's)
+__device__ __forceinline__ MapOrigin packed_origin(const BwdParams& p) {
+    const int b = blockIdx.z;
+    return {&p, min(max(p.cu_seqlens_q[b], 0), p.total_q),
+            min(max(p.cu_seqlens_k[b], 0), p.total_k), 0, dq_accum_rows(p), true};
+}
+
+
+// Rows first_row.. of two (kRows, d) stage tiles set to zero by the 256 consumer threads
+// (ctid), then a barrier of both groups before either's GEMMs read them. A packed batch's
+// tile that runs past its sequence's end holds the next sequence's rows instead of TMA's zero
+// fill: P and dS are 0 there, but 0 times a non-finite value (a spare row of garbage after
+// the last sequence) is NaN, which the GEMMs would sum into this sequence's gradients.
+template <int kRows>
+__device__ __forceinline__ void zero_tail_rows(elem_t* a, elem_t* b, int first_row,
+                                               unsigned ctid) {
+    constexpr int kChunks = kD / 8;  // 16-byte chunks per row
+    for (int i = ctid; i < (kRows - first_row) * kChunks; i += kBwdConsumerThreads) {
+        const int offset = SmemTile<C>::template offset<kRows>(first_row + i / kChunks,
+                                                                i % kChunks);
+        *reinterpret_cast<uint4*>(a + offset) = make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(b + offset) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    fence_proxy_async_shared();  // these generic writes, then the wgmmas' (async) reads
+    named_barrier_sync(kBwdTailBarrier, kBwdConsumerThreads);
+}
+
+// p: the CTA's sequence (sequence_view for a packed batch); origin: where it lies in the maps
+// and the statistics. kPacked: a packed batch (origin.zero_tails), whose dQ tiles go to the
+// packed accumulator (packed_dq_accum_row) and whose tiles past the sequence's end are zeroed
+// (zero_tail_rows: here K and V too, since dQ = dS K sums over every key row of the tile).
+template <bool kWindow, class Cfg = C, bool kPacked = false>
+__device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrigin origin) {
+    const BwdParams& maps = *origin.maps;  // the tensor maps (grid-constant params)
     static_assert(Cfg::kWarpSpecialized && Cfg::kWgmma && Cfg::kWarps == 8,
                   "two consumer warpgroups of 64 keys on wgmma");
     constexpr int kKeys = C::kCtaRows;
@@ -188,7 +244,7 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
     // copies of the padded statistics). Each "full" barrier takes that thread's one arrival
     // with the bytes as its transaction count, which the copies count down.
     constexpr uint32_t kKvBytes = 2 * kKeys * kD * sizeof(elem_t);
-    ws_setup<kStages>(p, &kv_full, full, empty);
+    ws_setup<kStages>(maps, &kv_full, full, empty);
 
     if (warp < 4) {
         warpgroup_reg_dealloc<kBwdProducerRegs>();
@@ -196,14 +252,18 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
             // ---- loader: one thread -------------------------------------------------------
             if (lane != 0) return;
             mbarrier_arrive_expect_tx(&kv_full, kKvBytes);
-            tma_load_5d(smem_addr(sK), p.tma_k, &kv_full, 0, key0, 0, head_k, batch);
-            tma_load_5d(smem_addr(sV), p.tma_v, &kv_full, 0, key0, 0, head_k, batch);
+            const int map_key0 = origin.k_row + key0;
+            tma_load_5d(smem_addr(sK), maps.tma_k, &kv_full, 0, map_key0, 0, head_k,
+                        origin.map_batch);
+            tma_load_5d(smem_addr(sV), maps.tma_v, &kv_full, 0, map_key0, 0, head_k,
+                        origin.map_batch);
             StepWalk<kQ> at = walk0;
             // Not unrolled: nvcc's unrolled copies spilled at the producer's 24 registers.
 #pragma unroll 1
             for (int step = 0; step < n_steps; ++step, at.next())
-                load_query_stage<kQ, kStages>(p, p, step, at.head, at.q0, at.q0, batch, batch,
-                                              dq_accum_rows(p), sQ, sdO, sLse, sDelta, full,
+                load_query_stage<kQ, kStages>(p, maps, step, at.head, at.q0,
+                                              origin.q_row + at.q0, origin.map_batch, batch,
+                                              origin.stats_rows, sQ, sdO, sLse, sDelta, full,
                                               empty);
         } else if (warp == 1) {
             // ---- dQ reducer --------------------------------------------------------------
@@ -212,7 +272,8 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
                 const int buf = step % 2;
                 named_barrier_sync(kBwdDqFullBarrier + buf, kBwdDqBarrierThreads);
                 if (lane == 0) {
-                    bulk_reduce_add_f32(dq_accum_row(p, batch, at.head, at.q0),
+                    bulk_reduce_add_f32(kPacked ? packed_dq_accum_row(p, at.head, at.q0)
+                                                : dq_accum_row(p, batch, at.head, at.q0),
                                         smem_addr(sdQ + buf * kDqTileFloats), kDqTileFloats * 4);
                     bulk_commit();
                     bulk_wait_read<0>();
@@ -247,6 +308,9 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
     const int dq_col0 = cgroup * C::kDqWgCols;
     const uint32_t dq_k_cols = k_tile + (dq_col0 / 64) * kKeys * 128 + (dq_col0 % 64) * 2;
     mbarrier_wait(&kv_full, 0);
+    if constexpr (kPacked) {
+        if (key_rows < kKeys) zero_tail_rows<kKeys>(sK, sV, key_rows, threadIdx.x - kBwdProducerThreads);
+    }
 
     StepWalk<kQ> at = walk0;
     for (int step = 0; step < n_steps; ++step, at.next()) {
@@ -262,6 +326,11 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p) {
                      : p.is_causal && q0 + shift < key0 + kKeys - 1) ||
             key_rows < kKeys;  // keys past seqlen_k (step_probabilities, kKeyTail)
         mbarrier_wait(&full[stage], (step / kStages) & 1);
+        if constexpr (kPacked) {
+            if (q0 + kQ > p.seqlen_q)  // (the same in both consumer warpgroups)
+                zero_tail_rows<kQ>(sQ + stage * kQ * kD, sdO + stage * kQ * kD, p.seqlen_q - q0,
+                                   threadIdx.x - kBwdProducerThreads);
+        }
 
         float P[1][kQ / 8][4], dS[1][kQ / 8][4];
         wgmma_fence_operands(wg::flat(P[0]));

@@ -61,55 +61,6 @@ __device__ __forceinline__ void take_fragments(uint32_t (&a)[1][kD256PFragments]
     }
 }
 
-// Where a CTA's sequence lies in the tensor maps and the padded statistics: a padded batch's
-// entry blockIdx.z from row 0, or a packed (varlen) batch's sequence blockIdx.z from its first
-// row of the maps' one entry (the host describes the packed (total, heads, d) tensors as
-// (1, total, heads, d)). Rows past the sequence's end are then the next sequence's, not zero
-// fill: its keys are masked like the tail of a padded batch's (dQ: key >= seqlen_k; dK/dV:
-// never stored), its query rows carry lse +inf and delta 0 in the statistics (P = dS = 0).
-// stats_rows: the statistics' rows per head (dq_accum_rows of the call: of the longest
-// sequence for a packed batch). maps: the kernel's own __grid_constant__ params, whose
-// tensor maps TMA reads (a sequence view is a local copy, and TMA takes no map from local
-// memory).
-// zero_tails: a packed batch, whose tiles past a sequence's end hold the next sequence's rows
-// (zero_tail_rows).
-struct MapOrigin {
-    const BwdParams* maps;
-    int q_row, k_row, map_batch, stats_rows;
-    bool zero_tails;
-};
-// (p: the kernel's params)
-__device__ __forceinline__ MapOrigin padded_origin(const BwdParams& p) {
-    return {&p, 0, 0, int(blockIdx.z), dq_accum_rows(p), false};
-}
-// (p: the packed batch's params, before sequence_view; the clamps are sequence_view's)
-__device__ __forceinline__ MapOrigin packed_origin(const BwdParams& p) {
-    const int b = blockIdx.z;
-    return {&p, min(max(p.cu_seqlens_q[b], 0), p.total_q),
-            min(max(p.cu_seqlens_k[b], 0), p.total_k), 0, dq_accum_rows(p), true};
-}
-
-constexpr int kD256TailBarrier = 6;  // both consumer groups: a stage's tail rows are zero
-
-// Rows first_row.. of two (kRows, d) stage tiles set to zero by the 256 consumer threads
-// (ctid), then a barrier of both groups before either's GEMMs read them. A packed batch's
-// tile that runs past its sequence's end holds the next sequence's rows instead of TMA's zero
-// fill: P and dS are 0 there, but 0 times a non-finite value (a spare row of garbage after
-// the last sequence) is NaN, which the GEMMs would sum into this sequence's gradients.
-template <int kRows>
-__device__ __forceinline__ void zero_tail_rows(elem_t* a, elem_t* b, int first_row,
-                                               unsigned ctid) {
-    constexpr int kChunks = kD / 8;  // 16-byte chunks per row
-    for (int i = ctid; i < (kRows - first_row) * kChunks; i += kBwdConsumerThreads) {
-        const int offset = SmemTile<C>::template offset<kRows>(first_row + i / kChunks,
-                                                                i % kChunks);
-        *reinterpret_cast<uint4*>(a + offset) = make_uint4(0u, 0u, 0u, 0u);
-        *reinterpret_cast<uint4*>(b + offset) = make_uint4(0u, 0u, 0u, 0u);
-    }
-    fence_proxy_async_shared();  // these generic writes, then the wgmmas' (async) reads
-    named_barrier_sync(kD256TailBarrier, kBwdConsumerThreads);
-}
-
 // Shared memory (cudaflash.backward_config.BackwardConfig.dkdv_smem_bytes mirrors it):
 // K, V (64 x 256) | kBwdStages x Q, dO (64 x 256) | 2 x P^T fragments (128 threads x 64 B) |
 // kBwdStages x lse, delta (64 float32) | mbarriers (1 + 2 * kBwdStages).

@@ -15,7 +15,9 @@
 //                             full attention; cudaflash_bwd_dkdv_dq_window with a window.
 //   cudaflash_bwd_dq_convert  dQ = softmax_scale * accumulator, in the input dtype.
 //   cudaflash_bwd_{preprocess,dkdv,dq}_varlen  the same kernels, each CTA on its sequence of
-//                             a packed (varlen) batch (the deterministic scheme only).
+//                             a packed (varlen) batch; cudaflash_bwd_dkdv_dq_varlen and
+//                             cudaflash_bwd_dq_convert_varlen the atomic scheme's, on
+//                             warp-specialized modules (packed_dq_accum_row's accumulator).
 // Two schemes, chosen per call (flash_attn_func's `deterministic`):
 //   deterministic      preprocess, dkdv, dq: dQ in its own kernel recomputes S and dP (7
 //                      GEMMs), and every gradient is written once, by one CTA, in a fixed
@@ -236,6 +238,21 @@ __device__ __forceinline__ float* dq_accum_row(const BwdParams& p, int batch, in
                                                int row) {
     return p.dq_accum + ((int64_t(batch) * p.n_heads + head) * dq_accum_rows(p) + row) * kD;
 }
+// A packed batch's accumulator: (n_heads, total_q + kDqAccumRowAlign * batch, d_head), the
+// sequence b from row cu_seqlens_q[b] + kDqAccumRowAlign * b (sequence_view moves dq_accum
+// there), so that its whole tiles never reach the next sequence's: a tile in fragment order
+// spreads its rows over all of it. p: the sequence's view (total_q and batch are the call's).
+__device__ __forceinline__ float* packed_dq_accum_row(const BwdParams& p, int head, int row) {
+    const int64_t head_rows = int64_t(p.total_q) + int64_t(kDqAccumRowAlign) * p.batch;
+    return p.dq_accum + (head * head_rows + row) * kD;
+}
+// The accumulator's row `row` of (batch, head) in either layout: a padded batch's, or (p the
+// sequence's view) a packed batch's.
+template <bool kPacked>
+__device__ __forceinline__ float* accum_row(const BwdParams& p, int batch, int head, int row) {
+    if constexpr (kPacked) return packed_dq_accum_row(p, head, row);
+    else return dq_accum_row(p, batch, head, row);
+}
 
 // Where element (r, c) of a 64-row dQ tile lies in the warp-specialized kernel's order: the
 // consumer warps' fragments one after another, float4 per lane per n8 block. Consumer warp w
@@ -272,7 +289,9 @@ __device__ __forceinline__ BwdParams sequence_view(const BwdParams& p, int batch
     s.dv = static_cast<elem_t*>(p.dv) + k0 * p.dv_strides.seq;
     s.lse = p.lse + q0;
     s.delta = p.delta + q0;
-    if (p.dq_accum != nullptr) s.dq_accum = p.dq_accum + int64_t(q0) * kD;
+    // (packed_dq_accum_row's layout: whole tiles of this sequence from there)
+    if (p.dq_accum != nullptr)
+        s.dq_accum = p.dq_accum + (int64_t(q0) + int64_t(kDqAccumRowAlign) * batch) * kD;
     return s;
 }
 
@@ -333,7 +352,8 @@ __device__ __forceinline__ uint32_t row_lanes_mask() {
 }
 
 // stats_rows: the padded statistics' rows per head (dq_accum_rows of the call; for a packed
-// batch, p is the sequence's view and stats_rows the whole batch's).
+// batch (kPacked), p is the sequence's view and stats_rows the whole batch's).
+template <bool kPacked = false>
 __device__ __forceinline__ void bwd_preprocess(const BwdParams& p, int stats_rows) {
     const int lane = threadIdx.x % kRowLanes;  // 8 columns from 8 * lane
     const int row = blockIdx.x * kPreprocessRows + threadIdx.x / kRowLanes;
@@ -342,7 +362,8 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& p, int stats_row
     if (p.dq_accum != nullptr && row < dq_accum_rows(p)) {
         // The atomic scheme: its dQ accumulator starts at zero, the tail tile's padding too
         // (the grid covers dq_accum_rows; any order of a tile's elements is zeroed alike).
-        float4* accum = reinterpret_cast<float4*>(dq_accum_row(p, batch, head, row) + 8 * lane);
+        float4* accum =
+            reinterpret_cast<float4*>(accum_row<kPacked>(p, batch, head, row) + 8 * lane);
         accum[0] = make_float4(0.f, 0.f, 0.f, 0.f);
         accum[1] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
@@ -386,13 +407,18 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& p, int stats_row
 
 // Each thread converts 8 consecutive floats of the accumulator (two 16-byte loads), a CTA
 // kPreprocessRows rows' worth, so the reads are contiguous in either layout. The host covers
-// dq_accum_rows (whole tiles: a warp-specialized tile's rows are spread over all of it).
+// dq_accum_rows (whole tiles: a warp-specialized tile's rows are spread over all of it); a
+// packed batch's (kPacked: p is the sequence's view) the longest sequence's, so CTAs past
+// this sequence's tiles return.
+template <bool kPacked = false>
 __device__ __forceinline__ void bwd_dq_convert(const BwdParams& p) {
     const int head = blockIdx.y;
     const int batch = blockIdx.z;
     // (64-bit: a head's accumulator passes 2^31 floats at 2^24 rows of d128)
     const int64_t first = int64_t(blockIdx.x) * kPreprocessRows * kD + 8 * threadIdx.x;
-    const float4* accum = reinterpret_cast<const float4*>(dq_accum_row(p, batch, head, 0) + first);
+    if (kPacked && first >= int64_t(dq_accum_rows(p)) * kD) return;
+    const float4* accum =
+        reinterpret_cast<const float4*>(accum_row<kPacked>(p, batch, head, 0) + first);
     const float4 a = accum[0], b = accum[1];
     const float s = p.softmax_scale;
     if constexpr (!C::kWarpSpecialized) {
@@ -1063,7 +1089,7 @@ __device__ __forceinline__ void bwd_dkdv_dq(const BwdParams& p) {
     if constexpr (kD == 256) {
         __trap();
     } else if constexpr (Cfg::kWarpSpecialized) {
-        bwd_dkdv_dq_ws<kWindow, Cfg>(p);
+        bwd_dkdv_dq_ws<kWindow, Cfg>(p, padded_origin(p));
     } else {
         bwd_dkdv<true, kWindow>(p);
     }
@@ -1272,6 +1298,20 @@ __device__ __forceinline__ void bwd_dkdv_packed(const BwdParams& p) {
         bwd_dkdv_deterministic<kScoreMods>(sequence_view(p, blockIdx.z));
     }
 }
+// The atomic scheme on a packed batch: the warp-specialized fused kernel on the CTA's
+// sequence, window code included (it also masks causal calls). The other modules serve
+// packed batches in the deterministic scheme only: a trap, as bwd_dkdv_dq's.
+__device__ __forceinline__ void bwd_dkdv_dq_packed(const BwdParams& p) {
+    if constexpr (kD != 256 && C::kWarpSpecialized) {
+        const MapOrigin origin = packed_origin(p);
+        BwdParams s = sequence_view(p, blockIdx.z);
+        // As bwd_dkdv_packed: no rows past the statistics (a sequence beyond max_seqlen_q).
+        s.seqlen_q = min(s.seqlen_q, origin.stats_rows);
+        bwd_dkdv_dq_ws<true, C, true>(s, origin);
+    } else {
+        __trap();
+    }
+}
 template <bool kScoreMods = false>
 __device__ __forceinline__ void bwd_dq_packed(const BwdParams& p) {
     if constexpr (kD == 256 && C::kWarpSpecialized && !kScoreMods) {
@@ -1338,8 +1378,20 @@ extern "C" __global__ void CF_DETERMINISTIC_BOUNDS
 extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
     cudaflash_bwd_preprocess_varlen(const __grid_constant__ cudaflash::BwdParams p) {
     // (the statistics' rows per head: the whole batch's, from the params before the view)
-    cudaflash::bwd_preprocess(cudaflash::sequence_view(p, blockIdx.z),
-                              cudaflash::dq_accum_rows(p));
+    cudaflash::bwd_preprocess<true>(cudaflash::sequence_view(p, blockIdx.z),
+                                    cudaflash::dq_accum_rows(p));
+}
+
+// The atomic scheme on a packed batch (warp-specialized modules; elsewhere a trap): the fused
+// kernel per sequence, then dQ from the packed accumulator.
+extern "C" __global__ void CF_FUSED_BOUNDS
+    cudaflash_bwd_dkdv_dq_varlen(const __grid_constant__ cudaflash::BwdParams p) {
+    cudaflash::bwd_dkdv_dq_packed(p);
+}
+
+extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)
+    cudaflash_bwd_dq_convert_varlen(const __grid_constant__ cudaflash::BwdParams p) {
+    cudaflash::bwd_dq_convert<true>(cudaflash::sequence_view(p, blockIdx.z));
 }
 
 extern "C" __global__ void CF_DETERMINISTIC_BOUNDS

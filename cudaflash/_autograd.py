@@ -86,7 +86,7 @@ def run_backward(dout, q, k, v, out, lse, scale: float, causal: bool, determinis
 
 class FlashAttnVarlenFunction(torch.autograd.Function):
     """flash_attn_varlen_func with gradients: the forward keeps the lse, the backward runs
-    backward.run_varlen (the deterministic kernels, whatever ``deterministic`` says)."""
+    backward.run_varlen in the call's scheme (backward.scheme)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -108,6 +108,7 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         dispatch.check_backward_supported(q.get_device(), q.dtype, q.shape[2], "deterministic")
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.max_seqlens = (int(max_seqlen_q), int(max_seqlen_k))
+        ctx.deterministic = deterministic
         # The window clamped by max_seqlen_k (flash-attn's rule for packed batches).
         _keep_call(ctx, softmax_scale, q.shape[2], causal, window, ctx.max_seqlens[1], softcap,
                    alibi_slopes, lse)
@@ -117,11 +118,13 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        scheme = backward.scheme(ctx.deterministic, ctx.softcap,
+                                 ctx.alibi_slopes is not None or ctx.dropout is not None)
         with torch.cuda.device(q.get_device()):
             dq, dk, dv = backward.run_varlen(dout, q, k, v, out, lse, cu_seqlens_q,
                                              cu_seqlens_k, *ctx.max_seqlens, ctx.scale,
                                              ctx.causal, ctx.kernel_window, ctx.softcap,
-                                             ctx.alibi_slopes, ctx.dropout)
+                                             ctx.alibi_slopes, ctx.dropout, scheme)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 

@@ -19,10 +19,12 @@ first backward config the manifest has for the GPU, dtype, head dim and scheme
 (dispatch.find_backward_entry; configs.yaml, ``backward``: an entry's ``scheme`` says which
 it serves).
 
-Packed (varlen) batches (run_varlen) always take the deterministic kernels, each CTA on its
-own sequence (flash_bwd.cu, sequence_view). So do softcapped calls (``softcap`` > 0) and
-ALiBi calls, through the modules' *_scoremod entries: the atomic scheme's fused kernel has
-no such form (with the tanh it spilled at d128 on wgmma).
+Packed (varlen) batches (run_varlen) run each CTA on its own sequence (flash_bwd.cu,
+sequence_view): in the atomic scheme on the warp-specialized fused kernel where the GPU has
+it (Hopper, d64 and d128: _run_varlen_atomic, a packed dQ accumulator), else on the
+deterministic kernels. Softcapped calls (``softcap`` > 0), ALiBi and dropout take the
+deterministic kernels, through the modules' *_scoremod entries: the atomic scheme's fused
+kernel has no such form (with the tanh it spilled at d128 on wgmma).
 
 Only the autograd functions and the custom ops (_autograd.py) call this;
 they have already checked q, k, v (the forward's checks) and made q's device current.
@@ -251,13 +253,16 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
                causal: bool, window: tuple[int, int], softcap: float = 0.0, alibi_slopes=None,
-               dropout=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               dropout=None, scheme: str = "deterministic"
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of flash_attn_varlen_func, laid out like q, k, v ((total, nheads,
     headdim)); ``lse`` is its forward's (nheads, total_q). Rows of no sequence get zero
     gradients. The maxima must be at least the real lengths (flash-attn's contract): a
     sequence longer than them has undefined gradients (the forward did not compute all of
-    its rows). The deterministic kernels run whatever was asked: bitwise reproducible.
-    ``window``, ``softcap`` and ``alibi_slopes`` as in run."""
+    its rows). ``scheme`` as in run: "atomic" takes the warp-specialized fused kernel where
+    the GPU has one (Hopper, d64 and d128; _run_varlen_atomic), else the deterministic
+    kernels run, bitwise reproducible. ``window``, ``softcap`` and ``alibi_slopes`` as in
+    run."""
     total_q, n_heads, d_head = q.shape
     total_k, n_heads_k = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.numel() - 1
@@ -270,6 +275,10 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     index = q.get_device()
     ctx = _driver.current_context(index)
     scoremod = bool(softcap) or alibi_slopes is not None or dropout is not None
+    if scheme == "atomic" and not scoremod and _run_varlen_atomic(
+            ctx, index, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+            seqlen_q, seqlen_k, scale, causal, window):
+        return dq, dk, dv
     kernel = dispatch.backward_kernel(ctx, index, q.dtype, d_head, "deterministic",
                                       plain=not scoremod)
     # d256's warp-specialized kernels read the packed tensors through maps of one batch
@@ -308,3 +317,57 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     go.per_row("preprocess_varlen", None if stats is None else accum_rows)
     go.dkdv_then_dq("_varlen_scoremod" if scoremod else "_varlen")
     return dq, dk, dv
+
+
+def _run_varlen_atomic(ctx: int, index: int, dout, q, k, v, out, lse, dq, dk, dv,
+                       cu_seqlens_q, cu_seqlens_k, seqlen_q: int, seqlen_k: int, scale: float,
+                       causal: bool, window: tuple[int, int]) -> bool:
+    """run_varlen's atomic scheme, on the warp-specialized fused kernel (one CTA per key tile,
+    K/V head and sequence; dQ added to a float32 accumulator by bulk reductions): launched,
+    True; or False where no such module serves the call (not Hopper, d256, the maps refused,
+    too few query rows per CTA, or padded statistics many times the packed rows), and
+    nothing was launched. ``seqlen_q``/``seqlen_k``: the clamped maxima.
+
+    The accumulator is packed, (nheads, total_q + 128 * batch, headdim): sequence b from row
+    cu_seqlens_q[b] + 128 b, so its whole tiles (whose rows the kernel writes in fragment
+    order) never reach the next sequence's (flash_bwd.cu, packed_dq_accum_row). The
+    preprocess zeroes each sequence's tiles and writes the padded statistics, as run's."""
+    total_q, n_heads, d_head = q.shape
+    total_k, n_heads_k = k.shape[0], k.shape[1]
+    batch = cu_seqlens_q.numel() - 1
+    entry = dispatch.find_backward_entry(index, q.dtype, d_head, "atomic")
+    if entry is None or not entry.config.warp_specialized:
+        return False
+    # The mean sequence's rows per CTA decide, as run's longest (padded) one does.
+    if heuristics.effective_scheme("atomic", max(1, total_q // batch), n_heads // n_heads_k,
+                                   causal, entry.config.wgmma, window) != "atomic":
+        return False
+    accum_rows = -(-seqlen_q // DQ_ACCUM_ROW_ALIGN) * DQ_ACCUM_ROW_ALIGN
+    if batch * accum_rows > STATS_ROWS_PER_PACKED_ROW * total_q:
+        return False
+    kernel = dispatch.backward_kernel(ctx, index, q.dtype, d_head, "atomic")
+    maps = _encoded_maps(kernel.entry.config, q[None], k[None], v[None], dout[None])
+    if maps is None:
+        return False
+    delta = torch.empty((n_heads, total_q), dtype=torch.float32, device=q.device)
+    lse = lse.contiguous()  # the forward's own: (nheads, total_q)
+    dq_accum = torch.empty((n_heads, total_q + DQ_ACCUM_ROW_ALIGN * batch, d_head),
+                           dtype=torch.float32, device=q.device)
+    stats = torch.empty((2, batch, n_heads, accum_rows), dtype=torch.float32, device=q.device)
+    strides = [x for t in (q, k, v, out, dout, dq, dk, dv) for x in (0, *t.stride()[:2])]
+    scales = score_scales(scale, 0.0)
+    args = _driver.PackedArgs(_PACK.pack(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
+        lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+        dq_accum.data_ptr(), *strides, 0, total_q, batch, n_heads, n_heads_k, seqlen_q,
+        seqlen_k, int(causal), *scales[:2], cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(),
+        total_q, total_k, *window, *scales[2:], *alibi_params(None), *dropout_params(None),
+        0,  # reserved
+        stats[0].data_ptr(), stats[1].data_ptr()))
+    ctypes.memmove(args.address + _tma.BWD_MAPS_OFFSET, maps, len(maps))
+    go = _Launches(kernel, current_stream(index), args, seqlen_q, seqlen_k, n_heads, n_heads_k,
+                   batch)
+    go.per_row("preprocess_varlen", accum_rows)  # (zeroes each sequence's accumulator tiles)
+    go.per_key_tile("dkdv_dq_varlen")
+    go.per_row("dq_convert_varlen", accum_rows)
+    return True

@@ -69,7 +69,8 @@ class BackwardConfig:
              EntryRole("dkdv_dq", "cudaflash_bwd_dkdv_dq", "dkdv_dq_smem_bytes"),
              EntryRole("dq_convert", "cudaflash_bwd_dq_convert"),
              EntryRole("dkdv_dq_window", "cudaflash_bwd_dkdv_dq_window", "dkdv_dq_smem_bytes"),
-             # the deterministic scheme on a packed (varlen) batch
+             # the deterministic scheme on a packed (varlen) batch (preprocess_varlen serves
+             # both schemes)
              EntryRole("preprocess_varlen", "cudaflash_bwd_preprocess_varlen"),
              EntryRole("dkdv_varlen", "cudaflash_bwd_dkdv_varlen", "dkdv_smem_bytes"),
              EntryRole("dq_varlen", "cudaflash_bwd_dq_varlen", "dq_smem_bytes"),
@@ -80,7 +81,10 @@ class BackwardConfig:
              EntryRole("dkdv_varlen_scoremod", "cudaflash_bwd_dkdv_varlen_scoremod",
                        "dkdv_smem_bytes"),
              EntryRole("dq_varlen_scoremod", "cudaflash_bwd_dq_varlen_scoremod",
-                       "dq_smem_bytes"))
+                       "dq_smem_bytes"),
+             # the atomic scheme on a packed batch (warp-specialized modules; elsewhere traps)
+             EntryRole("dkdv_dq_varlen", "cudaflash_bwd_dkdv_dq_varlen", "dkdv_dq_smem_bytes"),
+             EntryRole("dq_convert_varlen", "cudaflash_bwd_dq_convert_varlen"))
     ENTRIES = tuple(role.symbol for role in ROLES)
     PREPROCESS_THREADS = 128  # kPreprocessThreads: d_head / 8 lanes per query row
 

@@ -58,7 +58,9 @@ from .selection import Rule, parse_rules
 # kernel loads through them only.
 # 17: Params carries tile_counter after the split-KV workspace pointers (768 bytes): the
 # persistent forward's causal calls take their tiles from it.
-SCHEMA = 17
+# 18: backward modules carry dkdv_dq_varlen and dq_convert_varlen (the atomic scheme on a
+# packed batch).
+SCHEMA = 18
 KINDS = ("cubin", "ptx")
 MANIFEST_NAME = "manifest.json"
 

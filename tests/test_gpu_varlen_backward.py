@@ -1,6 +1,7 @@
 """flash_attn_varlen_func's backward on a GPU: each packed sequence's dq, dk, dv against
 autograd through the attention math in PyTorch (test_gpu_backward's accuracy rule), rows of
-no sequence zero, and bitwise reproducible (the deterministic kernels always run)."""
+no sequence zero, in either scheme (deterministic=True: bitwise reproducible; the atomic
+scheme's warp-specialized fused kernel on Hopper)."""
 
 import pytest
 import torch
@@ -43,29 +44,91 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("scheme", ["deterministic", "atomic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"b{len(s[0])}_h{s[2]}_hk{s[3]}")
 @pytest.mark.parametrize("combo", BWD_COMBOS, ids=_combo_id)
-def test_varlen_gradients(combo, shape, causal):
+def test_varlen_gradients(combo, shape, causal, scheme, monkeypatch):
+    """Either scheme (atomic: every shape made to take its kernels, the fused warp-specialized
+    one on Hopper)."""
     lens_q, lens_k, h, hk = shape
     dtype, d = combo
+    if scheme == "atomic":
+        import _internals as internals
+        internals.force_atomic_kernels(monkeypatch)
     q, k, v, cu_q, cu_k = packed(lens_q, lens_k, h, hk, d, DTYPES[dtype], seed=len(lens_q))
     # A spare row after the last sequence in q and k: its gradients must stay zero.
     q, k, v = (torch.cat([t, torch.randn_like(t[:1])]) for t in (q, k, v))
     dout = torch.randn_like(q)
     _, grads = run_with_grad(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), dout,
-                             causal=causal)
+                             causal=causal, deterministic=scheme == "deterministic")
     check_each_sequence(grads, q, k, v, dout, cu_q, cu_k, causal)
 
 
 def test_varlen_gradients_are_reproducible():
+    """deterministic=True: bitwise the same gradients every run."""
     dtype, d = BWD_COMBOS[-1]
     q, k, v, cu_q, cu_k = packed([300, 77, 1000], [300, 500, 1000], 4, 2, d, DTYPES[dtype])
     dout = torch.randn_like(q)
-    first = run_with_grad(q, k, v, cu_q, cu_k, 1000, 1000, dout, causal=True)[1]
-    again = run_with_grad(q, k, v, cu_q, cu_k, 1000, 1000, dout, causal=True)[1]
+    first = run_with_grad(q, k, v, cu_q, cu_k, 1000, 1000, dout, causal=True,
+                          deterministic=True)[1]
+    again = run_with_grad(q, k, v, cu_q, cu_k, 1000, 1000, dout, causal=True,
+                          deterministic=True)[1]
     for a, b in zip(first, again):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)),
+                                           (False, (90, 40))],
+                         ids=["noncausal", "causal", "window"])
+def test_varlen_atomic_scheme_takes_the_fused_warp_specialized_kernel(d, dtype, causal, window,
+                                                                      monkeypatch):
+    """On Hopper a packed batch in the atomic scheme runs the warp-specialized fused dK/dV +
+    dQ kernel per sequence (each sequence from its first row of maps over the packed tensors)
+    and dQ from the packed accumulator: within the rule per sequence, the NaN rows after the
+    last sequence kept out (a tile past a sequence's end reads them: its K, V, Q and dO tail
+    rows are zeroed), no gradient outside the sequences. The same call with
+    deterministic=True runs the deterministic kernels, also within the rule."""
+    import _internals as internals
+    from test_gpu_backward import launched_backward_modules, warp_specialized_backward
+
+    from test_gpu_window import check_window_grads
+
+    internals.force_atomic_kernels(monkeypatch)
+    ws = warp_specialized_backward(dtype, d)
+    lens_q, lens_k = [70, 1, 300, 129, 64], [200, 64, 300, 0, 65]
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k, 4, 2, d, dtype, seed=d + 7)
+    q, k, v = (torch.cat([t, torch.full_like(t[:3], float("nan"))]) for t in (q, k, v))
+    dout = torch.randn_like(q)
+    dout[-3:] = float("nan")
+
+    def each_sequence(grads):
+        oq, ok = cu_q.tolist(), cu_k.tolist()
+        for b in range(len(lens_q)):
+            rows, keys = slice(oq[b], oq[b + 1]), slice(ok[b], ok[b + 1])
+            one = [t[None] for t in (grads[0][rows], grads[1][keys], grads[2][keys])]
+            args = (q[rows][None], k[keys][None], v[keys][None], dout[rows][None])
+            if lens_k[b] == 0:  # no keys: no gradient
+                assert not grads[0][rows].any()
+            elif window == (-1, -1):
+                check_grads(one, *args, causal)
+            else:
+                check_window_grads(one, *args, *window, causal)
+        assert not any(g[-3:].any() for g in grads), "the spare rows got gradients"
+
+    launched = launched_backward_modules(monkeypatch)
+    _, grads = run_with_grad(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), dout,
+                             causal=causal, window_size=window)
+    assert {(ws.name, "dkdv_dq_varlen"), (ws.name, "dq_convert_varlen")} <= set(launched), \
+        launched
+    each_sequence(grads)
+    launched.clear()
+    _, fixed = run_with_grad(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), dout,
+                             causal=causal, window_size=window, deterministic=True)
+    assert launched and all(role != "dkdv_dq_varlen" for _, role in launched), launched
+    each_sequence(fixed)
 
 
 def test_varlen_gradients_through_packed_qkv():
