@@ -276,9 +276,10 @@ def test_repeat_calls_with_new_tensors(monkeypatch):
 
 
 def test_autograd_forward_takes_the_layouts_maps(monkeypatch):
-    """A forward that records for autograd takes the checked path (a new launcher) on every
-    call: it loads through the layout's shared maps, encoding them only on the layout's first
-    call, and its output and gradients are bit for bit those of the cp.async path."""
+    """A forward that records for autograd loads through the layout's shared maps, encoding
+    them only on the layout's first call (later calls replay the signature's plan, which
+    writes the maps of each call's pointers), and its output and gradients are bit for bit
+    those of the cp.async path (a new plan: MIN_SCORES now refuses maps)."""
     monkeypatch.setattr(_tma, "MIN_KEYS", 0)
     monkeypatch.setattr(_tma, "_layouts", {})
     writes = MapWrites(monkeypatch)
@@ -291,6 +292,7 @@ def test_autograd_forward_takes_the_layouts_maps(monkeypatch):
     results = []
     for min_scores in (0, 1 << 62):
         monkeypatch.setattr(_tma, "MIN_SCORES", min_scores)
+        _plans.plans.clear()  # (a plan keeps the launch its first call chose)
         before = writes.count
         # deterministic=True: the default scheme adds dQ with float atomics, whose order (and
         # so dQ's last bits) varies from run to run with or without maps.
