@@ -88,36 +88,27 @@ def _kernel_dout(dout: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class _Launches:
-    """The launches of one backward call, all with one packed BwdParams: the grid of each
-    kernel follows from what it iterates over (query rows, key tiles, query tiles)."""
+class _Steps:
+    """The launches of one backward call as (role, grid, threads) steps, all with one packed
+    BwdParams: the grid of each kernel follows from what it iterates over (query rows, key
+    tiles, query tiles)."""
 
     kernel: dispatch.BackwardKernel
-    stream: int
-    args: "_driver.PackedArgs"
     seqlen_q: int
     seqlen_k: int
     n_heads: int
     n_heads_k: int
     batch: int
 
-    def _launch(self, role: str, grid: tuple, threads: int) -> None:
-        """Launch the module's ``role`` entry (backward_config.BackwardConfig.ROLES) with the
-        dynamic shared memory the manifest gives it."""
-        k = self.kernel
-        _driver.launch_packed(getattr(k.fns, role), f"cuLaunchKernel({k.entry.name} {role})",
-                              grid, threads, k.entry.entries[role].smem_bytes, self.stream,
-                              self.args, k.synchronize)
-
-    def per_row(self, role: str, rows: int | None = None) -> None:
+    def per_row(self, role: str, rows: int | None = None) -> tuple:
         """preprocess, dq_convert: a few query rows per CTA, over ``rows`` rows (default
         seqlen_q)."""
         e = self.kernel.entry
         rows = self.seqlen_q if rows is None else rows
         grid = ((rows + e.preprocess_rows - 1) // e.preprocess_rows, self.n_heads, self.batch)
-        self._launch(role, grid, e.preprocess_threads)
+        return role, grid, e.preprocess_threads
 
-    def per_key_tile(self, role: str) -> None:
+    def per_key_tile(self, role: str) -> tuple:
         """dkdv, dkdv_dq: one CTA per tile of keys and K/V head (the fused dkdv_dq entries
         with the module's fused_threads: warp-specialized modules add a producer warpgroup;
         the dkdv entries with its dkdv_threads and dkdv_cta_rows: d256's warp-specialized
@@ -128,20 +119,35 @@ class _Launches:
         else:
             rows, threads = e.config.dkdv_cta_rows, e.config.dkdv_threads
         tiles = (self.seqlen_k + rows - 1) // rows
-        self._launch(role, (tiles, self.n_heads_k, self.batch), threads)
+        return role, (tiles, self.n_heads_k, self.batch), threads
 
-    def per_query_tile(self, role: str) -> None:
+    def per_query_tile(self, role: str) -> tuple:
         """dq: one CTA per tile of query rows and query head (the module's dq_cta_rows and
         dq_threads: d256's warp-specialized kernel has 64 rows and a producer warpgroup)."""
         config = self.kernel.entry.config
         tiles = (self.seqlen_q + config.dq_cta_rows - 1) // config.dq_cta_rows
-        self._launch(role, (tiles, self.n_heads, self.batch), config.dq_threads)
+        return role, (tiles, self.n_heads, self.batch), config.dq_threads
 
-    def dkdv_then_dq(self, suffix: str) -> None:
+    def dkdv_then_dq(self, suffix: str) -> tuple:
         """The deterministic scheme's GEMM kernels: dkdv per key tile, then dq per query tile
         (their padded, varlen or score-modifier roles: ``suffix`` names which)."""
-        self.per_key_tile("dkdv" + suffix)
-        self.per_query_tile("dq" + suffix)
+        return self.per_key_tile("dkdv" + suffix), self.per_query_tile("dq" + suffix)
+
+
+def _launch_step(kernel: dispatch.BackwardKernel, role: str, grid: tuple, threads: int,
+                 stream: int, args: "_driver.PackedArgs") -> None:
+    """Launch the module's ``role`` entry (backward_config.BackwardConfig.ROLES) with the
+    dynamic shared memory the manifest gives it."""
+    _driver.launch_packed(getattr(kernel.fns, role),
+                          f"cuLaunchKernel({kernel.entry.name} {role})", grid, threads,
+                          kernel.entry.entries[role].smem_bytes, stream, args,
+                          kernel.synchronize)
+
+
+def _launch(kernel: dispatch.BackwardKernel, steps, stream: int,
+            args: "_driver.PackedArgs") -> None:
+    for role, grid, threads in steps:
+        _launch_step(kernel, role, grid, threads, stream, args)
 
 
 def _encoded_maps(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -162,30 +168,52 @@ def _encoded_maps(config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return maps
 
 
-def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, scheme: str,
-        window: tuple[int, int], softcap: float = 0.0, alibi_slopes=None, dropout=None
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) laid out like q, k, v. ``lse`` is the forward's (batch, nheads, seqlen_q)
-    float32 log-sum-exp; q's device must be current. ``scheme``: "atomic" or
-    "deterministic" (see the module docstring). ``window``: (left, right) exactly as the
-    forward's kernel took them (heuristics.kernel_window: -1 unbounded, causal as right = 0); the
-    kernels mask by it, so a causal call must pass right = 0 (``causal`` only orders CTAs
-    and picks the scheme). ``softcap``: the forward's cap (0.0: none); ``alibi_slopes``: the
-    forward's checked slopes (None: none); either needs the deterministic scheme (scheme())."""
-    scoremod = bool(softcap) or alibi_slopes is not None or dropout is not None
-    if scoremod and scheme != "deterministic":
-        raise ValueError(f"softcap={softcap}, ALiBi ({alibi_slopes is not None}) and dropout "
-                         f"({dropout is not None}) run in the deterministic scheme, not "
-                         f"{scheme!r}")
+@dataclass(frozen=True)
+class _Plan:
+    """What ``run`` concluded for one call signature (_plan_key): a repeat call (every layer
+    of every training step) only allocates, packs this call's pointers and launches.
+
+    The workspace is one float32 allocation: the atomic scheme's dQ accumulator, then the
+    warp-specialized kernels' padded row statistics (lse in log2 units, delta), then delta;
+    the first two start at multiples of 128 floats (their bulk copies and reductions need 16
+    bytes)."""
+
+    kernel: dispatch.BackwardKernel
+    maps: object  # the layout's _tma.TensorMaps (written per call's pointers), or None
+    steps: tuple  # (role, grid, threads), in launch order
+    fixed: tuple  # BwdParams from the strides to the cap's scales (after dq_accum)
+    accum_floats: int  # 0 in the deterministic scheme
+    stats_floats: int  # per statistic; 0 without maps
+    delta_floats: int
+
+
+MAX_PLANS = 1024
+_plans: dict[tuple, _Plan] = {}
+
+
+def clear_plans() -> None:
+    """Forget every backward plan (dispatch.clear_backward_cache and api.clear_caches call
+    this: a plan holds a module's functions and the heuristics' verdict)."""
+    _plans.clear()
+
+
+def _plan_key(q, k, v, out, dout, scale, causal, scheme, window, softcap, alibi_slopes,
+              dropout) -> tuple:
+    """Everything a _Plan depends on: shapes, strides (dq, dk, dv are empty_like's of q, k,
+    v), dtype, device, the scheme asked for (torch's deterministic switch included), window,
+    scale and cap, and which score modifiers the call has (their pointers are per call)."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(),
+            q.dtype, q.get_device(), scale, causal, scheme, window, softcap,
+            None if alibi_slopes is None else alibi_slopes.shape, dropout is None)
+
+
+def _new_plan(q, k, v, out, dout, dq, dk, dv, scale, causal, scheme, window, softcap,
+              scoremod: bool, maps_refused: bool = False) -> _Plan:
+    """The module, maps, launches and fixed BwdParams fields of a padded-batch call.
+    ``maps_refused``: the driver refused this call's pointers (TensorMaps.write), so the
+    module without maps serves it."""
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
-    dout, out = _kernel_dout(dout, q), _kernel_layout(out)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if batch == 0 or seqlen_q == 0 or seqlen_k == 0:
-        # No query row or no key: every gradient is zero (out was zero-filled).
-        return dq.zero_(), dk.zero_(), dv.zero_()
-
     index = q.get_device()
     if scheme == "atomic":
         atomic = dispatch.find_backward_entry(index, q.dtype, d_head, "atomic")
@@ -203,49 +231,102 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if config.warp_specialized and (scheme == "atomic" or config.dkdv_warp_specialized):
         # Its loader reads q, k, v and dout through tensor maps only. The kernel-ready
         # tensors (whole 16-byte strides and alignment) always have them; should the driver
-        # still refuse a layout or these pointers, a module without maps serves the call:
+        # still refuse a layout or a call's pointers, a module without maps serves the call:
         # the deterministic scheme's (d64, d128), the mma.sync one (d256).
-        maps = _encoded_maps(config, q, k, v, dout)
+        if not maps_refused:
+            maps = _tma.backward_maps(q, k, v, dout, config.ws_query_rows,
+                                      config.dkdv_cta_rows)
         if maps is None:
             scheme = "deterministic"
             kernel = dispatch.backward_kernel(ctx, index, q.dtype, d_head, scheme)
     deterministic = scheme == "deterministic"
-    delta = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device)
-    lse = lse.contiguous()  # the forward's own: already (batch, nheads, seqlen_q), contiguous
     # The atomic scheme's dQ accumulator, whole query tiles per head (flash_bwd.cu,
     # dq_accum_rows: a tile is one bulk reduction); the preprocess kernel zeroes it.
     accum_rows = -(-seqlen_q // DQ_ACCUM_ROW_ALIGN) * DQ_ACCUM_ROW_ALIGN
-    dq_accum = None if deterministic else torch.empty(
-        (batch, n_heads, accum_rows, d_head), dtype=torch.float32, device=q.device)
-    # The warp-specialized kernel's row statistics, padded like the accumulator (the
-    # preprocess kernel writes lse in log2 units and delta there: bwd_params.cuh).
-    stats = None if maps is None else torch.empty(
-        (2, batch, n_heads, accum_rows), dtype=torch.float32, device=q.device)
-
+    steps = _Steps(kernel, seqlen_q, seqlen_k, n_heads, n_heads_k, batch)
+    if deterministic:
+        launches = (steps.per_row("preprocess", accum_rows),
+                    *steps.dkdv_then_dq("_scoremod" if scoremod else ""))
+    else:
+        # The fused kernel without window code where the mask is only causal (or none): the
+        # window's masking cost it 2-5% (flash_bwd.cu, bwd_dkdv). dq_convert covers whole
+        # tiles (fragment order: a tile's rows spread over all of it).
+        fused = "dkdv_dq" if window == (-1, 0 if causal else -1) else "dkdv_dq_window"
+        launches = (steps.per_row("preprocess", accum_rows), steps.per_key_tile(fused),
+                    steps.per_row("dq_convert", accum_rows))
     strides = [x for t in (q, k, v, out, dout, dq, dk, dv) for x in t.stride()[:3]]
     scales = score_scales(scale, softcap)  # as the forward's Params had them
-    args = _driver.PackedArgs(_PACK.pack(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
-        lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-        0 if dq_accum is None else dq_accum.data_ptr(), *strides, n_heads * seqlen_q, seqlen_q,
-        batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal), *scales[:2],
-        0, 0, 0, 0,  # not a packed batch
-        *window, *scales[2:], *alibi_params(alibi_slopes), *dropout_params(dropout),
-        0,  # reserved
-        *((0, 0) if stats is None else (stats[0].data_ptr(), stats[1].data_ptr()))))
-    if maps is not None:
-        ctypes.memmove(args.address + _tma.BWD_MAPS_OFFSET, maps, len(maps))
+    fixed = (*strides, n_heads * seqlen_q, seqlen_q, batch, n_heads, n_heads_k, seqlen_q,
+             seqlen_k, int(causal), *scales[:2], 0, 0, 0, 0,  # 0s: not a packed batch
+             *window, *scales[2:])
+    rows = batch * n_heads * accum_rows
+    return _Plan(kernel=kernel, maps=maps, steps=launches, fixed=fixed,
+                 accum_floats=0 if deterministic else rows * d_head,
+                 stats_floats=0 if maps is None else rows,
+                 delta_floats=batch * n_heads * seqlen_q)
 
-    go = _Launches(kernel, current_stream(index), args, seqlen_q,
-                   seqlen_k, n_heads, n_heads_k, batch)
-    go.per_row("preprocess", accum_rows)  # the rows past seqlen_q: their accumulator part
-    if not deterministic:
-        # The fused kernel without window code where the mask is only causal (or none): the
-        # window's masking cost it 2-5% (flash_bwd.cu, bwd_dkdv).
-        go.per_key_tile("dkdv_dq" if window == (-1, 0 if causal else -1) else "dkdv_dq_window")
-        go.per_row("dq_convert", accum_rows)  # whole tiles (fragment order: spread rows)
-    else:
-        go.dkdv_then_dq("_scoremod" if scoremod else "")
+
+def _run_plan(plan: _Plan, q, k, v, out, dout, lse, dq, dk, dv, alibi_slopes,
+              dropout) -> bool:
+    """Launch ``plan`` on this call's tensors; False, with nothing launched, where the
+    driver refuses the maps of these pointers."""
+    work = torch.empty(plan.accum_floats + 2 * plan.stats_floats + plan.delta_floats,
+                       dtype=torch.float32, device=q.device)
+    base = work.data_ptr()
+    stats = base + 4 * plan.accum_floats
+    q_ptr, k_ptr, v_ptr, dout_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr()
+    lse = lse.contiguous()  # the forward's own: already (batch, nheads, seqlen_q), contiguous
+    args = _driver.PackedArgs(_PACK.pack(
+        q_ptr, k_ptr, v_ptr, out.data_ptr(), dout_ptr, lse.data_ptr(),
+        stats + 8 * plan.stats_floats,  # delta
+        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), base if plan.accum_floats else 0,
+        *plan.fixed, *alibi_params(alibi_slopes), *dropout_params(dropout),
+        0,  # reserved
+        *((stats, stats + 4 * plan.stats_floats) if plan.stats_floats else (0, 0))))
+    if plan.maps is not None:
+        try:
+            plan.maps.write(args.address + _tma.BWD_MAPS_OFFSET, q_ptr, k_ptr, v_ptr, dout_ptr)
+        except _driver.CudaError:
+            return False
+    _launch(plan.kernel, plan.steps, current_stream(q.get_device()), args)
+    return True
+
+
+def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, scheme: str,
+        window: tuple[int, int], softcap: float = 0.0, alibi_slopes=None, dropout=None
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) laid out like q, k, v. ``lse`` is the forward's (batch, nheads, seqlen_q)
+    float32 log-sum-exp; q's device must be current. ``scheme``: "atomic" or
+    "deterministic" (see the module docstring). ``window``: (left, right) exactly as the
+    forward's kernel took them (heuristics.kernel_window: -1 unbounded, causal as right = 0); the
+    kernels mask by it, so a causal call must pass right = 0 (``causal`` only orders CTAs
+    and picks the scheme). ``softcap``: the forward's cap (0.0: none); ``alibi_slopes``: the
+    forward's checked slopes (None: none); either needs the deterministic scheme (scheme()).
+    A signature seen before takes its _Plan."""
+    scoremod = bool(softcap) or alibi_slopes is not None or dropout is not None
+    if scoremod and scheme != "deterministic":
+        raise ValueError(f"softcap={softcap}, ALiBi ({alibi_slopes is not None}) and dropout "
+                         f"({dropout is not None}) run in the deterministic scheme, not "
+                         f"{scheme!r}")
+    dout, out = _kernel_dout(dout, q), _kernel_layout(out)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.shape[0] == 0 or q.shape[1] == 0 or k.shape[1] == 0:
+        # No query row or no key: every gradient is zero (out was zero-filled).
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    key = _plan_key(q, k, v, out, dout, scale, causal, scheme, window, softcap,
+                    alibi_slopes, dropout)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _new_plan(q, k, v, out, dout, dq, dk, dv, scale, causal, scheme, window,
+                         softcap, scoremod)
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    if not _run_plan(plan, q, k, v, out, dout, lse, dq, dk, dv, alibi_slopes, dropout):
+        _run_plan(_new_plan(q, k, v, out, dout, dq, dk, dv, scale, causal, scheme, window,
+                            softcap, scoremod, maps_refused=True),
+                  q, k, v, out, dout, lse, dq, dk, dv, alibi_slopes, dropout)
     return dq, dk, dv
 
 
@@ -311,11 +392,11 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if maps is not None:
         ctypes.memmove(args.address + _tma.BWD_MAPS_OFFSET, maps, len(maps))
 
-    go = _Launches(kernel, current_stream(index), args, seqlen_q,
-                   seqlen_k, n_heads, n_heads_k, batch)
+    steps = _Steps(kernel, seqlen_q, seqlen_k, n_heads, n_heads_k, batch)
     # (with statistics, every padded row of each sequence: +inf and 0 past its length)
-    go.per_row("preprocess_varlen", None if stats is None else accum_rows)
-    go.dkdv_then_dq("_varlen_scoremod" if scoremod else "_varlen")
+    _launch(kernel, (steps.per_row("preprocess_varlen", None if stats is None else accum_rows),
+                     *steps.dkdv_then_dq("_varlen_scoremod" if scoremod else "_varlen")),
+            current_stream(index), args)
     return dq, dk, dv
 
 
@@ -365,9 +446,9 @@ def _run_varlen_atomic(ctx: int, index: int, dout, q, k, v, out, lse, dq, dk, dv
         0,  # reserved
         stats[0].data_ptr(), stats[1].data_ptr()))
     ctypes.memmove(args.address + _tma.BWD_MAPS_OFFSET, maps, len(maps))
-    go = _Launches(kernel, current_stream(index), args, seqlen_q, seqlen_k, n_heads, n_heads_k,
-                   batch)
-    go.per_row("preprocess_varlen", accum_rows)  # (zeroes each sequence's accumulator tiles)
-    go.per_key_tile("dkdv_dq_varlen")
-    go.per_row("dq_convert_varlen", accum_rows)
+    steps = _Steps(kernel, seqlen_q, seqlen_k, n_heads, n_heads_k, batch)
+    _launch(kernel, (steps.per_row("preprocess_varlen", accum_rows),  # (zeroes each sequence's
+                     steps.per_key_tile("dkdv_dq_varlen"),             # accumulator tiles)
+                     steps.per_row("dq_convert_varlen", accum_rows)),
+            current_stream(index), args)
     return True

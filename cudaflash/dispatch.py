@@ -100,6 +100,8 @@ def clear_cache() -> None:
 def clear_backward_cache() -> None:
     _backward_kernels.clear()
     _backward_entries.clear()
+    from . import backward  # (backward imports this module: import at call time)
+    backward.clear_plans()  # its plans hold these modules' functions
 
 
 # ---- forward ---------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ package is an edit of this file, not of every test. Two kinds:
 
 import sys
 
-from cudaflash import (_autograd, _call, _checks, _padding, _plans, _torch, api, dispatch,
-                       heuristics, launch)
+from cudaflash import (_autograd, _call, _checks, _padding, _plans, _torch, api, backward,
+                       dispatch, heuristics, launch)
 
 # ---- read access ---------------------------------------------------------------------------
 
@@ -121,6 +121,14 @@ def force_atomic_kernels(monkeypatch) -> None:
     (heuristics.effective_scheme); this makes every shape take the atomic ones."""
     monkeypatch.setattr(heuristics, "ATOMIC_MIN_ROWS_PER_CTA", 0)
     monkeypatch.setattr(heuristics, "ATOMIC_MIN_ROWS_PER_CTA_WGMMA", 0)
+    fresh_backward_plans(monkeypatch)
+
+
+def fresh_backward_plans(monkeypatch) -> None:
+    """The backward's plans (backward._plans) start empty for this test and those it makes
+    go with it: a plan keeps the heuristics' verdict and the tensor maps' layout of its first
+    call, which tests that monkeypatch either must not inherit or leave behind."""
+    monkeypatch.setattr(backward, "_plans", {})
 
 
 def force_backward_module(monkeypatch, entry) -> None:

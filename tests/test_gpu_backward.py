@@ -173,6 +173,33 @@ def test_repeat_training_calls_replay_the_forward_plan(monkeypatch):
     check_grads(grads, q2, k2, v2, dout, True)
 
 
+def test_repeat_backward_calls_take_their_plan(monkeypatch):
+    """The backward of a signature seen before replays its plan (module, maps layout,
+    launches and fixed BwdParams: backward._Plan) on the new tensors, with right gradients;
+    deterministic=True is another signature, bitwise reproducible through its own plan."""
+    dtype, d = ("bf16", 128) if ("bf16", 128) in BWD_COMBOS else BWD_COMBOS[0]
+    internals.fresh_backward_plans(monkeypatch)
+    q, k, v = make_qkv(2, 700, 700, 4, 2, d, DTYPES[dtype], seed=43)
+    dout = torch.randn_like(q)
+    run_with_grad(q, k, v, dout, causal=True)
+    assert len(backward_module._plans) == 1
+    q2, k2, v2 = make_qkv(2, 700, 700, 4, 2, d, DTYPES[dtype], seed=44)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the repeat backward call made a new plan")
+
+    with monkeypatch.context() as m:
+        m.setattr(backward_module, "_new_plan", refuse)
+        _, grads = run_with_grad(q2, k2, v2, dout, causal=True)
+    check_grads(grads, q2, k2, v2, dout, True)
+    fixed = [run_with_grad(q2, k2, v2, dout, causal=True, deterministic=True)[1]
+             for _ in range(2)]
+    assert len(backward_module._plans) == 2
+    for a, b in zip(*fixed):
+        assert torch.equal(a, b)
+    check_grads(fixed[0], q2, k2, v2, dout, True)
+
+
 def test_deterministic_backward_is_bitwise_reproducible():
     dtype, d = BWD_COMBOS[-1]
     q, k, v = make_qkv(2, 777, 1500, 8, 2, d, DTYPES[dtype], seed=9)
@@ -412,15 +439,15 @@ def test_d256_backward_runs_the_deterministic_kernels_in_either_scheme(dtype, de
 
 def launched_backward_modules(monkeypatch) -> list:
     """A list that collects (module name, role) of every backward kernel launched from now on
-    (backward._Launches)."""
+    (backward._launch_step)."""
     launched = []
-    launch = backward_module._Launches._launch
+    launch = backward_module._launch_step
 
-    def spy(self, role, grid, threads):
-        launched.append((self.kernel.entry.name, role))
-        return launch(self, role, grid, threads)
+    def spy(kernel, role, *args):
+        launched.append((kernel.entry.name, role))
+        return launch(kernel, role, *args)
 
-    monkeypatch.setattr(backward_module._Launches, "_launch", spy)
+    monkeypatch.setattr(backward_module, "_launch_step", spy)
     return launched
 
 
