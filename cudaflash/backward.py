@@ -26,6 +26,9 @@ deterministic kernels. Softcapped calls (``softcap`` > 0), ALiBi and dropout tak
 deterministic kernels, through the modules' *_scoremod entries: the atomic scheme's fused
 kernel has no such form (with the tanh it spilled at d128 on wgmma).
 
+A padded batch's call keeps a _Plan per signature (the module, maps layout, launches and
+fixed BwdParams), as the forward's plans do: a training step repeats every layer's shapes.
+
 Only the autograd functions and the custom ops (_autograd.py) call this;
 they have already checked q, k, v (the forward's checks) and made q's device current.
 """
