@@ -476,7 +476,7 @@ def _check_register_pool(cfg, stats: dict) -> None:
             + backward_config.BWD_WS_CONSUMER_REGS * cfg.threads)
     # (d256: the dK/dV and dQ entries, padded and packed; its fused entries are traps)
     roles = (("dkdv", "dq", "dkdv_varlen", "dq_varlen") if cfg.dkdv_warp_specialized
-             else ("dkdv_dq", "dkdv_dq_window"))
+             else ("dkdv_dq", "dkdv_dq_window", "dkdv_dq_varlen"))
     for role in roles:
         symbol = _symbol(backward_config.BackwardConfig, role)
         registers = stats[symbol][0]
