@@ -9,11 +9,12 @@
 //     bytes complete the barrier; otherwise (packed batches, paged or indexed caches) its 128
 //     threads copy with cp.async, wait for their own copies, fence them for the tensor cores
 //     (async proxy) and arrive. It needs few registers and gives the rest away (setmaxnreg).
-//   warpgroups 1 and 2, the consumers: 64 query rows each (B_r = 128), the same softmax and
-//     epilogue as flash_fwd. Each step issues Q K^T of this block and P V of the previous
-//     one; this block's softmax runs as soon as Q K^T lands, under P V (O's rescale waits for
-//     it). Named barriers make the two take turns issuing (ping-pong), so one's GEMMs also
-//     run while the other computes its softmax.
+//   warpgroups 1 and 2 (and 3: n_warps = 12, for d64's short GEMMs), the consumers: 64 query
+//     rows each (B_r = 128 or 192), the same softmax and epilogue as flash_fwd. Each step
+//     issues Q K^T of this block and P V of the previous one; this block's softmax runs as
+//     soon as Q K^T lands, under P V (O's rescale waits for it). Named barriers make them
+//     take turns issuing (round robin: ping-pong with two), so one's GEMMs also run while
+//     the others compute their softmax.
 //
 // Why: the 64-row one-warpgroup kernel re-reads each K/V block per 64 rows and spends its
 // issue slots on copy addresses next to the softmax (docs/perf-log.md, "v6 profile"); here a
@@ -34,25 +35,31 @@ namespace cudaflash {
 
 // Dynamic shared memory after the tiles for the mbarriers (KernelConfig.smem_bytes).
 constexpr int kWsBarrierBytes = 128;
-// Registers per thread after setmaxnreg: 128 * 56 + 256 * 224 = 64512 of the SM's 65536 (at
-// 40 the producer's copy addresses spilled).
-constexpr int kProducerRegs = 56;
-constexpr int kConsumerRegs = 224;
+// Registers per thread after setmaxnreg, by consumer warpgroups: two, 128 * 56 + 256 * 224 =
+// 64512 of the SM's 65536 (at 40 the producer's copy addresses spilled); three, 128 * 32 +
+// 384 * 160 = 65536 (the launch's 128 per thread of 512).
+template <int kConsumerGroups>
+constexpr int kProducerRegs = kConsumerGroups == 2 ? 56 : 32;
+template <int kConsumerGroups>
+constexpr int kConsumerRegs = kConsumerGroups == 2 ? 224 : 160;
 // The K/V bytes a group of the persistent causal walk may keep in flight (a third of the
 // H100's 50 MB L2, which the other traffic and the two L2 halves share).
 constexpr int64_t kL2GroupBytes = 16ll << 20;
 // Named barriers (0 is __syncthreads): the consumers' turns, then each one's epilogue.
-constexpr int kTurnBarrier = 1;      // + consumer warpgroup (0 or 1)
-constexpr int kEpilogueBarrier = 3;  // + consumer warpgroup
+constexpr int kTurnBarrier = 1;  // + consumer warpgroup (its turn: 1..3); then per consumer
+                                 // warpgroup its epilogue's (kTurnBarrier + groups + wg)
+// A turn barrier's threads: its warpgroup, which waits, and the one before, which arrives.
+constexpr int kTurnThreads = 256;
 
 template <class C, bool kSplit, bool kSoftcap, bool kAlibi, bool kKvcache,
           bool kDropout = false>
 __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     using elem_t = typename C::elem_t;
-    static_assert(C::kWarpSpecialized && C::kWgmma && C::kWarps == 8 && C::kMTiles == 1,
-                  "two consumer warpgroups of 64 rows on wgmma");
+    static_assert(C::kWarpSpecialized && C::kWgmma && (C::kWarps == 8 || C::kWarps == 12) &&
+                      C::kMTiles == 1,
+                  "two or three consumer warpgroups of 64 rows on wgmma");
     constexpr int kStages = C::kKvStages;
-    constexpr int kConsumerThreads = 32 * C::kWarps;
+    constexpr int kGroups = C::kWarps / 4;  // consumer warpgroups
     constexpr int kWarpgroupRows = 64;
     constexpr uint32_t kStageBytes = C::kBc * C::kDHead * sizeof(elem_t);
 
@@ -155,7 +162,7 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
 
     if (warp < 4) {
         // ---- producer -----------------------------------------------------------------
-        warpgroup_reg_dealloc<kProducerRegs>();
+        warpgroup_reg_dealloc<kProducerRegs<kGroups>>();
         if (tma) {
             // One thread issues every copy: a tile is one TMA box (all its slabs), so the
             // addresses are the copy engine's, not 128 threads' (docs/perf-log.md, "TMA").
@@ -272,7 +279,7 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     }
 
     // ---- consumers ----------------------------------------------------------------------
-    warpgroup_reg_alloc<kConsumerRegs>();
+    warpgroup_reg_alloc<kConsumerRegs<kGroups>>();
     const int cwarp = warp - 4;                 // consumer warp: rows 16 * cwarp of the CTA
     const int wg = cwarp / 4;                   // consumer warpgroup
     const int row0 = cwarp * C::kRowsPerWarp;   // this warp's first row in the CTA's tile
@@ -312,10 +319,11 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         const float alibi = kAlibi ? alibi_coefficient(p, at.batch, at.head) : 0.f;
 
         mbarrier_wait(&q_full[qb], (j / C::kQBuffers) & 1);
-        // Consumer warpgroup 0 issues first: warpgroup 1 lets it through once. Each turn then
-        // hands over to the other (warpgroup 1's last hand-over has no taker and is skipped, so
-        // every arrival meets a sync; so it is per tile).
-        if (wg == 1 && n_steps > 0) named_barrier_arrive(kTurnBarrier + 0, kConsumerThreads);
+        // Consumer warpgroup 0 issues first: the last one lets it through once. Each turn then
+        // hands over to the next (the last one's last hand-over has no taker and is skipped,
+        // so every arrival meets a sync; so it is per tile).
+        if (wg == kGroups - 1 && n_steps > 0)
+            named_barrier_arrive(kTurnBarrier + 0, kTurnThreads);
 
         // Step i: Q K^T of block i and P V of block i - 1 are issued together in this warpgroup's
         // turn, as two wgmma groups; the softmax of block i starts as soon as the first lands and
@@ -330,7 +338,7 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
             const int prev = (gi + kStages - 1) % kStages;  // the previous block's stage
             mbarrier_wait(&k_full[stage], (gi / kStages) & 1);
             if (!kFirst) mbarrier_wait(&v_full[prev], ((gi - 1) / kStages) & 1);
-            named_barrier_sync(kTurnBarrier + wg, kConsumerThreads);
+            named_barrier_sync(kTurnBarrier + wg, kTurnThreads);
             wgmma_fence_operands(s_acc);
             if (!kFirst) wgmma_fence_operands(o_acc);
             wgmma_fence();
@@ -340,8 +348,9 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
                 gemm.pv_issue(o_acc, P[0], prev * kStageBytes);
                 wgmma_commit();
             }
-            if (wg == 0 || i < n_steps - 1)
-                named_barrier_arrive(kTurnBarrier + (wg ^ 1), kConsumerThreads);
+            if (wg != kGroups - 1 || i < n_steps - 1)
+                named_barrier_arrive(kTurnBarrier + (kGroups == 2 ? wg ^ 1 : (wg + 1) % kGroups),
+                                     kTurnThreads);
             wgmma_wait<kFirst ? 0 : 1>();  // Q K^T has landed
             wgmma_fence_operands(s_acc);
             if (lane == 0) mbarrier_arrive(&k_empty[stage]);
@@ -402,7 +411,7 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         // O -> shared (over this warpgroup's own Q rows: only its GEMMs read them, and they are
         // done) -> global in 16-byte coalesced stores by the warpgroup's 128 threads.
         o_to_smem<C>(sQt, O, row0, lane);
-        named_barrier_sync(kEpilogueBarrier + wg, 128);
+        named_barrier_sync(kTurnBarrier + kGroups + wg, 128);  // (this warpgroup's epilogue)
         elem_t* o = static_cast<elem_t*>(p.o) + at.batch * p.o_batch_stride +
                     at.head * p.o_head_stride + int64_t(seq.start_q + q_row0) * p.o_seq_stride;
         const int wtid = threadIdx.x % 128;

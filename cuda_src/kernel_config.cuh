@@ -106,7 +106,8 @@ struct KernelConfig {
     static constexpr int kVGroup = kVFrags == 0 ? kKvSlices : kVFrags / 2;
 
     static_assert(kDHead == 64 || kDHead == 128 || kDHead == 256, "d_head must be 64, 128 or 256");
-    static_assert(kWarps == 4 || kWarps == 8, "n_warps must be 4 or 8");
+    static_assert(kWarps == 4 || kWarps == 8 || (kWarps == 12 && kWarpSpecialized),
+                  "n_warps must be 4 or 8 (12: three consumer warpgroups, warp-specialized)");
     static_assert(kBc == 32 || kBc == 64 || kBc == 128, "B_c must be 32, 64 or 128");
     static_assert(kBr % kWarps == 0 && (kRowsPerWarp == 16 || kRowsPerWarp == 32),
                   "B_r / n_warps must be 16 or 32: each warp owns whole m16 mma tiles");
@@ -134,10 +135,10 @@ struct KernelConfig {
                   "o_store_cache must be 0 (default), 1 (streaming) or 2 (no_allocate)");
     static_assert(kDHeadTiled || (kDHead > 64 && !kWgmma),
                   "d_head_tiled=0 needs d_head >= 128 (one slab at 64) and no wgmma");
-    static_assert(!kWarpSpecialized || (kWgmma && kWarps == 8 && kMinCtasPerSm == 1 &&
-                                        kEagerLoad),
-                  "warp_specialized: wgmma, n_warps = 8 (two consumer warpgroups), "
-                  "min_ctas_per_sm = 1, eager_load_blocks");
+    static_assert(!kWarpSpecialized || (kWgmma && (kWarps == 8 || kWarps == 12) &&
+                                        kMinCtasPerSm == 1 && kEagerLoad),
+                  "warp_specialized: wgmma, n_warps = 8 or 12 (two or three consumer "
+                  "warpgroups), min_ctas_per_sm = 1, eager_load_blocks");
     static_assert(!kPersistent || kWarpSpecialized, "persistent needs warp_specialized");
 #if CF_WGMMA && defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "wgmma configs compile for sm_90a only: -gencode arch=compute_90a,code=sm_90a"

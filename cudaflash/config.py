@@ -50,8 +50,9 @@ One Hopper knob beyond the seed, also optional (default false):
 
 - ``warp_specialized``: a producer warpgroup (128 threads more than ``n_warps`` count) loads
   Q and a three-stage ring of K/V blocks with cp.async and mbarriers, while two consumer
-  warpgroups (``n_warps`` = 8, B_r = 128) take turns on the tensor cores (named barriers:
-  one's GEMMs run under the other's softmax) and issue P V of the previous block with
+  warpgroups (``n_warps`` = 8, B_r = 128; or three, ``n_warps`` = 12, B_r = 192) take turns
+  on the tensor cores (named barriers: one's GEMMs run under the others' softmax) and issue
+  P V of the previous block with
   Q K^T of the current one; ``setmaxnreg`` moves registers from the producer to them
   (cuda_src/fwd_warp_specialized.cuh; name suffix ``_ws``). Needs wgmma, eager loads and
   min_ctas_per_sm = 1.
@@ -70,7 +71,7 @@ from typing import Any, Mapping
 
 DTYPES = ("fp16", "bf16")
 D_HEADS = (64, 128, 256)
-N_WARPS = (4, 8)
+N_WARPS = (4, 8, 12)  # 12: warp_specialized only (three consumer warpgroups)
 MIN_CTAS_PER_SM = (1, 2, 3, 4)
 ROWS_PER_WARP = (16, 32)
 B_C_VALUES = (32, 64, 128)
@@ -298,6 +299,8 @@ class KernelConfig:
             bad("d_head", f"must be one of {list(D_HEADS)}")
         if self.n_warps not in N_WARPS:
             bad("n_warps", f"must be one of {list(N_WARPS)}")
+        elif self.n_warps == 12 and not self.warp_specialized:
+            bad("n_warps", "12 needs warp_specialized=True (three consumer warpgroups)")
         if self.B_c not in B_C_VALUES:
             bad("B_c", f"must be one of {list(B_C_VALUES)}")
         if self.n_warps in N_WARPS:
@@ -352,12 +355,14 @@ class KernelConfig:
                     bad(field, "must be 0 with wgmma (the tensor cores read shared memory; "
                                "there are no fragments to load)")
         if self.warp_specialized:
-            wrong = [f for f, ok in (("wgmma", self.wgmma), ("n_warps", self.n_warps == 8),
+            wrong = [f for f, ok in (("wgmma", self.wgmma),
+                                     ("n_warps", self.n_warps in (8, 12)),
                                      ("min_ctas_per_sm", self.min_ctas_per_sm == 1),
                                      ("eager_load_blocks", self.eager_load_blocks)) if not ok]
             for field in wrong:
-                bad(field, "warp_specialized needs wgmma=True, n_warps=8 (two consumer "
-                           "warpgroups), min_ctas_per_sm=1 and eager_load_blocks=True")
+                bad(field, "warp_specialized needs wgmma=True, n_warps=8 or 12 (two or three "
+                           "consumer warpgroups), min_ctas_per_sm=1 and "
+                           "eager_load_blocks=True")
         if self.persistent and not self.warp_specialized:
             bad("persistent", "needs warp_specialized=True")
         if self.o_store_cache not in O_STORE_CACHE:

@@ -35,7 +35,9 @@ V6 = [(64, "fwd_{}_d64_br64_bc128_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas3_
       (256, "fwd_{}_d256_br64_bc64_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1")]
 WS256 = "fwd_{}_d256_br128_bc64_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1_ws"
 WSP = WS + "_pers"  # persistent CTAs where maps are given
-CONFIGS = [(128, WS), (128, WSP), (256, WS256)] + V6
+# d64 with three consumer warpgroups (B_r = 192: round-robin turns)
+WS64 = "fwd_{}_d64_br192_bc128_w12_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1_ws"
+CONFIGS = [(128, WS), (128, WSP), (256, WS256), (64, WS64)] + V6
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
