@@ -317,8 +317,12 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.shape[0] == 0 or q.shape[1] == 0 or k.shape[1] == 0:
         # No query row or no key: every gradient is zero (out was zero-filled).
         return dq.zero_(), dk.zero_(), dv.zero_()
-    key = _plan_key(q, k, v, out, dout, scale, causal, scheme, window, softcap,
-                    alibi_slopes, dropout)
+    # The context made current on this thread as every call did before plans (a thread whose
+    # first CUDA work is this call has none), and part of the key: a plan's functions are
+    # that context's.
+    ctx = _driver.current_context(q.get_device())
+    key = (ctx, _plan_key(q, k, v, out, dout, scale, causal, scheme, window, softcap,
+                          alibi_slopes, dropout))
     plan = _plans.get(key)
     if plan is None:
         plan = _new_plan(q, k, v, out, dout, dq, dk, dv, scale, causal, scheme, window,
