@@ -272,8 +272,7 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
                 const int buf = step % 2;
                 named_barrier_sync(kBwdDqFullBarrier + buf, kBwdDqBarrierThreads);
                 if (lane == 0) {
-                    bulk_reduce_add_f32(kPacked ? packed_dq_accum_row(p, at.head, at.q0)
-                                                : dq_accum_row(p, batch, at.head, at.q0),
+                    bulk_reduce_add_f32(accum_row<kPacked>(p, batch, at.head, at.q0),
                                         smem_addr(sdQ + buf * kDqTileFloats), kDqTileFloats * 4);
                     bulk_commit();
                     bulk_wait_read<0>();

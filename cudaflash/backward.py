@@ -21,7 +21,7 @@ it serves).
 
 Packed (varlen) batches (run_varlen) run each CTA on its own sequence (flash_bwd.cu,
 sequence_view): in the atomic scheme on the warp-specialized fused kernel where the GPU has
-it (Hopper, d64 and d128: _run_varlen_atomic, a packed dQ accumulator), else on the
+it (Hopper, d64 and d128: _varlen_module, a packed dQ accumulator), else on the
 deterministic kernels. Softcapped calls (``softcap`` > 0), ALiBi and dropout take the
 deterministic kernels, through the modules' *_scoremod entries: the atomic scheme's fused
 kernel has no such form (with the tanh it spilled at d128 on wgmma).
@@ -202,17 +202,19 @@ def clear_plans() -> None:
 
 def _plan_key(q, k, v, out, dout, scale, causal, scheme, window, softcap, alibi_slopes,
               dropout) -> tuple:
-    """Everything a _Plan depends on: shapes, strides (dq, dk, dv are empty_like's of q, k,
-    v), dtype, device, the scheme asked for (torch's deterministic switch included), window,
-    scale and cap, and which score modifiers the call has (their pointers are per call)."""
+    """Everything a _Plan depends on besides the context (run keys by it: it fixes the
+    device): shapes, strides (dq, dk, dv are empty_like's of q, k, v), dtype, the scheme
+    asked for (torch's deterministic switch included), window, scale and cap, and which score
+    modifiers the call has (their pointers are per call)."""
     return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(),
-            q.dtype, q.get_device(), scale, causal, scheme, window, softcap,
+            q.dtype, scale, causal, scheme, window, softcap,
             None if alibi_slopes is None else alibi_slopes.shape, dropout is None)
 
 
-def _new_plan(q, k, v, out, dout, dq, dk, dv, scale, causal, scheme, window, softcap,
-              scoremod: bool, maps_refused: bool = False) -> _Plan:
-    """The module, maps, launches and fixed BwdParams fields of a padded-batch call.
+def _new_plan(ctx: int, q, k, v, out, dout, dq, dk, dv, scale, causal, scheme, window,
+              softcap, scoremod: bool, maps_refused: bool = False) -> _Plan:
+    """The module (loaded in context ``ctx``), maps, launches and fixed BwdParams fields of a
+    padded-batch call.
     ``maps_refused``: the driver refused this call's pointers (TensorMaps.write), so the
     module without maps serves it."""
     batch, seqlen_q, n_heads, d_head = q.shape
@@ -225,7 +227,6 @@ def _new_plan(q, k, v, out, dout, dq, dk, dv, scale, causal, scheme, window, sof
         else:
             scheme = heuristics.effective_scheme(scheme, seqlen_q, n_heads // n_heads_k,
                                                  causal, atomic.config.wgmma, window)
-    ctx = _driver.current_context(index)
     # A padded batch without score modifiers may take a module that serves only such calls
     # (d256's warp-specialized dK/dV kernel, deterministic scheme).
     kernel = dispatch.backward_kernel(ctx, index, q.dtype, d_head, scheme, plain=not scoremod)
@@ -269,7 +270,7 @@ def _new_plan(q, k, v, out, dout, dq, dk, dv, scale, causal, scheme, window, sof
                  delta_floats=batch * n_heads * seqlen_q)
 
 
-def _run_plan(plan: _Plan, q, k, v, out, dout, lse, dq, dk, dv, alibi_slopes,
+def _run_plan(plan: _Plan, stream: int, q, k, v, out, dout, lse, dq, dk, dv, alibi_slopes,
               dropout) -> bool:
     """Launch ``plan`` on this call's tensors; False, with nothing launched, where the
     driver refuses the maps of these pointers."""
@@ -291,7 +292,7 @@ def _run_plan(plan: _Plan, q, k, v, out, dout, lse, dq, dk, dv, alibi_slopes,
             plan.maps.write(args.address + _tma.BWD_MAPS_OFFSET, q_ptr, k_ptr, v_ptr, dout_ptr)
         except _driver.CudaError:
             return False
-    _launch(plan.kernel, plan.steps, current_stream(q.get_device()), args)
+    _launch(plan.kernel, plan.steps, stream, args)
     return True
 
 
@@ -317,19 +318,25 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.shape[0] == 0 or q.shape[1] == 0 or k.shape[1] == 0:
         # No query row or no key: every gradient is zero (out was zero-filled).
         return dq.zero_(), dk.zero_(), dv.zero_()
-    key = _plan_key(q, k, v, out, dout, scale, causal, scheme, window, softcap,
-                    alibi_slopes, dropout)
+    # The context made current on this thread as every call did before plans (a thread whose
+    # first CUDA work is this call has none), and part of the key: a plan's functions are
+    # that context's.
+    index = q.get_device()
+    ctx = _driver.current_context(index)
+    key = (ctx, _plan_key(q, k, v, out, dout, scale, causal, scheme, window, softcap,
+                          alibi_slopes, dropout))
     plan = _plans.get(key)
     if plan is None:
-        plan = _new_plan(q, k, v, out, dout, dq, dk, dv, scale, causal, scheme, window,
+        plan = _new_plan(ctx, q, k, v, out, dout, dq, dk, dv, scale, causal, scheme, window,
                          softcap, scoremod)
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
         _plans[key] = plan
-    if not _run_plan(plan, q, k, v, out, dout, lse, dq, dk, dv, alibi_slopes, dropout):
-        _run_plan(_new_plan(q, k, v, out, dout, dq, dk, dv, scale, causal, scheme, window,
-                            softcap, scoremod, maps_refused=True),
-                  q, k, v, out, dout, lse, dq, dk, dv, alibi_slopes, dropout)
+    stream = current_stream(index)
+    if not _run_plan(plan, stream, q, k, v, out, dout, lse, dq, dk, dv, alibi_slopes, dropout):
+        _run_plan(_new_plan(ctx, q, k, v, out, dout, dq, dk, dv, scale, causal, scheme,
+                            window, softcap, scoremod, maps_refused=True),
+                  stream, q, k, v, out, dout, lse, dq, dk, dv, alibi_slopes, dropout)
     return dq, dk, dv
 
 
@@ -344,8 +351,8 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     gradients. The maxima must be at least the real lengths (flash-attn's contract): a
     sequence longer than them has undefined gradients (the forward did not compute all of
     its rows). ``scheme`` as in run: "atomic" takes the warp-specialized fused kernel where
-    the GPU has one (Hopper, d64 and d128; _run_varlen_atomic), else the deterministic
-    kernels run, bitwise reproducible. ``window``, ``softcap`` and ``alibi_slopes`` as in
+    the GPU has one (Hopper, d64 and d128; _varlen_module), else the deterministic kernels
+    run, bitwise reproducible. ``window``, ``softcap`` and ``alibi_slopes`` as in
     run."""
     total_q, n_heads, d_head = q.shape
     total_k, n_heads_k = k.shape[0], k.shape[1]
@@ -359,26 +366,22 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     index = q.get_device()
     ctx = _driver.current_context(index)
     scoremod = bool(softcap) or alibi_slopes is not None or dropout is not None
-    if scheme == "atomic" and not scoremod and _run_varlen_atomic(
-            ctx, index, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-            seqlen_q, seqlen_k, scale, causal, window):
-        return dq, dk, dv
-    kernel = dispatch.backward_kernel(ctx, index, q.dtype, d_head, "deterministic",
-                                      plain=not scoremod)
-    # d256's warp-specialized kernels read the packed tensors through maps of one batch
-    # entry, each sequence from its first row (bwd_warp_specialized_d256.cuh, packed_origin),
-    # and padded statistics per sequence: the longest sequence's rows rounded up, as in run.
-    # Where those would be many times the packed rows (many short sequences beside a long
-    # one), the mma.sync module serves the call instead.
     accum_rows = -(-seqlen_q // DQ_ACCUM_ROW_ALIGN) * DQ_ACCUM_ROW_ALIGN
-    maps = None
-    if kernel.entry.config.dkdv_warp_specialized:
-        if batch * accum_rows <= STATS_ROWS_PER_PACKED_ROW * total_q:
-            maps = _encoded_maps(kernel.entry.config, q[None], k[None], v[None], dout[None])
-        if maps is None:
-            kernel = dispatch.backward_kernel(ctx, index, q.dtype, d_head, "deterministic")
+    # Padded statistics (the warp-specialized kernels': the longest sequence's rows rounded
+    # up, per sequence, as in run) only where they are not many times the packed rows (many
+    # short sequences beside a long one).
+    stats_fit = batch * accum_rows <= STATS_ROWS_PER_PACKED_ROW * total_q
+    kernel, maps, atomic = _varlen_module(ctx, index, q, k, v, dout, batch, causal, window,
+                                          scheme, scoremod, stats_fit)
     delta = torch.empty((n_heads, total_q), dtype=torch.float32, device=q.device)
     lse = lse.contiguous()  # the forward's own: (nheads, total_q)
+    # The atomic scheme's accumulator is packed, (nheads, total_q + 128 * batch, headdim):
+    # sequence b from row cu_seqlens_q[b] + 128 b, so its whole tiles (whose rows the kernel
+    # writes in fragment order) never reach the next sequence's (flash_bwd.cu,
+    # packed_dq_accum_row); the preprocess zeroes each sequence's tiles.
+    dq_accum = None if not atomic else torch.empty(
+        (n_heads, total_q + DQ_ACCUM_ROW_ALIGN * batch, d_head), dtype=torch.float32,
+        device=q.device)
     stats = None if maps is None else torch.empty(
         (2, batch, n_heads, accum_rows), dtype=torch.float32, device=q.device)
     # (total, nheads, headdim): batch stride 0
@@ -386,7 +389,8 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     scales = score_scales(scale, softcap)
     args = _driver.PackedArgs(_PACK.pack(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
-        lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0,
+        lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+        0 if dq_accum is None else dq_accum.data_ptr(),
         *strides, 0, total_q, batch, n_heads, n_heads_k, seqlen_q, seqlen_k, int(causal),
         *scales[:2], cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), total_q, total_k,
         *window, *scales[2:], *alibi_params(alibi_slopes), *dropout_params(dropout),
@@ -396,62 +400,45 @@ def run_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         ctypes.memmove(args.address + _tma.BWD_MAPS_OFFSET, maps, len(maps))
 
     steps = _Steps(kernel, seqlen_q, seqlen_k, n_heads, n_heads_k, batch)
-    # (with statistics, every padded row of each sequence: +inf and 0 past its length)
-    _launch(kernel, (steps.per_row("preprocess_varlen", None if stats is None else accum_rows),
-                     *steps.dkdv_then_dq("_varlen_scoremod" if scoremod else "_varlen")),
-            current_stream(index), args)
+    if atomic:
+        launches = (steps.per_row("preprocess_varlen", accum_rows),
+                    steps.per_key_tile("dkdv_dq_varlen"),
+                    steps.per_row("dq_convert_varlen", accum_rows))
+    else:
+        # (with statistics, every padded row of each sequence: +inf and 0 past its length)
+        launches = (steps.per_row("preprocess_varlen", None if stats is None else accum_rows),
+                    *steps.dkdv_then_dq("_varlen_scoremod" if scoremod else "_varlen"))
+    _launch(kernel, launches, current_stream(index), args)
     return dq, dk, dv
 
 
-def _run_varlen_atomic(ctx: int, index: int, dout, q, k, v, out, lse, dq, dk, dv,
-                       cu_seqlens_q, cu_seqlens_k, seqlen_q: int, seqlen_k: int, scale: float,
-                       causal: bool, window: tuple[int, int]) -> bool:
-    """run_varlen's atomic scheme, on the warp-specialized fused kernel (one CTA per key tile,
-    K/V head and sequence; dQ added to a float32 accumulator by bulk reductions): launched,
-    True; or False where no such module serves the call (not Hopper, d256, the maps refused,
-    too few query rows per CTA, or padded statistics many times the packed rows), and
-    nothing was launched. ``seqlen_q``/``seqlen_k``: the clamped maxima.
-
-    The accumulator is packed, (nheads, total_q + 128 * batch, headdim): sequence b from row
-    cu_seqlens_q[b] + 128 b, so its whole tiles (whose rows the kernel writes in fragment
-    order) never reach the next sequence's (flash_bwd.cu, packed_dq_accum_row). The
-    preprocess zeroes each sequence's tiles and writes the padded statistics, as run's."""
+def _varlen_module(ctx: int, index: int, q, k, v, dout, batch: int, causal: bool,
+                   window: tuple[int, int], scheme: str, scoremod: bool, stats_fit: bool):
+    """(module, encoded maps or None, atomic) of a packed batch's backward. The atomic scheme
+    takes the warp-specialized fused kernel (one CTA per key tile, K/V head and sequence; dQ
+    added to a float32 accumulator by bulk reductions) where it is built (Hopper, d64 and
+    d128), the mean sequence has enough query rows per CTA (effective_scheme, as run's
+    longest sequence), the statistics fit and the maps are given. Otherwise the deterministic
+    kernels: d256's warp-specialized ones read the packed tensors through maps of one batch
+    entry, each sequence from its first row (packed_origin); without maps or room for the
+    statistics, the mma.sync module."""
     total_q, n_heads, d_head = q.shape
-    total_k, n_heads_k = k.shape[0], k.shape[1]
-    batch = cu_seqlens_q.numel() - 1
-    entry = dispatch.find_backward_entry(index, q.dtype, d_head, "atomic")
-    if entry is None or not entry.config.warp_specialized:
-        return False
-    # The mean sequence's rows per CTA decide, as run's longest (padded) one does.
-    if heuristics.effective_scheme("atomic", max(1, total_q // batch), n_heads // n_heads_k,
-                                   causal, entry.config.wgmma, window) != "atomic":
-        return False
-    accum_rows = -(-seqlen_q // DQ_ACCUM_ROW_ALIGN) * DQ_ACCUM_ROW_ALIGN
-    if batch * accum_rows > STATS_ROWS_PER_PACKED_ROW * total_q:
-        return False
-    kernel = dispatch.backward_kernel(ctx, index, q.dtype, d_head, "atomic")
-    maps = _encoded_maps(kernel.entry.config, q[None], k[None], v[None], dout[None])
-    if maps is None:
-        return False
-    delta = torch.empty((n_heads, total_q), dtype=torch.float32, device=q.device)
-    lse = lse.contiguous()  # the forward's own: (nheads, total_q)
-    dq_accum = torch.empty((n_heads, total_q + DQ_ACCUM_ROW_ALIGN * batch, d_head),
-                           dtype=torch.float32, device=q.device)
-    stats = torch.empty((2, batch, n_heads, accum_rows), dtype=torch.float32, device=q.device)
-    strides = [x for t in (q, k, v, out, dout, dq, dk, dv) for x in (0, *t.stride()[:2])]
-    scales = score_scales(scale, 0.0)
-    args = _driver.PackedArgs(_PACK.pack(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
-        lse.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-        dq_accum.data_ptr(), *strides, 0, total_q, batch, n_heads, n_heads_k, seqlen_q,
-        seqlen_k, int(causal), *scales[:2], cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(),
-        total_q, total_k, *window, *scales[2:], *alibi_params(None), *dropout_params(None),
-        0,  # reserved
-        stats[0].data_ptr(), stats[1].data_ptr()))
-    ctypes.memmove(args.address + _tma.BWD_MAPS_OFFSET, maps, len(maps))
-    steps = _Steps(kernel, seqlen_q, seqlen_k, n_heads, n_heads_k, batch)
-    _launch(kernel, (steps.per_row("preprocess_varlen", accum_rows),  # (zeroes each sequence's
-                     steps.per_key_tile("dkdv_dq_varlen"),             # accumulator tiles)
-                     steps.per_row("dq_convert_varlen", accum_rows)),
-            current_stream(index), args)
-    return True
+    if scheme == "atomic" and not scoremod and stats_fit:
+        entry = dispatch.find_backward_entry(index, q.dtype, d_head, "atomic")
+        if (entry is not None and entry.config.warp_specialized
+                and heuristics.effective_scheme("atomic", max(1, total_q // batch),
+                                                n_heads // k.shape[1], causal,
+                                                entry.config.wgmma, window) == "atomic"):
+            kernel = dispatch.backward_kernel(ctx, index, q.dtype, d_head, "atomic")
+            maps = _encoded_maps(kernel.entry.config, q[None], k[None], v[None], dout[None])
+            if maps is not None:
+                return kernel, maps, True
+    kernel = dispatch.backward_kernel(ctx, index, q.dtype, d_head, "deterministic",
+                                      plain=not scoremod)
+    maps = None
+    if kernel.entry.config.dkdv_warp_specialized:
+        if stats_fit:
+            maps = _encoded_maps(kernel.entry.config, q[None], k[None], v[None], dout[None])
+        if maps is None:
+            kernel = dispatch.backward_kernel(ctx, index, q.dtype, d_head, "deterministic")
+    return kernel, maps, False

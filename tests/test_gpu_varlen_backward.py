@@ -35,6 +35,28 @@ def check_each_sequence(grads, q, k, v, dout, cu_q, cu_k, causal):
     assert not dq[oq[-1]:].any() and not dk[ok[-1]:].any() and not dv[ok[-1]:].any()
 
 
+def check_sequences_after_nan_rows(grads, q, k, v, dout, cu_q, cu_k, causal, window):
+    """check_each_sequence for the tests whose packed tensors end with 3 NaN rows (a tile past
+    a sequence's end reads its neighbour's rows, here those): each sequence within the rule
+    (check_window_grads where ``window`` is not (-1, -1)), a sequence without keys gets no
+    gradient, and the NaN rows none."""
+    from test_gpu_window import check_window_grads
+
+    dq, dk, dv = grads
+    oq, ok = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(oq) - 1):
+        rows, keys = slice(oq[b], oq[b + 1]), slice(ok[b], ok[b + 1])
+        one = [t[None] for t in (dq[rows], dk[keys], dv[keys])]
+        args = (q[rows][None], k[keys][None], v[keys][None], dout[rows][None])
+        if ok[b + 1] == ok[b]:  # no keys: no gradient
+            assert not dq[rows].any()
+        elif window == (-1, -1):
+            check_grads(one, *args, causal)
+        else:
+            check_window_grads(one, *args, *window, causal)
+    assert not any(g[-3:].any() for g in grads), "the spare rows got gradients"
+
+
 # (query lengths, key lengths, nheads, nheads_k)
 SHAPES = [
     ([113, 1, 300, 64], [113, 1, 300, 64], 4, 2),  # self-attention, tails, GQA
@@ -94,8 +116,6 @@ def test_varlen_atomic_scheme_takes_the_fused_warp_specialized_kernel(d, dtype, 
     import _internals as internals
     from test_gpu_backward import launched_backward_modules, warp_specialized_backward
 
-    from test_gpu_window import check_window_grads
-
     internals.force_atomic_kernels(monkeypatch)
     ws = warp_specialized_backward(dtype, d)
     lens_q, lens_k = [70, 1, 300, 129, 64], [200, 64, 300, 0, 65]
@@ -105,18 +125,7 @@ def test_varlen_atomic_scheme_takes_the_fused_warp_specialized_kernel(d, dtype, 
     dout[-3:] = float("nan")
 
     def each_sequence(grads):
-        oq, ok = cu_q.tolist(), cu_k.tolist()
-        for b in range(len(lens_q)):
-            rows, keys = slice(oq[b], oq[b + 1]), slice(ok[b], ok[b + 1])
-            one = [t[None] for t in (grads[0][rows], grads[1][keys], grads[2][keys])]
-            args = (q[rows][None], k[keys][None], v[keys][None], dout[rows][None])
-            if lens_k[b] == 0:  # no keys: no gradient
-                assert not grads[0][rows].any()
-            elif window == (-1, -1):
-                check_grads(one, *args, causal)
-            else:
-                check_window_grads(one, *args, *window, causal)
-        assert not any(g[-3:].any() for g in grads), "the spare rows got gradients"
+        check_sequences_after_nan_rows(grads, q, k, v, dout, cu_q, cu_k, causal, window)
 
     launched = launched_backward_modules(monkeypatch)
     _, grads = run_with_grad(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), dout,
@@ -182,8 +191,6 @@ def test_d256_varlen_takes_the_warp_specialized_kernels(dtype, causal, window, m
     from cudaflash import _tma
     from test_gpu_backward import d256_warp_specialized_backward, launched_backward_modules
 
-    from test_gpu_window import check_window_grads
-
     ws = d256_warp_specialized_backward(dtype)
     lens_q, lens_k = [70, 1, 300, 129, 64], [200, 64, 300, 0, 65]
     q, k, v, cu_q, cu_k = packed(lens_q, lens_k, 4, 2, 256, dtype, seed=31)
@@ -194,18 +201,7 @@ def test_d256_varlen_takes_the_warp_specialized_kernels(dtype, causal, window, m
     dout[-3:] = float("nan")
 
     def each_sequence(grads):
-        oq, ok = cu_q.tolist(), cu_k.tolist()
-        for b in range(len(lens_q)):
-            rows, keys = slice(oq[b], oq[b + 1]), slice(ok[b], ok[b + 1])
-            one = [t[None] for t in (grads[0][rows], grads[1][keys], grads[2][keys])]
-            args = (q[rows][None], k[keys][None], v[keys][None], dout[rows][None])
-            if lens_k[b] == 0:  # no keys: no gradient
-                assert not grads[0][rows].any()
-            elif window == (-1, -1):
-                check_grads(one, *args, causal)
-            else:
-                check_window_grads(one, *args, *window, causal)
-        assert not any(g[-3:].any() for g in grads), "the spare rows got gradients"
+        check_sequences_after_nan_rows(grads, q, k, v, dout, cu_q, cu_k, causal, window)
 
     launched = launched_backward_modules(monkeypatch)
     _, grads = run_with_grad(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), dout,
