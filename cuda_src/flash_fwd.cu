@@ -389,7 +389,11 @@ enum class Mods { kNone, kSoftcap, kAlibi };
 
 template <bool kSplit, Mods kMods, bool kKvcache>
 __device__ __forceinline__ void forward_entry(const Params& p) {
-    forward_body<kSplit, kMods == Mods::kSoftcap, kMods != Mods::kNone, kKvcache>(p);
+    if constexpr (kKvcache && !KernelConfig::kServesKvcache) {
+        __trap();  // not compiled for this config (kernel_config.cuh, kServesKvcache)
+    } else {
+        forward_body<kSplit, kMods == Mods::kSoftcap, kMods != Mods::kNone, kKvcache>(p);
+    }
 }
 
 }  // namespace cudaflash

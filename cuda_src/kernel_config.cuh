@@ -76,6 +76,10 @@ struct KernelConfig {
     static constexpr int kKvStages =
         kWarpSpecialized ? (kDHead == 256 || kPersistent ? 2 : 3) : 1;
     static constexpr int kQBuffers = kPersistent ? 2 : 1;
+    // Three consumer warpgroups leave the producer 32 registers, where its cp.async copies of
+    // paged or indexed caches spilled: such a config compiles no *_kvcache entries (they
+    // trap; config.py needs_tensor_maps: the runtime never selects it for those calls).
+    static constexpr bool kServesKvcache = !(kWarpSpecialized && kWarps == 12);
 
     using elem_t = std::conditional_t<kBf16, __nv_bfloat16, __half>;
 

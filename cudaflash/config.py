@@ -233,6 +233,16 @@ class KernelConfig:
         warp-specialized kernel, and the wgmma kernel with eager loads (flash_fwd.cu)."""
         return self.warp_specialized or (self.wgmma and self.eager_load_blocks)
 
+    @property
+    def needs_tensor_maps(self) -> bool:
+        """The selection rules give this config only calls that load through tensor maps
+        (dispatch: a call without them takes the next rule that matches). Three consumer
+        warpgroups (n_warps = 12) leave the producer 32 registers: its cp.async copies of
+        paged or indexed caches spilled there, so its *_kvcache entries are not compiled (they
+        trap: flash_fwd.cu), and its other cp.async calls (packed batches, small calls) were
+        not measured against the kernels the rules give them."""
+        return self.warp_specialized and self.n_warps == 12
+
     def fits_arch(self, arch: int) -> bool:
         return self.smem_bytes <= ARCH_SMEM_LIMIT[arch]
 

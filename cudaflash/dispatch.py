@@ -143,8 +143,11 @@ def selected_config(device_index: int, dtype: str, d_head: int, causal: bool, se
 def _select(dk: DeviceKernels, r: Rules, dtype: str, d_head: int, causal: bool,
             seqlen_q: int, seqlen_k: int, maps: bool) -> tuple[str, str]:
     """The built config the rules choose for the problem, and why; a call without tensor
-    maps takes a persistent config's twin (without_persistence)."""
-    name, reason = selection.select(r.rules, dk.usable, arch=dk.device.arch, dtype=dtype,
+    maps passes over the configs that need them (KernelConfig.needs_tensor_maps: the next
+    matching rule serves it) and takes a persistent config's twin (without_persistence)."""
+    usable = dk.usable if maps else {n: e for n, e in dk.usable.items()
+                                     if not e.config.needs_tensor_maps}
+    name, reason = selection.select(r.rules, usable, arch=dk.device.arch, dtype=dtype,
                                     d_head=d_head, causal=causal, seqlen_q=seqlen_q,
                                     seqlen_k=seqlen_k)
     if not maps:

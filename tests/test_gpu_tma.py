@@ -344,3 +344,55 @@ def test_calls_without_maps_run_the_non_persistent_twin():
         kernel = dispatch.auto_kernel(ctx, 0, torch.bfloat16, 128, True, 1024, 1024, maps=maps)
         assert kernel.label.endswith(suffix), kernel.label
         assert kernel.persistent == maps
+
+
+def test_calls_without_maps_pass_over_the_three_group_config():
+    """The rules give d64 prefill (here 2k non-causal) to the three-warpgroup config; a call
+    without tensor maps (packed, cache addressing: its *_kvcache entries trap) takes the
+    next rule's 64-row config."""
+    from cudaflash import dispatch
+    ctx = _driver.current_context(0)
+    for dtype in DTYPES.values():
+        for maps, rows in ((True, 192), (False, 64)):
+            kernel = dispatch.auto_kernel(ctx, 0, dtype, 64, False, 2048, 2048, maps=maps)
+            assert kernel.block_rows == rows, (maps, kernel.label)
+
+
+def test_kvcache_prefill_where_the_rules_pick_the_three_group_config():
+    """flash_attn_with_kvcache at a size whose padded call runs the three-warpgroup config
+    (its kvcache entries trap): the cache call runs another config and gives the padded
+    call's attention, paged or not."""
+    from cudaflash import flash_attn_with_kvcache
+    q, k, v = make_qkv(1, 2048, 2048, 8, 8, 64, torch.bfloat16, seed=9)
+    for causal in (False, True):
+        out = flash_attn_with_kvcache(q, k, v, causal=causal)
+        check_attention(out, None, q, k, v, causal)
+        page = 256
+        k_pages = k.reshape(8, page, 8, 64)
+        v_pages = v.reshape(8, page, 8, 64)
+        table = torch.arange(8, dtype=torch.int32, device=q.device)[None]
+        paged = flash_attn_with_kvcache(q, k_pages, v_pages, block_table=table, causal=causal)
+        check_attention(paged, None, q, k, v, causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dropout_on_the_three_group_config(monkeypatch, dtype):
+    """Dropout at d64 2k: with maps the three-warpgroup config runs it, without them a
+    64-row config; both match the math with the keep mask rebuilt on the host."""
+    from _dropout_reference import keep_mask
+    from test_gpu_dropout import dropout_reference, seed_after
+    q, k, v = make_qkv(1, 2048, 2048, 2, 2, 64, DTYPES[dtype], seed=13)
+    seed = seed_after(17, q.device)
+
+    def call():
+        torch.manual_seed(17)
+        return flash_attn_func(q, k, v, dropout_p=0.25), None
+
+    results = [out for out, _ in both_paths(monkeypatch, call)]
+    mask = torch.from_numpy(keep_mask(seed, 0.25, 1, 2, 2048, 2048))
+    ref = dropout_reference(q, k, v, mask, 0.25, False)
+    low = dropout_reference(q, k, v, mask, 0.25, False, upcast=False)
+    base = (low - ref).abs().max().item()
+    for out, path in zip(results, ("three warpgroups (maps)", "64-row (no maps)")):
+        err = (out.float() - ref).abs().max().item()
+        assert err <= 2 * base + 1e-3, f"{path}: error {err} (low-precision math: {base})"

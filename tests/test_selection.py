@@ -1,5 +1,6 @@
 """Selection rules (cudaflash/selection.py): parsing, errors, what select() picks. CPU only."""
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -131,14 +132,17 @@ def test_to_dict_round_trip():
 def test_configs_yaml_rules_serve_every_built_kernel_family():
     """On each arch (and a newer one that JITs the PTX), every (dtype, d_head) that
     configs.yaml builds gets a kernel of that dtype and d_head built for the arch, and every
-    rule is chosen somewhere."""
+    rule is chosen somewhere: by calls with tensor maps (every built config available) or
+    by calls without them (dispatch passes over the configs that need maps)."""
     chosen = set()
-    for arch in (80, 86, 89, 90, 100):
+    for arch, maps in itertools.product((80, 86, 89, 90, 100), (True, False)):
         if arch == 100:  # a newer GPU: every config's compute_90 PTX (smem permitting)
             fits = {c.name: c for c in SPEC.configs}
         else:
             built_for = 86 if arch == 89 else arch  # sm_89 runs the sm_86 cubins
             fits = {c.name: c for c in SPEC.configs if built_for in SPEC.cubin_archs(c)}
+        if not maps:
+            fits = {n: c for n, c in fits.items() if not c.needs_tensor_maps}
         for dtype, d_head in {(c.dtype, c.d_head) for c in fits.values()}:
             for causal in (False, True):
                 # One length per bucket of the rules, and decoding (one query row).
@@ -217,6 +221,26 @@ def test_user_rules_errors_name_the_file(tmp_path, text, error):
     with pytest.raises(ConfigError) as exc:
         selection.load_user_rules(path)
     assert str(exc.value).startswith(str(path)) and error in str(exc.value), str(exc.value)
+
+
+def test_calls_without_tensor_maps_pass_over_configs_that_need_them(monkeypatch):
+    """d64 prefill with maps runs the three-warpgroup config; the same call without them
+    (packed, cache addressing: its *_kvcache entries trap) takes the next rule, a 64-row
+    config, and never the pre-Hopper fallback."""
+    from types import SimpleNamespace
+
+    import _internals as internals
+    usable = {c.name: SimpleNamespace(name=c.name, config=c) for c in SPEC.configs
+              if 90 in SPEC.cubin_archs(c)}
+    dk = SimpleNamespace(device=SimpleNamespace(arch=90), usable=usable)
+    r = internals.Rules(SPEC.rules, (), ())
+    for dtype, causal in itertools.product(("bf16", "fp16"), (False, True)):
+        with_maps, _ = internals.select_for_call(dk, r, dtype, 64, causal, 8192, 8192, maps=True)
+        assert usable[with_maps].config.needs_tensor_maps, with_maps
+        without, reason = internals.select_for_call(dk, r, dtype, 64, causal, 8192, 8192, maps=False)
+        config = usable[without].config
+        assert not config.needs_tensor_maps and config.wgmma and config.B_r == 64, without
+        assert reason.startswith("rule "), reason
 
 
 def test_calls_without_tensor_maps_leave_persistent_configs_for_their_twin():
