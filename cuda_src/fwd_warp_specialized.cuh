@@ -46,7 +46,7 @@ constexpr int kConsumerRegs = kConsumerGroups == 2 ? 224 : 160;
 // H100's 50 MB L2, which the other traffic and the two L2 halves share).
 constexpr int64_t kL2GroupBytes = 16ll << 20;
 // Named barriers (0 is __syncthreads): the consumers' turns, then each one's epilogue.
-constexpr int kTurnBarrier = 1;  // + consumer warpgroup (its turn: 1..3); then per consumer
+constexpr int kTurnBarrier = 1;  // + consumer warpgroup (its turn: 1..groups); then per consumer
                                  // warpgroup its epilogue's (kTurnBarrier + groups + wg)
 // A turn barrier's threads: its warpgroup, which waits, and the one before, which arrives.
 constexpr int kTurnThreads = 256;

@@ -235,12 +235,14 @@ class KernelConfig:
 
     @property
     def needs_tensor_maps(self) -> bool:
-        """The selection rules give this config only calls that load through tensor maps
-        (dispatch: a call without them takes the next rule that matches). Three consumer
+        """Dispatch gives this config only calls that launch.run expects to load through
+        tensor maps (a padded batch big enough for them); the others (packed batches, cache
+        addressing, key counts, small calls) take the next rule that matches. Three consumer
         warpgroups (n_warps = 12) leave the producer 32 registers: its cp.async copies of
         paged or indexed caches spilled there, so its *_kvcache entries are not compiled (they
-        trap: flash_fwd.cu), and its other cp.async calls (packed batches, small calls) were
-        not measured against the kernels the rules give them."""
+        trap: flash_fwd.cu). A padded call it gets may still launch without maps (split-KV, a
+        sliding window's short span: launch_function decides): its cp.async path for padded
+        batches is compiled and tested (test_gpu_tma), not tuned."""
         return self.warp_specialized and self.n_warps == 12
 
     def fits_arch(self, arch: int) -> bool:

@@ -19,6 +19,7 @@ query row.
 import pytest
 import torch
 
+import _internals as internals
 from cudaflash import _driver, _plans, _tma, flash_attn_func, forward, list_kernels
 from test_gpu_correctness import (check_attention,
                                   fp32_reference_without_tf32,  # noqa: F401 (autouse fixture)
@@ -360,19 +361,20 @@ def test_calls_without_maps_pass_over_the_three_group_config():
 
 def test_kvcache_prefill_where_the_rules_pick_the_three_group_config():
     """flash_attn_with_kvcache at a size whose padded call runs the three-warpgroup config
-    (its kvcache entries trap): the cache call runs another config and gives the padded
-    call's attention, paged or not."""
+    (2k non-causal; its kvcache entries trap): with key counts (no maps) or a paged cache
+    (cache addressing) the call runs another config and gives the padded call's attention."""
     from cudaflash import flash_attn_with_kvcache
+    assert internals.selected_config(0, "bf16", 64, False, 2048, 2048)[0] == WS64.format("bf16")
     q, k, v = make_qkv(1, 2048, 2048, 8, 8, 64, torch.bfloat16, seed=9)
-    for causal in (False, True):
-        out = flash_attn_with_kvcache(q, k, v, causal=causal)
-        check_attention(out, None, q, k, v, causal)
-        page = 256
-        k_pages = k.reshape(8, page, 8, 64)
-        v_pages = v.reshape(8, page, 8, 64)
-        table = torch.arange(8, dtype=torch.int32, device=q.device)[None]
-        paged = flash_attn_with_kvcache(q, k_pages, v_pages, block_table=table, causal=causal)
-        check_attention(paged, None, q, k, v, causal)
+    lengths = torch.full((1,), 2048, dtype=torch.int32, device=q.device)
+    out = flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths)
+    check_attention(out, None, q, k, v, False)
+    page = 256
+    k_pages = k.reshape(8, page, 8, 64)
+    v_pages = v.reshape(8, page, 8, 64)
+    table = torch.arange(8, dtype=torch.int32, device=q.device)[None]
+    paged = flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table)
+    check_attention(paged, None, q, k, v, False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -381,6 +383,8 @@ def test_dropout_on_the_three_group_config(monkeypatch, dtype):
     64-row config; both match the math with the keep mask rebuilt on the host."""
     from _dropout_reference import keep_mask
     from test_gpu_dropout import dropout_reference, seed_after
+    # (with maps, the rules' choice at this size is the three-warpgroup config)
+    assert internals.selected_config(0, dtype, 64, False, 2048, 2048)[0] == WS64.format(dtype)
     q, k, v = make_qkv(1, 2048, 2048, 2, 2, 64, DTYPES[dtype], seed=13)
     seed = seed_after(17, q.device)
 

@@ -147,7 +147,7 @@ def test_configs_yaml_rules_serve_every_built_kernel_family():
             for causal in (False, True):
                 # One length per bucket of the rules, and decoding (one query row).
                 for seqlen_q, seqlen_k in ((512, 512), (2048, 2048), (4096, 4096), (8192, 8192),
-                                           (16384, 16384), (1, 8192)):
+                                           (16384, 16384), (1, 2048), (1, 8192)):
                     name, reason = call(SPEC.rules, fits, arch=arch, dtype=dtype,
                                         d_head=d_head, causal=causal, seqlen_q=seqlen_q,
                                         seqlen_k=seqlen_k)
@@ -241,6 +241,12 @@ def test_calls_without_tensor_maps_pass_over_configs_that_need_them(monkeypatch)
         config = usable[without].config
         assert not config.needs_tensor_maps and config.wgmma and config.B_r == 64, without
         assert reason.startswith("rule "), reason
+    # Few query rows (decoding, a short chunk) keep the tuned 64-row choices with or without
+    # maps: bf16 non-causal up to 4096 keys the one-CTA-per-SM build, beyond it the 3-CTA one.
+    for maps in (True, False):
+        for seqlen_k, ctas in ((2048, 1), (4096, 1), (8192, 3)):
+            name, _ = internals.select_for_call(dk, r, "bf16", 64, False, 16, seqlen_k, maps=maps)
+            assert name.endswith(f"_ctas{ctas}_wgmma1"), (maps, seqlen_k, name)
 
 
 def test_calls_without_tensor_maps_leave_persistent_configs_for_their_twin():
