@@ -147,9 +147,19 @@ def _select(dk: DeviceKernels, r: Rules, dtype: str, d_head: int, causal: bool,
     matching rule serves it) and takes a persistent config's twin (without_persistence)."""
     usable = dk.usable if maps else {n: e for n, e in dk.usable.items()
                                      if not e.config.needs_tensor_maps}
-    name, reason = selection.select(r.rules, usable, arch=dk.device.arch, dtype=dtype,
-                                    d_head=d_head, causal=causal, seqlen_q=seqlen_q,
-                                    seqlen_k=seqlen_k)
+    try:
+        name, reason = selection.select(r.rules, usable, arch=dk.device.arch, dtype=dtype,
+                                        d_head=d_head, causal=causal, seqlen_q=seqlen_q,
+                                        seqlen_k=seqlen_k)
+    except LookupError as e:
+        maps_only = [n for n, entry in dk.usable.items() if n not in usable
+                     and (entry.config.dtype, entry.config.d_head) == (dtype, d_head)]
+        if not maps_only:
+            raise
+        raise LookupError(f"{e}; built but left out because this call loads without tensor "
+                          f"maps (packed batch, cache addressing, key counts or a small call) "
+                          f"and they need them (KernelConfig.needs_tensor_maps): "
+                          f"{maps_only}") from None
     if not maps:
         twin = without_persistence(dk.usable, dk.usable[name]).name
         if twin != name:

@@ -249,6 +249,24 @@ def test_calls_without_tensor_maps_pass_over_configs_that_need_them(monkeypatch)
             assert name.endswith(f"_ctas{ctas}_wgmma1"), (maps, seqlen_k, name)
 
 
+def test_a_build_of_maps_only_configs_says_why_a_call_without_maps_has_none():
+    """A custom build whose only d64 configs need tensor maps: a call without maps gets a
+    LookupError that names them and why they were left out."""
+    from types import SimpleNamespace
+
+    import _internals as internals
+    only = [c for c in SPEC.configs if c.needs_tensor_maps and c.dtype == "bf16"]
+    assert only
+    usable = {c.name: SimpleNamespace(name=c.name, config=c) for c in only}
+    dk = SimpleNamespace(device=SimpleNamespace(arch=90), usable=usable)
+    r = internals.Rules(SPEC.rules, (), ())
+    assert internals.select_for_call(dk, r, "bf16", 64, False, 4096, 4096, maps=True)[0] \
+        == only[0].name
+    with pytest.raises(LookupError) as exc:
+        internals.select_for_call(dk, r, "bf16", 64, False, 4096, 4096, maps=False)
+    assert "without tensor maps" in str(exc.value) and only[0].name in str(exc.value)
+
+
 def test_calls_without_tensor_maps_leave_persistent_configs_for_their_twin():
     """A persistent config walks tiles only through tensor maps: a call without them (packed,
     cache addressing, too small) runs the non-persistent twin where it is built."""
