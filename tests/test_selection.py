@@ -223,47 +223,48 @@ def test_user_rules_errors_name_the_file(tmp_path, text, error):
     assert str(exc.value).startswith(str(path)) and error in str(exc.value), str(exc.value)
 
 
-def test_calls_without_tensor_maps_pass_over_configs_that_need_them(monkeypatch):
-    """d64 prefill with maps runs the three-warpgroup config; the same call without them
-    (packed, cache addressing: its *_kvcache entries trap) takes the next rule, a 64-row
-    config, and never the pre-Hopper fallback."""
+def select_on_sm90(configs):
+    """dispatch's choice for a call on an sm_90 GPU with ``configs`` built and configs.yaml's
+    rules: select(dtype, d_head, causal, seqlen_q, seqlen_k, maps) -> (name, reason)."""
     from types import SimpleNamespace
 
     import _internals as internals
-    usable = {c.name: SimpleNamespace(name=c.name, config=c) for c in SPEC.configs
-              if 90 in SPEC.cubin_archs(c)}
+    usable = {c.name: SimpleNamespace(name=c.name, config=c) for c in configs}
     dk = SimpleNamespace(device=SimpleNamespace(arch=90), usable=usable)
     r = internals.Rules(SPEC.rules, (), ())
+    return lambda *call, maps: internals.select_for_call(dk, r, *call, maps=maps)
+
+
+def test_calls_without_tensor_maps_pass_over_configs_that_need_them():
+    """d64 prefill with maps runs the three-warpgroup config; the same call without them
+    (packed, cache addressing: its *_kvcache entries trap) takes the next rule, a 64-row
+    config, and never the pre-Hopper fallback."""
+    built = {c.name: c for c in SPEC.configs if 90 in SPEC.cubin_archs(c)}
+    select = select_on_sm90(built.values())
     for dtype, causal in itertools.product(("bf16", "fp16"), (False, True)):
-        with_maps, _ = internals.select_for_call(dk, r, dtype, 64, causal, 8192, 8192, maps=True)
-        assert usable[with_maps].config.needs_tensor_maps, with_maps
-        without, reason = internals.select_for_call(dk, r, dtype, 64, causal, 8192, 8192, maps=False)
-        config = usable[without].config
+        with_maps, _ = select(dtype, 64, causal, 8192, 8192, maps=True)
+        assert built[with_maps].needs_tensor_maps, with_maps
+        without, reason = select(dtype, 64, causal, 8192, 8192, maps=False)
+        config = built[without]
         assert not config.needs_tensor_maps and config.wgmma and config.B_r == 64, without
         assert reason.startswith("rule "), reason
     # Few query rows (decoding, a short chunk) keep the tuned 64-row choices with or without
     # maps: bf16 non-causal up to 4096 keys the one-CTA-per-SM build, beyond it the 3-CTA one.
     for maps in (True, False):
         for seqlen_k, ctas in ((2048, 1), (4096, 1), (8192, 3)):
-            name, _ = internals.select_for_call(dk, r, "bf16", 64, False, 16, seqlen_k, maps=maps)
+            name, _ = select("bf16", 64, False, 16, seqlen_k, maps=maps)
             assert name.endswith(f"_ctas{ctas}_wgmma1"), (maps, seqlen_k, name)
 
 
 def test_a_build_of_maps_only_configs_says_why_a_call_without_maps_has_none():
     """A custom build whose only d64 configs need tensor maps: a call without maps gets a
     LookupError that names them and why they were left out."""
-    from types import SimpleNamespace
-
-    import _internals as internals
     only = [c for c in SPEC.configs if c.needs_tensor_maps and c.dtype == "bf16"]
     assert only
-    usable = {c.name: SimpleNamespace(name=c.name, config=c) for c in only}
-    dk = SimpleNamespace(device=SimpleNamespace(arch=90), usable=usable)
-    r = internals.Rules(SPEC.rules, (), ())
-    assert internals.select_for_call(dk, r, "bf16", 64, False, 4096, 4096, maps=True)[0] \
-        == only[0].name
+    select = select_on_sm90(only)
+    assert select("bf16", 64, False, 4096, 4096, maps=True)[0] == only[0].name
     with pytest.raises(LookupError) as exc:
-        internals.select_for_call(dk, r, "bf16", 64, False, 4096, 4096, maps=False)
+        select("bf16", 64, False, 4096, 4096, maps=False)
     assert "without tensor maps" in str(exc.value) and only[0].name in str(exc.value)
 
 
