@@ -47,10 +47,15 @@ constexpr int kBwdDsBarrier = 1;        // the consumers: both halves of dS^T ar
 constexpr int kBwdDqFullBarrier = 2;    // + buffer: consumers -> reducer, the dQ tile is written
 constexpr int kBwdDqEmptyBarrier = 4;   // + buffer: reducer -> consumers, the tile was read
 constexpr int kBwdEpilogueBarrier = 6;  // the consumers, around dK/dV through shared memory
-// The consumers: a packed batch's tail rows of a tile are zero (zero_tail_rows). It shares
-// the epilogue's id: both have the same 256 threads, and the epilogue follows every step.
+// The consumers: a packed batch's tail rows of a tile are zero (zero_tail_rows, which the d256
+// kernels call too: id 6 is free there). It shares the epilogue's id: both have the same 256
+// threads, and the epilogue follows every step.
 constexpr int kBwdTailBarrier = 6;
-constexpr int kBwdDqBarrierThreads = kBwdConsumerThreads + 32;
+// kWsDqOwnKeys (d64) in place of kBwdDsBarrier:
+constexpr int kBwdOwnDsBarrier = 7;     // + warpgroup: its own rows of dS^T are in sdS
+constexpr int kBwdDqHalfBarrier = 9;    // + buffer: warpgroup 1 -> 2, its dQ share is stored
+constexpr int kBwdOffsetBarrier = 11;   // once: warpgroup 2 starts after 1's first softmax
+constexpr int kBwdWarpgroupThreads = 128;
 
 // Shared memory of the kernel (cudaflash.backward_config.BackwardConfig.dkdv_dq_smem_bytes mirrors it):
 // K, V (kCtaRows x d) | kBwdStages x Q, dO (Q x d) | 2 x dS^T (kCtaRows x Q) |
@@ -208,9 +213,12 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
     constexpr int kKeys = C::kCtaRows;
     constexpr int kQ = C::kWsQueryRows;  // query rows per step: 64, or 128 (two dQ halves)
     constexpr int kHalves = kQ / 64;
+    constexpr bool kOwnKeys = C::kWsDqOwnKeys;  // each warpgroup its own keys' dQ share
+    // The dQ tile's barriers: the reducer and the consumers that write (kOwnKeys: warpgroup 2
+    // hands it over, warpgroup 1 takes it back) or both warpgroups.
+    constexpr int kDqBarrierThreads = (kOwnKeys ? kBwdWarpgroupThreads : kBwdConsumerThreads) + 32;
     constexpr int kStages = kBwdStages;
     constexpr int kDqTileFloats = kQ * kD;
-    constexpr int kDqN8 = C::kDqWgCols / 8;  // a consumer warp's n8 blocks of the dQ tile
 
     extern __shared__ __align__(1024) unsigned char smem[];
     elem_t* sK = reinterpret_cast<elem_t*>(smem);  // (kKeys, d); holds dK at the end
@@ -270,7 +278,7 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
             StepWalk<kQ> at = walk0;
             for (int step = 0; step < n_steps; ++step, at.next()) {
                 const int buf = step % 2;
-                named_barrier_sync(kBwdDqFullBarrier + buf, kBwdDqBarrierThreads);
+                named_barrier_sync(kBwdDqFullBarrier + buf, kDqBarrierThreads);
                 if (lane == 0) {
                     bulk_reduce_add_f32(accum_row<kPacked>(p, batch, at.head, at.q0),
                                         smem_addr(sdQ + buf * kDqTileFloats), kDqTileFloats * 4);
@@ -280,7 +288,7 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
                 __syncwarp();
                 // The consumers wait for this buffer again only at step + 2.
                 if (step + 2 < n_steps)
-                    named_barrier_arrive(kBwdDqEmptyBarrier + buf, kBwdDqBarrierThreads);
+                    named_barrier_arrive(kBwdDqEmptyBarrier + buf, kDqBarrierThreads);
             }
             if (lane == 0) bulk_wait<0>();
         }
@@ -303,7 +311,8 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
     const uint32_t k_tile = smem_addr(sK);
     const uint32_t k_rows = k_tile + cgroup * 64 * 128;
     const uint32_t v_rows = smem_addr(sV) + cgroup * 64 * 128;
-    // The warpgroup's columns of the step's dQ (the warpgroups split d_head), in the K tile.
+    // Without kOwnKeys: the warpgroup's columns of the step's dQ (the warpgroups split d_head),
+    // in the K tile.
     const int dq_col0 = cgroup * C::kDqWgCols;
     const uint32_t dq_k_cols = k_tile + (dq_col0 / 64) * kKeys * 128 + (dq_col0 % 64) * 2;
     mbarrier_wait(&kv_full, 0);
@@ -311,6 +320,11 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
         if (key_rows < kKeys) zero_tail_rows<kKeys>(sK, sV, key_rows, threadIdx.x - kBwdProducerThreads);
     }
 
+    // kOwnKeys: warpgroup 2 starts once warpgroup 1's first softmax is done, so that from the
+    // first step one's softmax runs under the other's GEMMs. (Not in a packed batch: a tail
+    // step's zero_tail_rows has both warpgroups meet.)
+    if (kOwnKeys && !kPacked && cgroup == 1 && n_steps > 0)
+        named_barrier_sync(kBwdOffsetBarrier, kBwdConsumerThreads);
     StepWalk<kQ> at = walk0;
     for (int step = 0; step < n_steps; ++step, at.next()) {
         const int stage = step % kStages;
@@ -349,6 +363,8 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
         wgmma_fence();
         wg::regs_tile<kQ, kQ / 16>(dV, a, do_tile);
         wgmma_commit();
+        if (kOwnKeys && !kPacked && step == 0 && cgroup == 0)
+            named_barrier_arrive(kBwdOffsetBarrier, kBwdConsumerThreads);
         wgmma_wait<1>();  // dP^T (dV may still run)
         wgmma_fence_operands(wg::flat(dS[0]));
         if constexpr (kQ == 128) {
@@ -358,43 +374,97 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
         }
         uint32_t ds_a[1][kQ / 16][4];
         pack_a_fragments<C::kBf16>(ds_a, dS);
-        // dS^T buffer `buf` was last read by step - 2's dQ GEMMs, which both warpgroups
-        // finished before the previous step's dS barrier.
+        // dS^T buffer `buf` was last read by step - 2's dQ GEMMs, which were waited for before
+        // the previous step's dS barrier (kOwnKeys: a warpgroup reads only its own rows).
         elem_t* ds_tile = sdS + buf * kKeys * kQ;  // (kKeys, 64) slabs, one per dQ half
         acc_to_tile<kKeys, kQ / 8>(ds_tile, dS[0], 1.f, row0);
         fence_proxy_async_shared();
         // dQ = dS K before dK = dS^T Q: the tensor pipe runs them in issue order, so the dQ
         // tile is stored to shared memory while dK runs instead of after it (perf log,
-        // "Backward v4.3").
-        named_barrier_sync(kBwdDsBarrier, kBwdConsumerThreads);  // both halves of dS^T
-        float dQ[kHalves][kDqN8][4];  // set by the first wgmma of each half (accumulate 0)
+        // "Backward v4.3"). Stored in fragment order (dq_tile_index, per 64-row half): each
+        // warp's float4 accesses cover 512 contiguous bytes, free of bank conflicts.
+        if constexpr (kOwnKeys) {
+            // dV is done by now (issued before dS^T was computed): retired here, as measured.
+            wgmma_wait<0>();
+            wgmma_fence_operands(wg::flat(dV));
+            // Each warpgroup's share over its own keys, the whole tile: only its own four
+            // warps meet here, so neither warpgroup waits for the other's dS^T and they run
+            // half a step apart, one's softmax under the other's GEMMs (perf log, "Backward
+            // v6"). Warpgroup 1 stores its share, warpgroup 2 adds its own and hands the tile
+            // to the reducer.
+            named_barrier_sync(kBwdOwnDsBarrier + cgroup, kBwdWarpgroupThreads);
+            float dQ[kHalves][kD / 8][4];  // set by the first wgmma of each half (accumulate 0)
 #pragma unroll
-        for (int h = 0; h < kHalves; ++h) wgmma_fence_operands(wg::flat(dQ[h]));
-        wgmma_fence();
+            for (int h = 0; h < kHalves; ++h) wgmma_fence_operands(wg::flat(dQ[h]));
+            wgmma_fence();
 #pragma unroll
-        for (int h = 0; h < kHalves; ++h)
-            wg::ds_k<kKeys>(dQ[h], smem_addr(ds_tile + h * kKeys * 64), dq_k_cols);
-        wgmma_commit();
-        wgmma_fence_operands(wg::flat(dK));
-        wg::regs_tile<kQ, kQ / 16>(dK, ds_a, q_tile);
-        wgmma_commit();
-        wgmma_wait<1>();  // dV and dQ
+            for (int h = 0; h < kHalves; ++h)
+                wg::ds_k_own<kKeys>(dQ[h], smem_addr(ds_tile + h * kKeys * 64), k_tile,
+                                    cgroup * 64 * 128);
+            wgmma_commit();
+            wgmma_fence_operands(wg::flat(dK));
+            wg::regs_tile<kQ, kQ / 16>(dK, ds_a, q_tile);
+            wgmma_commit();
+            wgmma_wait<1>();  // dQ (dK may still run)
 #pragma unroll
-        for (int h = 0; h < kHalves; ++h) wgmma_fence_operands(wg::flat(dQ[h]));
-        // The dQ tile in fragment order (dq_tile_index, per 64-row half): each warp's float4
-        // store covers 512 contiguous bytes, free of bank conflicts.
-        if (step >= 2) named_barrier_sync(kBwdDqEmptyBarrier + buf, kBwdDqBarrierThreads);
+            for (int h = 0; h < kHalves; ++h) wgmma_fence_operands(wg::flat(dQ[h]));
+            float4* dq_tile = reinterpret_cast<float4*>(sdQ + buf * kDqTileFloats) +
+                              (cwarp % 4) * (kD / 8) * 32 + lane;
+            if (cgroup == 0) {
+                if (step >= 2) named_barrier_sync(kBwdDqEmptyBarrier + buf, kDqBarrierThreads);
 #pragma unroll
-        for (int h = 0; h < kHalves; ++h) {
-            float4* dq_tile = reinterpret_cast<float4*>(sdQ + buf * kDqTileFloats + h * 64 * kD) +
-                              cwarp * kDqN8 * 32 + lane;
+                for (int h = 0; h < kHalves; ++h)
 #pragma unroll
-            for (int nd = 0; nd < kDqN8; ++nd)
-                dq_tile[nd * 32] =
-                    make_float4(dQ[h][nd][0], dQ[h][nd][1], dQ[h][nd][2], dQ[h][nd][3]);
+                    for (int nd = 0; nd < kD / 8; ++nd)
+                        dq_tile[h * 64 * kD / 4 + nd * 32] =
+                            make_float4(dQ[h][nd][0], dQ[h][nd][1], dQ[h][nd][2], dQ[h][nd][3]);
+                named_barrier_arrive(kBwdDqHalfBarrier + buf, kBwdConsumerThreads);
+            } else {
+                named_barrier_sync(kBwdDqHalfBarrier + buf, kBwdConsumerThreads);
+#pragma unroll
+                for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+                    for (int nd = 0; nd < kD / 8; ++nd) {
+                        float4& t = dq_tile[h * 64 * kD / 4 + nd * 32];
+                        const float4 other = t;
+                        t = make_float4(other.x + dQ[h][nd][0], other.y + dQ[h][nd][1],
+                                        other.z + dQ[h][nd][2], other.w + dQ[h][nd][3]);
+                    }
+                fence_proxy_async_shared();
+                named_barrier_arrive(kBwdDqFullBarrier + buf, kDqBarrierThreads);
+            }
+        } else {
+            // One dQ = dS K over both warpgroups' keys, each warpgroup half the columns.
+            named_barrier_sync(kBwdDsBarrier, kBwdConsumerThreads);  // both halves of dS^T
+            constexpr int kDqN8 = C::kDqWgCols / 8;  // a consumer warp's n8 blocks of dQ
+            float dQ[kHalves][kDqN8][4];  // set by the first wgmma of each half (accumulate 0)
+#pragma unroll
+            for (int h = 0; h < kHalves; ++h) wgmma_fence_operands(wg::flat(dQ[h]));
+            wgmma_fence();
+#pragma unroll
+            for (int h = 0; h < kHalves; ++h)
+                wg::ds_k<kKeys>(dQ[h], smem_addr(ds_tile + h * kKeys * 64), dq_k_cols);
+            wgmma_commit();
+            wgmma_fence_operands(wg::flat(dK));
+            wg::regs_tile<kQ, kQ / 16>(dK, ds_a, q_tile);
+            wgmma_commit();
+            wgmma_wait<1>();  // dV and dQ
+#pragma unroll
+            for (int h = 0; h < kHalves; ++h) wgmma_fence_operands(wg::flat(dQ[h]));
+            if (step >= 2) named_barrier_sync(kBwdDqEmptyBarrier + buf, kDqBarrierThreads);
+#pragma unroll
+            for (int h = 0; h < kHalves; ++h) {
+                float4* dq_tile =
+                    reinterpret_cast<float4*>(sdQ + buf * kDqTileFloats + h * 64 * kD) +
+                    cwarp * kDqN8 * 32 + lane;
+#pragma unroll
+                for (int nd = 0; nd < kDqN8; ++nd)
+                    dq_tile[nd * 32] =
+                        make_float4(dQ[h][nd][0], dQ[h][nd][1], dQ[h][nd][2], dQ[h][nd][3]);
+            }
+            fence_proxy_async_shared();
+            named_barrier_arrive(kBwdDqFullBarrier + buf, kDqBarrierThreads);
         }
-        fence_proxy_async_shared();
-        named_barrier_arrive(kBwdDqFullBarrier + buf, kBwdDqBarrierThreads);
         wgmma_wait<0>();  // dK: this warp is done with the stage
         wgmma_fence_operands(wg::flat(dK));
         wgmma_fence_operands(wg::flat(dV));

@@ -255,15 +255,17 @@ __device__ __forceinline__ float* accum_row(const BwdParams& p, int batch, int h
 }
 
 // Where element (r, c) of a 64-row dQ tile lies in the warp-specialized kernel's order: the
-// consumer warps' fragments one after another, float4 per lane per n8 block. Consumer warp w
-// (warpgroup w / 4) holds rows 16 (w % 4) + lane / 4 (+ 8) of the columns of its warpgroup's
-// half of d_head; n8 block j of it is float4 j * 32 + lane of the warp's block, holding
-// (row, c), (row, c + 1), (row + 8, c), (row + 8, c + 1).
+// consumer warps' fragments one after another, float4 per lane per n8 block; n8 block j of a
+// warp's fragments is float4 j * 32 + lane of the warp's block, holding (row, c), (row, c + 1),
+// (row + 8, c), (row + 8, c + 1), row = 16 (w % 4) + lane / 4 for warp w. kWsDqOwnKeys (d64):
+// both warpgroups hold the whole tile (each its keys' share, summed in shared memory), so the
+// tile is one warpgroup's: warp w's block holds every column. Otherwise each warpgroup holds
+// its half of the columns: warp w (warpgroup w / 4) those of half w / 4.
 __device__ __forceinline__ int dq_tile_index(int r, int c) {
-    constexpr int kHalf = kD / 2;  // columns per consumer warpgroup
-    const int warp = 4 * (c / kHalf) + r / 16;
+    constexpr int kCols = C::kWsDqOwnKeys ? kD : kD / 2;  // columns per warp's block
+    const int warp = 4 * (c / kCols) + r / 16;
     const int lane = 4 * (r % 8) + (c % 8) / 2;
-    const int block = warp * (kHalf / 8) + (c % kHalf) / 8;
+    const int block = warp * (kCols / 8) + (c % kCols) / 8;
     return (block * 32 + lane) * 4 + 2 * (r % 16 / 8) + c % 2;
 }
 
@@ -433,13 +435,13 @@ __device__ __forceinline__ void bwd_dq_convert(const BwdParams& p) {
         // Fragment order (dq_tile_index): a float4 holds columns c, c + 1 of rows r and r + 8;
         // the thread's two are lanes 2j, 2j + 1 of one n8 block: columns c .. c + 3.
         constexpr int kTile = kDqTileRows * kD;
-        constexpr int kHalf = kD / 2;
+        constexpr int kCols = C::kWsDqOwnKeys ? kD : kD / 2;  // columns per warp's block
         const int in_tile = int(first % kTile);
         const int block = in_tile / 128;  // 32 lanes x 4 floats
         const int lane = in_tile % 128 / 4;  // even
-        const int warp = block / (kHalf / 8);
+        const int warp = block / (kCols / 8);
         const int r = int(first / kTile) * kDqTileRows + 16 * (warp % 4) + lane / 4;
-        const int c = warp / 4 * kHalf + block % (kHalf / 8) * 8 + 2 * (lane % 4);
+        const int c = warp / 4 * kCols + block % (kCols / 8) * 8 + 2 * (lane % 4);
         if (r < p.seqlen_q) {
             elem_t* dq = row_of(static_cast<elem_t*>(p.dq), p.dq_strides, batch, r, head);
             *reinterpret_cast<uint2*>(dq + c) =
@@ -596,6 +598,22 @@ __device__ __forceinline__ void ds_k(float (&acc)[C::kDqWgCols / 8][4], uint32_t
         wgmma_ss_mn<C::kDqWgCols, C::kBf16>(flat(acc),
                                             smem_desc_at(kFields, ds_tile + kk * 16 * 128),
                                             smem_desc_at(kFields, k_cols + kk * 16 * 128), kk > 0);
+}
+
+// kWsDqOwnKeys: one consumer warpgroup's share of the step's dQ (64 query rows x d_head) =
+// dS K over its own 64 keys: A = its rows of dS^T stored (keys, 64 query columns), B = its
+// rows of the K tile (one 64-column slab: d64); both MN-major, from `own_rows` bytes on.
+template <int kKeys>
+__device__ __forceinline__ void ds_k_own(float (&acc)[kD / 8][4], uint32_t ds_tile,
+                                         uint32_t k_tile, uint32_t own_rows) {
+    static_assert(kD == 64, "one 64-column slab of K");
+    constexpr uint64_t kFields = smem_desc_mn_major(kKeys);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+        wgmma_ss_mn<kD, C::kBf16>(flat(acc),
+                                  smem_desc_at(kFields, ds_tile + own_rows + kk * 16 * 128),
+                                  smem_desc_at(kFields, k_tile + own_rows + kk * 16 * 128),
+                                  kk > 0);
 }
 
 }  // namespace wg
