@@ -42,19 +42,19 @@ constexpr int kBwdConsumerThreads = 256;  // warpgroups 1 and 2
 // against the launch's registers (build_cubins.py, _check_register_pool).
 constexpr int kBwdProducerRegs = 24;
 constexpr int kBwdConsumerRegs = 240;
-// Named barriers (0 is __syncthreads).
-constexpr int kBwdDsBarrier = 1;        // the consumers: both halves of dS^T are in sdS
-constexpr int kBwdDqFullBarrier = 2;    // + buffer: consumers -> reducer, the dQ tile is written
-constexpr int kBwdDqEmptyBarrier = 4;   // + buffer: reducer -> consumers, the tile was read
-constexpr int kBwdEpilogueBarrier = 6;  // the consumers, around dK/dV through shared memory
-// The consumers: a packed batch's tail rows of a tile are zero (zero_tail_rows, which the d256
-// kernels call too: id 6 is free there). It shares the epilogue's id: both have the same 256
-// threads, and the epilogue follows every step.
+// Named barriers (0 is __syncthreads). zero_tail_rows (shared with the d256 kernels, where 6 is
+// free) meets at kBwdTailBarrier; the fused kernel's own:
 constexpr int kBwdTailBarrier = 6;
-// kWsDqOwnKeys (d64) in place of kBwdDsBarrier:
-constexpr int kBwdOwnDsBarrier = 7;     // + warpgroup: its own rows of dS^T are in sdS
-constexpr int kBwdDqHalfBarrier = 9;    // + buffer: warpgroup 1 -> 2, its dQ share is stored
-constexpr int kBwdOffsetBarrier = 11;   // once: warpgroup 2 starts after 1's first softmax
+constexpr int kBwdOffsetBarrier = 1;    // once: warpgroup 2 starts after 1's first softmax
+constexpr int kBwdDqFullBarrier = 2;    // + buffer: consumers -> reducer, the dQ tile is written
+constexpr int kBwdDqEmptyBarrier = 7;   // + 2 warpgroup + buffer: reducer -> that warpgroup,
+                                        // the tile was read
+constexpr int kBwdEpilogueBarrier = 11; // the consumers, around dK/dV through shared memory
+constexpr int kBwdDsBarrier = 12;       // + 2 warpgroup + buffer (lagged dQ): that warpgroup
+                                        // wrote its rows of dS^T and read the previous ones;
+                                        // kWsDqOwnKeys: + warpgroup, its own rows are written
+constexpr int kBwdDqHalfBarrier = 4;    // + buffer (kWsDqOwnKeys): warpgroup 1 -> 2, its dQ
+                                        // share is stored
 constexpr int kBwdWarpgroupThreads = 128;
 
 // Shared memory of the kernel (cudaflash.backward_config.BackwardConfig.dkdv_dq_smem_bytes mirrors it):
@@ -214,9 +214,11 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
     constexpr int kQ = C::kWsQueryRows;  // query rows per step: 64, or 128 (two dQ halves)
     constexpr int kHalves = kQ / 64;
     constexpr bool kOwnKeys = C::kWsDqOwnKeys;  // each warpgroup its own keys' dQ share
-    // The dQ tile's barriers: the reducer and the consumers that write (kOwnKeys: warpgroup 2
-    // hands it over, warpgroup 1 takes it back) or both warpgroups.
-    constexpr int kDqBarrierThreads = (kOwnKeys ? kBwdWarpgroupThreads : kBwdConsumerThreads) + 32;
+    // The dQ tile's barriers: "full" has the reducer wait for the warpgroups that write the
+    // tile (kOwnKeys: warpgroup 2 hands it over; else both), "empty" one warpgroup wait for the
+    // reducer (kOwnKeys: warpgroup 1, which stores first; else each its own).
+    constexpr int kDqFullThreads = (kOwnKeys ? kBwdWarpgroupThreads : kBwdConsumerThreads) + 32;
+    constexpr int kDqEmptyThreads = kBwdWarpgroupThreads + 32;
     constexpr int kStages = kBwdStages;
     constexpr int kDqTileFloats = kQ * kD;
 
@@ -278,7 +280,7 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
             StepWalk<kQ> at = walk0;
             for (int step = 0; step < n_steps; ++step, at.next()) {
                 const int buf = step % 2;
-                named_barrier_sync(kBwdDqFullBarrier + buf, kDqBarrierThreads);
+                named_barrier_sync(kBwdDqFullBarrier + buf, kDqFullThreads);
                 if (lane == 0) {
                     bulk_reduce_add_f32(accum_row<kPacked>(p, batch, at.head, at.q0),
                                         smem_addr(sdQ + buf * kDqTileFloats), kDqTileFloats * 4);
@@ -287,8 +289,10 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
                 }
                 __syncwarp();
                 // The consumers wait for this buffer again only at step + 2.
-                if (step + 2 < n_steps)
-                    named_barrier_arrive(kBwdDqEmptyBarrier + buf, kDqBarrierThreads);
+                if (step + 2 < n_steps) {
+                    named_barrier_arrive(kBwdDqEmptyBarrier + buf, kDqEmptyThreads);
+                    if (!kOwnKeys) named_barrier_arrive(kBwdDqEmptyBarrier + 2 + buf, kDqEmptyThreads);
+                }
             }
             if (lane == 0) bulk_wait<0>();
         }
@@ -311,8 +315,8 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
     const uint32_t k_tile = smem_addr(sK);
     const uint32_t k_rows = k_tile + cgroup * 64 * 128;
     const uint32_t v_rows = smem_addr(sV) + cgroup * 64 * 128;
-    // Without kOwnKeys: the warpgroup's columns of the step's dQ (the warpgroups split d_head),
-    // in the K tile.
+    // Without kOwnKeys: the warpgroup's columns of dQ (the warpgroups split d_head), in the K
+    // tile; a step's dQ is computed one step late (lagged_dq).
     const int dq_col0 = cgroup * C::kDqWgCols;
     const uint32_t dq_k_cols = k_tile + (dq_col0 / 64) * kKeys * 128 + (dq_col0 % 64) * 2;
     mbarrier_wait(&kv_full, 0);
@@ -320,10 +324,46 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
         if (key_rows < kKeys) zero_tail_rows<kKeys>(sK, sV, key_rows, threadIdx.x - kBwdProducerThreads);
     }
 
-    // kOwnKeys: warpgroup 2 starts once warpgroup 1's first softmax is done, so that from the
-    // first step one's softmax runs under the other's GEMMs. (Not in a packed batch: a tail
-    // step's zero_tail_rows has both warpgroups meet.)
-    if (kOwnKeys && !kPacked && cgroup == 1 && n_steps > 0)
+    // Without kOwnKeys: step t's dQ = dS K (both warpgroups' rows of dS^T, this warpgroup's
+    // columns) into dQ tile t % 2, then handed to the reducer. dQ before dK: the tensor pipe
+    // runs them in issue order, so the tile is stored while dK runs (perf log, "Backward
+    // v4.3"); stored in fragment order (dq_tile_index), each warp's float4 stores 512
+    // contiguous bytes, free of bank conflicts. `then_dk` issues dK after the dQ GEMMs.
+    constexpr int kDqN8 = C::kDqWgCols / 8;  // a consumer warp's n8 blocks of the dQ tile
+    auto lagged_dq = [&](int t, auto then_dk) {
+        const int tbuf = t % 2;
+        const elem_t* ds_tile = sdS + tbuf * kKeys * kQ;  // (kKeys, 64) slabs, one per half
+        float dQ[kHalves][kDqN8][4];  // set by the first wgmma of each half (accumulate 0)
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h) wgmma_fence_operands(wg::flat(dQ[h]));
+        wgmma_fence();
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h)
+            wg::ds_k<kKeys>(dQ[h], smem_addr(ds_tile + h * kKeys * 64), dq_k_cols);
+        wgmma_commit();
+        then_dk();
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h) wgmma_fence_operands(wg::flat(dQ[h]));
+        if (t >= 2)
+            named_barrier_sync(kBwdDqEmptyBarrier + 2 * cgroup + tbuf, kDqEmptyThreads);
+#pragma unroll
+        for (int h = 0; h < kHalves; ++h) {
+            float4* dq_tile =
+                reinterpret_cast<float4*>(sdQ + tbuf * kDqTileFloats + h * 64 * kD) +
+                cwarp * kDqN8 * 32 + lane;
+#pragma unroll
+            for (int nd = 0; nd < kDqN8; ++nd)
+                dq_tile[nd * 32] =
+                    make_float4(dQ[h][nd][0], dQ[h][nd][1], dQ[h][nd][2], dQ[h][nd][3]);
+        }
+        fence_proxy_async_shared();
+        named_barrier_arrive(kBwdDqFullBarrier + tbuf, kDqFullThreads);
+    };
+
+    // Warpgroup 2 starts once warpgroup 1's first softmax is done, so that from the first step
+    // one's softmax runs under the other's GEMMs (neither scheme has the warpgroups meet
+    // within a step). Not in a packed batch: a tail step's zero_tail_rows has them meet.
+    if (!kPacked && cgroup == 1 && n_steps > 0)
         named_barrier_sync(kBwdOffsetBarrier, kBwdConsumerThreads);
     StepWalk<kQ> at = walk0;
     for (int step = 0; step < n_steps; ++step, at.next()) {
@@ -363,7 +403,7 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
         wgmma_fence();
         wg::regs_tile<kQ, kQ / 16>(dV, a, do_tile);
         wgmma_commit();
-        if (kOwnKeys && !kPacked && step == 0 && cgroup == 0)
+        if (!kPacked && step == 0 && cgroup == 0)
             named_barrier_arrive(kBwdOffsetBarrier, kBwdConsumerThreads);
         wgmma_wait<1>();  // dP^T (dV may still run)
         wgmma_fence_operands(wg::flat(dS[0]));
@@ -374,25 +414,19 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
         }
         uint32_t ds_a[1][kQ / 16][4];
         pack_a_fragments<C::kBf16>(ds_a, dS);
-        // dS^T buffer `buf` was last read by step - 2's dQ GEMMs, which were waited for before
-        // the previous step's dS barrier (kOwnKeys: a warpgroup reads only its own rows).
         elem_t* ds_tile = sdS + buf * kKeys * kQ;  // (kKeys, 64) slabs, one per dQ half
-        acc_to_tile<kKeys, kQ / 8>(ds_tile, dS[0], 1.f, row0);
-        fence_proxy_async_shared();
-        // dQ = dS K before dK = dS^T Q: the tensor pipe runs them in issue order, so the dQ
-        // tile is stored to shared memory while dK runs instead of after it (perf log,
-        // "Backward v4.3"). Stored in fragment order (dq_tile_index, per 64-row half): each
-        // warp's float4 accesses cover 512 contiguous bytes, free of bank conflicts.
         if constexpr (kOwnKeys) {
-            // dV is done by now (issued before dS^T was computed): retired here, as measured.
-            wgmma_wait<0>();
+            // Each warpgroup computes its own keys' share of the step's dQ, the whole tile, so
+            // it waits only for its own warps' rows of dS^T (their previous reads of this
+            // buffer, step - 2's, were waited for) and the warpgroups run half a step apart
+            // (perf log, "Backward v6"). Warpgroup 1 stores its share into the dQ tile,
+            // warpgroup 2 adds its own and hands the tile to the reducer; fragment order
+            // (dq_tile_index, per 64-row half), free of bank conflicts.
+            acc_to_tile<kKeys, kQ / 8>(ds_tile, dS[0], 1.f, row0);
+            fence_proxy_async_shared();
+            wgmma_wait<0>();  // dV (issued before dS^T was computed: done by now)
             wgmma_fence_operands(wg::flat(dV));
-            // Each warpgroup's share over its own keys, the whole tile: only its own four
-            // warps meet here, so neither warpgroup waits for the other's dS^T and they run
-            // half a step apart, one's softmax under the other's GEMMs (perf log, "Backward
-            // v6"). Warpgroup 1 stores its share, warpgroup 2 adds its own and hands the tile
-            // to the reducer.
-            named_barrier_sync(kBwdOwnDsBarrier + cgroup, kBwdWarpgroupThreads);
+            named_barrier_sync(kBwdDsBarrier + cgroup, kBwdWarpgroupThreads);
             float dQ[kHalves][kD / 8][4];  // set by the first wgmma of each half (accumulate 0)
 #pragma unroll
             for (int h = 0; h < kHalves; ++h) wgmma_fence_operands(wg::flat(dQ[h]));
@@ -411,7 +445,7 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
             float4* dq_tile = reinterpret_cast<float4*>(sdQ + buf * kDqTileFloats) +
                               (cwarp % 4) * (kD / 8) * 32 + lane;
             if (cgroup == 0) {
-                if (step >= 2) named_barrier_sync(kBwdDqEmptyBarrier + buf, kDqBarrierThreads);
+                if (step >= 2) named_barrier_sync(kBwdDqEmptyBarrier + buf, kDqEmptyThreads);
 #pragma unroll
                 for (int h = 0; h < kHalves; ++h)
 #pragma unroll
@@ -431,45 +465,47 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
                                         other.z + dQ[h][nd][2], other.w + dQ[h][nd][3]);
                     }
                 fence_proxy_async_shared();
-                named_barrier_arrive(kBwdDqFullBarrier + buf, kDqBarrierThreads);
+                named_barrier_arrive(kBwdDqFullBarrier + buf, kDqFullThreads);
             }
         } else {
-            // One dQ = dS K over both warpgroups' keys, each warpgroup half the columns.
-            named_barrier_sync(kBwdDsBarrier, kBwdConsumerThreads);  // both halves of dS^T
-            constexpr int kDqN8 = C::kDqWgCols / 8;  // a consumer warp's n8 blocks of dQ
-            float dQ[kHalves][kDqN8][4];  // set by the first wgmma of each half (accumulate 0)
-#pragma unroll
-            for (int h = 0; h < kHalves; ++h) wgmma_fence_operands(wg::flat(dQ[h]));
-            wgmma_fence();
-#pragma unroll
-            for (int h = 0; h < kHalves; ++h)
-                wg::ds_k<kKeys>(dQ[h], smem_addr(ds_tile + h * kKeys * 64), dq_k_cols);
-            wgmma_commit();
-            wgmma_fence_operands(wg::flat(dK));
-            wg::regs_tile<kQ, kQ / 16>(dK, ds_a, q_tile);
-            wgmma_commit();
-            wgmma_wait<1>();  // dV and dQ
-#pragma unroll
-            for (int h = 0; h < kHalves; ++h) wgmma_fence_operands(wg::flat(dQ[h]));
-            if (step >= 2) named_barrier_sync(kBwdDqEmptyBarrier + buf, kDqBarrierThreads);
-#pragma unroll
-            for (int h = 0; h < kHalves; ++h) {
-                float4* dq_tile =
-                    reinterpret_cast<float4*>(sdQ + buf * kDqTileFloats + h * 64 * kD) +
-                    cwarp * kDqN8 * 32 + lane;
-#pragma unroll
-                for (int nd = 0; nd < kDqN8; ++nd)
-                    dq_tile[nd * 32] =
-                        make_float4(dQ[h][nd][0], dQ[h][nd][1], dQ[h][nd][2], dQ[h][nd][3]);
-            }
+            // dQ needs both warpgroups' rows of dS^T: computed one step late, when the other
+            // warpgroup (at most a step behind) has long written them, so neither waits for
+            // the other within a step (perf log, "Backward v6"). Before writing this step's
+            // rows into buffer `buf`: the other warpgroup's dS^T of step - 1 is written and
+            // its reads of this buffer (step - 2's dQ) are done (kBwdDsBarrier: it arrives
+            // after both). Then step - 1's dQ, with dK issued after it.
+            const int other = 1 - cgroup;
+            if (step >= 1)
+                named_barrier_sync(kBwdDsBarrier + 2 * other + (step - 1) % 2, kBwdConsumerThreads);
+            acc_to_tile<kKeys, kQ / 8>(ds_tile, dS[0], 1.f, row0);
             fence_proxy_async_shared();
-            named_barrier_arrive(kBwdDqFullBarrier + buf, kDqBarrierThreads);
+            auto issue_dk = [&] {
+                wgmma_fence_operands(wg::flat(dK));
+                wg::regs_tile<kQ, kQ / 16>(dK, ds_a, q_tile);
+                wgmma_commit();
+                wgmma_wait<1>();  // dV and the dQ GEMMs (dK may still run)
+            };
+            if (step >= 1) {
+                lagged_dq(step - 1, issue_dk);
+            } else {
+                wgmma_fence();
+                issue_dk();
+            }
+            named_barrier_arrive(kBwdDsBarrier + 2 * cgroup + buf, kBwdConsumerThreads);
         }
         wgmma_wait<0>();  // dK: this warp is done with the stage
         wgmma_fence_operands(wg::flat(dK));
         wgmma_fence_operands(wg::flat(dV));
         __syncwarp();
         if (lane == 0) mbarrier_arrive(&empty[stage]);
+    }
+    if constexpr (!kOwnKeys) {
+        // The last step's dQ.
+        if (n_steps > 0) {
+            named_barrier_sync(kBwdDsBarrier + 2 * (1 - cgroup) + (n_steps - 1) % 2,
+                               kBwdConsumerThreads);
+            lagged_dq(n_steps - 1, [] { wgmma_wait<0>(); });
+        }
     }
 
     // dK = scale * dS^T Q and dV through shared memory (over K and V) for coalesced stores,
