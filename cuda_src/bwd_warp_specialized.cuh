@@ -16,8 +16,13 @@
 //       reduction has read it. No consumer issues an atomic or waits for one.
 //   warpgroups 1 and 2, the consumers: 64 keys each, the step's GEMMs on wgmma as bwd_dkdv's
 //     (S^T and dP^T, the softmax under dP^T, dV, dS^T under dV, dK), dK and dV in registers
-//     across all steps. The step's dQ = dS K needs both warpgroups' dS^T (one named barrier
-//     per step, the consumers' only rendezvous); each warpgroup computes half of dQ's columns.
+//     across all steps. The two never wait for each other within a step, so they run about
+//     half a step apart and one's softmax runs under the other's GEMMs (perf log, "Backward
+//     v6"; a per-step rendezvous before dQ cost 5-15%). dQ = dS K sums over both warpgroups'
+//     keys: at d64 (BwdConfig::kWsDqOwnKeys) each warpgroup computes its own keys' share of
+//     the whole tile and the shares are summed in shared memory; at d128 (whose share would
+//     not fit the registers) each computes half the columns over both warpgroups' dS^T, one
+//     step late, when the other's rows of it are long written.
 //
 // What it removes from bwd_dkdv's step (perf log, "Backward v4"): both CTA-wide barriers (the
 // loads' double buffer, and the dQ tile handed to thread 0), the consumers' copy instructions
