@@ -92,10 +92,10 @@ struct BwdConfig {
     // kernels keep B_r): 64, or 128 (S^T and dP^T as N = 128 wgmmas, dQ as two M = 64 halves).
     static constexpr int kWsQueryRows = CF_WS_QUERY_ROWS;
     // d64's warp-specialized kernel: each consumer warpgroup computes its own keys' share of a
-    // step's dQ (all columns), the two shares summed in shared memory, so the warpgroups never
-    // wait for each other's dS^T and run half a step apart (perf log, "Backward v6"). d128's
-    // keep one dQ = dS K over both warpgroups' keys, each computing half the columns: its
-    // share's accumulators do not fit beside dK and dV (bwd_warp_specialized.cuh).
+    // step's dQ (all columns), the two shares summed in shared memory, so neither warpgroup
+    // waits for the other's dS^T and they run half a step apart (perf log, "Backward v6").
+    // d128's (whose share's accumulators do not fit beside dK and dV) compute dQ over both
+    // warpgroups' keys, each half the columns, one step late (bwd_warp_specialized.cuh).
     static constexpr bool kWsDqOwnKeys = kWarpSpecialized && kDHead == 64;
     static_assert(kWsQueryRows == 64 || (kWsQueryRows == 128 && kWarpSpecialized),
                   "ws_query_rows must be 64, or 128 with warp_specialized");

@@ -16,9 +16,11 @@
 //       reduction has read it. No consumer issues an atomic or waits for one.
 //   warpgroups 1 and 2, the consumers: 64 keys each, the step's GEMMs on wgmma as bwd_dkdv's
 //     (S^T and dP^T, the softmax under dP^T, dV, dS^T under dV, dK), dK and dV in registers
-//     across all steps. The two never wait for each other within a step, so they run about
-//     half a step apart and one's softmax runs under the other's GEMMs (perf log, "Backward
-//     v6"; a per-step rendezvous before dQ cost 5-15%). dQ = dS K sums over both warpgroups'
+//     across all steps. Neither waits for the other's dS^T of the same step, so they run
+//     about half a step apart and one's softmax runs under the other's GEMMs (perf log,
+//     "Backward v6"; a per-step rendezvous before dQ cost 5-15%). The waits left are one-way
+//     hand-offs the leader has normally long passed (d64: warpgroup 2 adds its dQ share to
+//     the one warpgroup 1 stored). dQ = dS K sums over both warpgroups'
 //     keys: at d64 (BwdConfig::kWsDqOwnKeys) each warpgroup computes its own keys' share of
 //     the whole tile and the shares are summed in shared memory; at d128 (whose share would
 //     not fit the registers) each computes half the columns over both warpgroups' dS^T, one
@@ -366,8 +368,9 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
     };
 
     // Warpgroup 2 starts once warpgroup 1's first softmax is done, so that from the first step
-    // one's softmax runs under the other's GEMMs (neither scheme has the warpgroups meet
-    // within a step). Not in a packed batch: a tail step's zero_tail_rows has them meet.
+    // one's softmax runs under the other's GEMMs (neither scheme has a warpgroup wait for the
+    // other's dS^T of the same step). Not in a packed batch: a tail step's zero_tail_rows has
+    // them meet.
     if (!kPacked && cgroup == 1 && n_steps > 0)
         named_barrier_sync(kBwdOffsetBarrier, kBwdConsumerThreads);
     StepWalk<kQ> at = walk0;
