@@ -52,7 +52,8 @@ def cmd_info(args) -> int:
     for index in range(torch.cuda.device_count()):
         dk = dispatch.device_kernels(index)
         print(f"\n{dk.describe()}: {len(dk.usable)} configs usable; selection for "
-              f"seqlen_q = seqlen_k = {args.seqlen}:")
+              f"seqlen_q = seqlen_k = {args.seqlen} (a batch big enough for tensor maps; "
+              f"smaller calls may run another config):")
         rows = []
         for dtype, d_head in sorted({(e.config.dtype, e.config.d_head)
                                      for e in dk.usable.values()}):

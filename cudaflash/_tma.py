@@ -77,6 +77,16 @@ def worth_maps(rows: int, seqlen_k: int, heads: int, batch: int, causal: bool,
             and rows * seqlen_k * heads * batch >= MIN_SCORES)
 
 
+def selects_with_maps(rows: int, seqlen_k: int, heads: int, batch: int,
+                      window: tuple[int, int]) -> bool:
+    """Whether a forward whose tensors maps can describe (launch.run: a padded batch, no cache
+    addressing or key counts, not GQA decoding's folded rows) selects its kernel as one that
+    loads through tensor maps: big enough for a persistent kernel's (worth_maps). ``rows``,
+    ``heads``, ``window``: the kernel's problem (heuristics.kernel_problem)."""
+    return worth_maps(rows, seqlen_k, heads, batch, causal=window[1] == 0 and window[0] < 0,
+                      persistent=True)
+
+
 def _layout(shape: tuple, strides: tuple, element_size: int, box_rows: int):
     """(dims, byte strides of dims 1.., box) of a (batch, seqlen, heads, d_head) tensor's map,
     innermost first, or None where TMA cannot describe it (a stride that is not a positive

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _driver, _env, heuristics, manifest as _manifest, selection
+from . import _driver, _env, _tma, heuristics, manifest as _manifest, selection
 from ._checks import DTYPES
 from ._env import log
 from .backward_config import BWD_D_HEADS
@@ -127,16 +127,21 @@ def rules(arch: int) -> Rules:
 def selected_config(device_index: int, dtype: str, d_head: int, causal: bool, seqlen_q: int,
                     seqlen_k: int, n_heads: int = 1, n_heads_k: int = 1,
                     window: tuple[int, int] = (-1, -1), alibi: bool = False,
-                    maps: bool = True) -> tuple[str, str]:
+                    maps: bool = True, batch: int | None = None) -> tuple[str, str]:
     """The config ``flash_attn_func`` runs on cuda:``device_index`` for such a call (with
     ``n_heads`` query heads reading ``n_heads_k`` K/V heads, the sliding ``window`` and ALiBi
     slopes or not), and the rule that chose it. ``maps``: whether the call loads through
     tensor maps (a padded batch big enough for them; packed batches, cache addressing and
-    small calls do not, and run a persistent config's twin: without_persistence). Raises
-    LookupError when no built config fits."""
+    small calls do not, and run a persistent config's twin: without_persistence). ``batch``:
+    the padded batch's size; given, a padded call's ``maps`` is decided as flash_attn_func
+    decides it (_tma.selects_with_maps: small calls load without maps), not taken from
+    ``maps``. Raises LookupError when no built config fits."""
     dk = device_kernels(device_index)
-    rows, _, causal, _ = heuristics.kernel_problem(seqlen_q, n_heads, n_heads_k, seqlen_k,
-                                                   causal, window, alibi)
+    rows, heads, causal, kernel_window = heuristics.kernel_problem(
+        seqlen_q, n_heads, n_heads_k, seqlen_k, causal, window, alibi)
+    if batch is not None:
+        maps = rows == seqlen_q and _tma.selects_with_maps(rows, seqlen_k, heads, batch,
+                                                           kernel_window)
     return _select(dk, rules(dk.device.arch), dtype, d_head, causal, rows, seqlen_k, maps)
 
 

@@ -73,9 +73,7 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
     maps_ok = cache is None and seqused_k is None and rows == seqlen_q
     if config is None:
         # (whether maps will be given, as launch_function decides it for a persistent kernel)
-        maps = maps_ok and _tma.worth_maps(
-            rows, seqlen_k, heads, batch, causal=kernel_window[1] == 0 and kernel_window[0] < 0,
-            persistent=True)
+        maps = maps_ok and _tma.selects_with_maps(rows, seqlen_k, heads, batch, kernel_window)
         kernel = dispatch.auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k,
                                       maps=maps)
     else:

@@ -659,6 +659,25 @@ def test_selected_config_sees_the_packed_problem(fake, monkeypatch):
     assert [(c["seqlen_q"], c["causal"]) for c in picked] == [(4, False), (1, True)]
 
 
+def test_selected_config_decides_tensor_maps_from_the_batch(fake, monkeypatch):
+    """Given the batch, selected_config decides whether the call loads through tensor maps as
+    the forward does (_tma.selects_with_maps): a small call without them, a big one with
+    them, GQA decoding's folded rows never; without a batch, ``maps`` as given."""
+    from cudaflash import _tma, dispatch
+    seen = []
+    monkeypatch.setattr(dispatch, "_select",
+                        lambda dk, r, dtype, d, causal, rows, keys, maps:
+                        seen.append((rows, maps)) or ("cfg", "r"))
+    internals.selected_config(0, "bf16", 64, False, 128, 128, batch=1)
+    internals.selected_config(0, "bf16", 64, False, 8192, 8192, n_heads=32, batch=2)
+    internals.selected_config(0, "bf16", 64, False, 1, 8192, n_heads=32, n_heads_k=8, batch=64)
+    internals.selected_config(0, "bf16", 64, False, 128, 128)
+    internals.selected_config(0, "bf16", 64, False, 8192, 8192, maps=False)
+    assert seen == [(128, False), (8192, True), (4, False), (128, True), (8192, False)]
+    assert not _tma.selects_with_maps(128, 128, 1, 1, (-1, -1))
+    assert _tma.selects_with_maps(8192, 8192, 32, 2, (-1, -1))
+
+
 @pytest.mark.parametrize("role", ["forward", "split"])
 @pytest.mark.parametrize("mods", ["", "_softcap", "_alibi"])
 @pytest.mark.parametrize("cache", [None, "addressing"])

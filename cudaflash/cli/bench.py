@@ -115,11 +115,14 @@ def build_decode_cases(dtypes, head_dims, seqlens) -> list[Case]:
 
 
 def selected_config(device_index: int, dtype: str, d_head: int, causal: bool, seqlen_q: int,
-                    seqlen_k: int, n_heads: int = 1, n_heads_k: int = 1) -> Optional[str]:
-    """The config ``flash_attn_func`` runs for such a call, or None if there is none."""
+                    seqlen_k: int, n_heads: int = 1, n_heads_k: int = 1,
+                    batch: Optional[int] = None) -> Optional[str]:
+    """The config ``flash_attn_func`` runs for such a call (of ``batch`` sequences: small
+    calls load without tensor maps, and so may run another config), or None if there is
+    none."""
     try:
         return dispatch.selected_config(device_index, dtype, d_head, causal, seqlen_q, seqlen_k,
-                                   n_heads, n_heads_k)[0]
+                                        n_heads, n_heads_k, batch=batch)[0]
     except LookupError:
         return None
 
@@ -170,7 +173,7 @@ def measure_case(case: Case, backends, *, device, config: Optional[KernelConfig]
     if "cudaflash" in timings:  # a failed cudaflash call may mean there is no manifest at all
         used = config.name if config is not None else selected_config(
             device.index, case.dtype, case.d_head, case.causal, case.seqlen_q, case.seqlen,
-            case.nheads, case.kv_heads)
+            case.nheads, case.kv_heads, batch=case.batch)
     return CaseResult(case, timings, errors, used)
 
 
