@@ -189,6 +189,23 @@ __device__ __forceinline__ MapOrigin packed_origin(const BwdParams& p) {
 }
 
 
+// A consumer warp's dQ fragments of one 64-row half (kN n8 blocks, m64nNk16 accumulator
+// layout) into the dQ tile in fragment order (dq_tile_index), from `at` (this lane's float4
+// of the warp's first block; block nd at at[nd * 32]): each warp's float4 accesses cover 512
+// contiguous bytes, free of bank conflicts. kAdd: added to what the tile holds.
+template <bool kAdd, int kN>
+__device__ __forceinline__ void put_dq_fragments(float4* at, const float (&dq)[kN][4]) {
+#pragma unroll
+    for (int nd = 0; nd < kN; ++nd) {
+        float4 v = make_float4(dq[nd][0], dq[nd][1], dq[nd][2], dq[nd][3]);
+        if constexpr (kAdd) {
+            const float4 held = at[nd * 32];
+            v = make_float4(held.x + v.x, held.y + v.y, held.z + v.z, held.w + v.w);
+        }
+        at[nd * 32] = v;
+    }
+}
+
 // Rows first_row.. of two (kRows, d) stage tiles set to zero by the 256 consumer threads
 // (ctid), then a barrier of both groups before either's GEMMs read them. A packed batch's
 // tile that runs past its sequence's end holds the next sequence's rows instead of TMA's zero
@@ -320,8 +337,9 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
         for (int e = 0; e < 4; ++e) dK[nd][e] = dV[nd][e] = 0.f;
 
     const uint32_t k_tile = smem_addr(sK);
-    const uint32_t k_rows = k_tile + cgroup * 64 * 128;
-    const uint32_t v_rows = smem_addr(sV) + cgroup * 64 * 128;
+    const uint32_t own_rows = cgroup * 64 * 128;  // bytes: the warpgroup's rows of a slab
+    const uint32_t k_rows = k_tile + own_rows;
+    const uint32_t v_rows = smem_addr(sV) + own_rows;
     // Without kOwnKeys: the warpgroup's columns of dQ (the warpgroups split d_head), in the K
     // tile; a step's dQ is computed one step late (lagged_dq).
     const int dq_col0 = cgroup * C::kDqWgCols;
@@ -334,8 +352,8 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
     // Without kOwnKeys: step t's dQ = dS K (both warpgroups' rows of dS^T, this warpgroup's
     // columns) into dQ tile t % 2, then handed to the reducer. dQ before dK: the tensor pipe
     // runs them in issue order, so the tile is stored while dK runs (perf log, "Backward
-    // v4.3"); stored in fragment order (dq_tile_index), each warp's float4 stores 512
-    // contiguous bytes, free of bank conflicts. `then_dk` issues dK after the dQ GEMMs.
+    // v4.3"); stored in fragment order (put_dq_fragments). `then_dk` issues dK after the dQ
+    // GEMMs.
     constexpr int kDqN8 = C::kDqWgCols / 8;  // a consumer warp's n8 blocks of the dQ tile
     auto lagged_dq = [&](int t, auto then_dk) {
         const int tbuf = t % 2;
@@ -354,15 +372,11 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
         if (t >= 2)
             named_barrier_sync(kBwdDqEmptyBarrier + 2 * cgroup + tbuf, kDqEmptyThreads);
 #pragma unroll
-        for (int h = 0; h < kHalves; ++h) {
-            float4* dq_tile =
+        for (int h = 0; h < kHalves; ++h)
+            put_dq_fragments<false>(
                 reinterpret_cast<float4*>(sdQ + tbuf * kDqTileFloats + h * 64 * kD) +
-                cwarp * kDqN8 * 32 + lane;
-#pragma unroll
-            for (int nd = 0; nd < kDqN8; ++nd)
-                dq_tile[nd * 32] =
-                    make_float4(dQ[h][nd][0], dQ[h][nd][1], dQ[h][nd][2], dQ[h][nd][3]);
-        }
+                    cwarp * kDqN8 * 32 + lane,
+                dQ[h]);
         fence_proxy_async_shared();
         named_barrier_arrive(kBwdDqFullBarrier + tbuf, kDqFullThreads);
     };
@@ -428,8 +442,8 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
             // it waits only for its own warps' rows of dS^T (their previous reads of this
             // buffer, step - 2's, were waited for) and the warpgroups run half a step apart
             // (perf log, "Backward v6"). Warpgroup 1 stores its share into the dQ tile,
-            // warpgroup 2 adds its own and hands the tile to the reducer; fragment order
-            // (dq_tile_index, per 64-row half), free of bank conflicts.
+            // warpgroup 2 adds its own and hands the tile to the reducer (put_dq_fragments, per
+            // 64-row half).
             acc_to_tile<kKeys, kQ / 8>(ds_tile, dS[0], 1.f, row0);
             fence_proxy_async_shared();
             wgmma_wait<0>();  // dV (issued before dS^T was computed: done by now)
@@ -441,8 +455,8 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
             wgmma_fence();
 #pragma unroll
             for (int h = 0; h < kHalves; ++h)
-                wg::ds_k_own<kKeys>(dQ[h], smem_addr(ds_tile + h * kKeys * 64), k_tile,
-                                    cgroup * 64 * 128);
+                wg::ds_k<kKeys, kD, 64>(dQ[h], smem_addr(ds_tile + h * kKeys * 64) + own_rows,
+                                        k_rows);
             wgmma_commit();
             wgmma_fence_operands(wg::flat(dK));
             wg::regs_tile<kQ, kQ / 16>(dK, ds_a, q_tile);
@@ -456,22 +470,13 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
                 if (step >= 2) named_barrier_sync(kBwdDqEmptyBarrier + buf, kDqEmptyThreads);
 #pragma unroll
                 for (int h = 0; h < kHalves; ++h)
-#pragma unroll
-                    for (int nd = 0; nd < kD / 8; ++nd)
-                        dq_tile[h * 64 * kD / 4 + nd * 32] =
-                            make_float4(dQ[h][nd][0], dQ[h][nd][1], dQ[h][nd][2], dQ[h][nd][3]);
+                    put_dq_fragments<false>(dq_tile + h * 64 * kD / 4, dQ[h]);
                 named_barrier_arrive(kBwdDqHalfBarrier + buf, kBwdConsumerThreads);
             } else {
                 named_barrier_sync(kBwdDqHalfBarrier + buf, kBwdConsumerThreads);
 #pragma unroll
                 for (int h = 0; h < kHalves; ++h)
-#pragma unroll
-                    for (int nd = 0; nd < kD / 8; ++nd) {
-                        float4& t = dq_tile[h * 64 * kD / 4 + nd * 32];
-                        const float4 other = t;
-                        t = make_float4(other.x + dQ[h][nd][0], other.y + dQ[h][nd][1],
-                                        other.z + dQ[h][nd][2], other.w + dQ[h][nd][3]);
-                    }
+                    put_dq_fragments<true>(dq_tile + h * 64 * kD / 4, dQ[h]);
                 fence_proxy_async_shared();
                 named_barrier_arrive(kBwdDqFullBarrier + buf, kDqFullThreads);
             }

@@ -587,33 +587,18 @@ __device__ __forceinline__ void regs_tile(float (&acc)[kD / 8][4], const uint32_
                                1);
 }
 
-// dQ share (64 query rows x C::kDqWgCols columns) = dS K over the CTA's kKeys keys: A = dS^T
-// stored (keys, 64 query columns), B = the K tile from column `k_cols` on; both MN-major.
-template <int kKeys>
-__device__ __forceinline__ void ds_k(float (&acc)[C::kDqWgCols / 8][4], uint32_t ds_tile,
+// dQ share (64 query rows x kCols columns) = dS K over kSumKeys keys of a kKeys-key tile: A =
+// dS^T stored (keys, 64 query columns) from `ds_rows`, B = the K tile from `k_cols` (its
+// first summed key's row, its first column); both MN-major. Default: the CTA's keys, the
+// warpgroup's C::kDqWgCols columns; kWsDqOwnKeys: a warpgroup's own 64 keys, every column.
+template <int kKeys, int kCols = C::kDqWgCols, int kSumKeys = kKeys>
+__device__ __forceinline__ void ds_k(float (&acc)[kCols / 8][4], uint32_t ds_rows,
                                      uint32_t k_cols) {
     constexpr uint64_t kFields = smem_desc_mn_major(kKeys);
 #pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk)
-        wgmma_ss_mn<C::kDqWgCols, C::kBf16>(flat(acc),
-                                            smem_desc_at(kFields, ds_tile + kk * 16 * 128),
-                                            smem_desc_at(kFields, k_cols + kk * 16 * 128), kk > 0);
-}
-
-// kWsDqOwnKeys: one consumer warpgroup's share of the step's dQ (64 query rows x d_head) =
-// dS K over its own 64 keys: A = its rows of dS^T stored (keys, 64 query columns), B = its
-// rows of the K tile (one 64-column slab: d64); both MN-major, from `own_rows` bytes on.
-template <int kKeys>
-__device__ __forceinline__ void ds_k_own(float (&acc)[kD / 8][4], uint32_t ds_tile,
-                                         uint32_t k_tile, uint32_t own_rows) {
-    static_assert(kD == 64, "one 64-column slab of K");
-    constexpr uint64_t kFields = smem_desc_mn_major(kKeys);
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-        wgmma_ss_mn<kD, C::kBf16>(flat(acc),
-                                  smem_desc_at(kFields, ds_tile + own_rows + kk * 16 * 128),
-                                  smem_desc_at(kFields, k_tile + own_rows + kk * 16 * 128),
-                                  kk > 0);
+    for (int kk = 0; kk < kSumKeys / 16; ++kk)
+        wgmma_ss_mn<kCols, C::kBf16>(flat(acc), smem_desc_at(kFields, ds_rows + kk * 16 * 128),
+                                     smem_desc_at(kFields, k_cols + kk * 16 * 128), kk > 0);
 }
 
 }  // namespace wg
