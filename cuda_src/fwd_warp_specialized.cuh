@@ -12,9 +12,9 @@
 //   warpgroups 1 and 2 (and 3: n_warps = 12, for d64's short GEMMs), the consumers: 64 query
 //     rows each (B_r = 128 or 192), the same softmax and epilogue as flash_fwd. Each step
 //     issues Q K^T of this block and P V of the previous one; this block's softmax runs as
-//     soon as Q K^T lands, under P V (O's rescale waits for it). Named barriers make them
-//     take turns issuing (round robin: ping-pong with two), so one's GEMMs also run while
-//     the others compute their softmax.
+//     soon as Q K^T lands, under P V (O's rescale waits for it). Three consumers take turns
+//     issuing (named barriers, round robin), so one's GEMMs run while the others compute
+//     their softmax; two issue as they get there (kIssueTurns says why).
 //
 // Why: the 64-row one-warpgroup kernel re-reads each K/V block per 64 rows and spends its
 // issue slots on copy addresses next to the softmax (docs/perf-log.md, "v6 profile"); here a
@@ -45,6 +45,14 @@ constexpr int kConsumerRegs = kConsumerGroups == 2 ? 224 : 160;
 // The K/V bytes a group of the persistent causal walk may keep in flight (a third of the
 // H100's 50 MB L2, which the other traffic and the two L2 halves share).
 constexpr int64_t kL2GroupBytes = 16ll << 20;
+// Whether the consumer warpgroups take strict turns issuing their GEMMs. The turns only
+// order the issue (results do not depend on them). With three (d64's 192-row tile, short
+// GEMMs) the round robin keeps the tensor cores fed: without it 2k ran 3% slower. With two
+// (d128, d256) each waited every step for the other's issue, a rendezvous that cost more
+// than the ordering gave: without it d128 ran 1.5-3% (up to 6% at 8k) faster at 1k-8k and
+// d256 the same (H100, same-run A/B; docs/perf-log.md, "Forward issue turns").
+template <int kConsumerGroups>
+constexpr bool kIssueTurns = kConsumerGroups == 3;
 // Named barriers (0 is __syncthreads): the consumers' turns, then each one's epilogue.
 constexpr int kTurnBarrier = 1;  // + consumer warpgroup (its turn: 1..groups); then per consumer
                                  // warpgroup its epilogue's (kTurnBarrier + groups + wg)
@@ -319,14 +327,15 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         const float alibi = kAlibi ? alibi_coefficient(p, at.batch, at.head) : 0.f;
 
         mbarrier_wait(&q_full[qb], (j / C::kQBuffers) & 1);
-        // Consumer warpgroup 0 issues first: the last one lets it through once. Each turn then
-        // hands over to the next (the last one's last hand-over has no taker and is skipped,
-        // so every arrival meets a sync; so it is per tile).
-        if (wg == kGroups - 1 && n_steps > 0)
+        // With turns, consumer warpgroup 0 issues first: the last one lets it through once.
+        // Each turn then hands over to the next (the last one's last hand-over has no taker and
+        // is skipped, so every arrival meets a sync; so it is per tile).
+        constexpr bool kTurns = kIssueTurns<kGroups>;
+        if (kTurns && wg == kGroups - 1 && n_steps > 0)
             named_barrier_arrive(kTurnBarrier + 0, kTurnThreads);
 
-        // Step i: Q K^T of block i and P V of block i - 1 are issued together in this warpgroup's
-        // turn, as two wgmma groups; the softmax of block i starts as soon as the first lands and
+        // Step i: Q K^T of block i and P V of block i - 1 are issued together (in this
+        // warpgroup's turn, where there are turns), as two wgmma groups; the softmax of block i starts as soon as the first lands and
         // overlaps the second, which still adds into O, so O's rescale waits for it. The first
         // step has no previous block (kFirst: a compile-time fact, so that no wgmma sits on a
         // branch, which makes ptxas serialize them all). The ring's stages and phases count the
@@ -338,7 +347,7 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
             const int prev = (gi + kStages - 1) % kStages;  // the previous block's stage
             mbarrier_wait(&k_full[stage], (gi / kStages) & 1);
             if (!kFirst) mbarrier_wait(&v_full[prev], ((gi - 1) / kStages) & 1);
-            named_barrier_sync(kTurnBarrier + wg, kTurnThreads);
+            if (kTurns) named_barrier_sync(kTurnBarrier + wg, kTurnThreads);
             wgmma_fence_operands(s_acc);
             if (!kFirst) wgmma_fence_operands(o_acc);
             wgmma_fence();
@@ -348,9 +357,8 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
                 gemm.pv_issue(o_acc, P[0], prev * kStageBytes);
                 wgmma_commit();
             }
-            if (wg != kGroups - 1 || i < n_steps - 1)
-                named_barrier_arrive(kTurnBarrier + (kGroups == 2 ? wg ^ 1 : (wg + 1) % kGroups),
-                                     kTurnThreads);
+            if (kTurns && (wg != kGroups - 1 || i < n_steps - 1))
+                named_barrier_arrive(kTurnBarrier + (wg + 1) % kGroups, kTurnThreads);
             wgmma_wait<kFirst ? 0 : 1>();  // Q K^T has landed
             wgmma_fence_operands(s_acc);
             if (lane == 0) mbarrier_arrive(&k_empty[stage]);
