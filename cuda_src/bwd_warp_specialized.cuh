@@ -229,7 +229,10 @@ __device__ __forceinline__ void zero_tail_rows(elem_t* a, elem_t* b, int first_r
 // and the statistics. kPacked: a packed batch (origin.zero_tails), whose dQ tiles go to the
 // packed accumulator (packed_dq_accum_row) and whose tiles past the sequence's end are zeroed
 // (zero_tail_rows: here K and V too, since dQ = dS K sums over every key row of the tile).
-template <bool kWindow, class Cfg = C, bool kPacked = false>
+// kDropout: the forward's dropout (BwdParams::dropout_*), its keep mask drawn per step as the
+// deterministic dK/dV kernel draws it; dV from the kept P (keep_packed), dS^T from the
+// dropped dP^T (drop_score_grads). 64 query rows per step only (bwd_dkdv_dq_dropout).
+template <bool kWindow, class Cfg = C, bool kPacked = false, bool kDropout = false>
 __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrigin origin) {
     const BwdParams& maps = *origin.maps;  // the tensor maps (grid-constant params)
     static_assert(Cfg::kWarpSpecialized && Cfg::kWgmma && Cfg::kWarps == 8,
@@ -329,6 +332,7 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
     const int cgroup = cwarp / 4;   // consumer warpgroup: keys 64 * cgroup..
     const int row0 = cwarp * 16;
     const WindowBounds window(p);
+    const uint64_t seed = kDropout ? *p.dropout_seed : 0;
 
     float dK[kD / 8][4], dV[kD / 8][4];
 #pragma unroll
@@ -415,20 +419,34 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
         wgmma_commit();
         wg::rows_rows<kKeys, kQ>(dS[0], v_rows, do_tile);
         wgmma_commit();
+        // Dropout: the forward's keep bits of the warp's 16 keys x kQ queries (the transposed
+        // layout, as the deterministic dK/dV kernel draws them), while S^T and dP^T run.
+        KeepBytes keep[kQ / 16];
+        if constexpr (kDropout)
+            dropout_bytes<true, kQ / 16, true>(keep, seed, q0 / 16, (key0 + row0) / 16, 1, 0,
+                                               batch * p.n_heads + at.head, lane);
         wgmma_wait<1>();  // S^T
         wgmma_fence_operands(wg::flat(P[0]));
         step_probabilities<kQ, kWindow, false, true>(P[0], p, lse, mask, window, key0 + row0,
                                                      q0, shift, 0.f);
         uint32_t a[1][kQ / 16][4];
         pack_a_fragments<C::kBf16>(a, P);
+        // kDropout: dV's operand, P^T with the dropped scores zeroed (dV = sum (P o keep)^T dO
+        // is scaled by 1 / (1 - p) once, in the epilogue); dS^T takes the undropped P^T.
+        uint32_t a_kept[1][kQ / 16][4];
+        if constexpr (kDropout)
+            keep_packed(a_kept[0], a[0], keep, KeepThreshold(p.dropout_threshold));
         wgmma_fence_operands(wg::flat(dV));
         wgmma_fence();
-        wg::regs_tile<kQ, kQ / 16>(dV, a, do_tile);
+        wg::regs_tile<kQ, kQ / 16>(dV, *(kDropout ? &a_kept : &a), do_tile);
         wgmma_commit();
         if (!kPacked && step == 0 && cgroup == 0)
             named_barrier_arrive(kBwdOffsetBarrier, kBwdConsumerThreads);
         wgmma_wait<1>();  // dP^T (dV may still run)
         wgmma_fence_operands(wg::flat(dS[0]));
+        if constexpr (kDropout)
+            drop_score_grads<kQ / 8>(dS[0], keep, KeepThreshold(p.dropout_threshold),
+                                     p.dropout_scale);
         if constexpr (kQ == 128) {
             step_score_grads_packed<kQ>(dS[0], a, delta);
         } else {
@@ -525,7 +543,7 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
     // once both warpgroups' last GEMMs have read K.
     named_barrier_sync(kBwdEpilogueBarrier, kBwdConsumerThreads);
     acc_to_tile<kKeys>(sK, dK, p.softmax_scale, row0);
-    acc_to_tile<kKeys>(sV, dV, 1.f, row0);
+    acc_to_tile<kKeys>(sV, dV, kDropout ? p.dropout_scale : 1.f, row0);  // (keep_packed)
     named_barrier_sync(kBwdEpilogueBarrier, kBwdConsumerThreads);
     const unsigned ctid = threadIdx.x - kBwdProducerThreads;
     store_rows_by<C, kKeys, kBwdConsumerThreads>(

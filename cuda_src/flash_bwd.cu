@@ -12,7 +12,9 @@
 //   cudaflash_bwd_dkdv_dq     cudaflash_bwd_dkdv that also adds each step's dQ share,
 //                             dS K (dS through shared memory), to a float32 accumulator with
 //                             atomics: FlashAttention-2's 5 GEMMs instead of 7. Causal or
-//                             full attention; cudaflash_bwd_dkdv_dq_window with a window.
+//                             full attention; cudaflash_bwd_dkdv_dq_window with a window,
+//                             cudaflash_bwd_dkdv_dq_dropout with dropout (warp-specialized
+//                             modules).
 //   cudaflash_bwd_dq_convert  dQ = softmax_scale * accumulator, in the input dtype.
 //   cudaflash_bwd_{preprocess,dkdv,dq}_varlen  the same kernels, each CTA on its sequence of
 //                             a packed (varlen) batch; cudaflash_bwd_dkdv_dq_varlen and
@@ -174,6 +176,18 @@ __device__ __forceinline__ void pack_dropped(uint32_t (&a)[1][kNTiles / 2][4],
         a[0][kk][2] = pack_2<C::kBf16>(v(2 * kk + 1, 0), v(2 * kk + 1, 1));
         a[0][kk][3] = pack_2<C::kBf16>(v(2 * kk + 1, 2), v(2 * kk + 1, 3));
     }
+}
+
+// Dropout on dP^T (the transposed layout, as P^T): the gradient of the dropped P is
+// keep o dPd / (1 - p), where dPd = V dO^T (in place); then dS^T = P^T (that - delta).
+template <int kNTiles>
+__device__ __forceinline__ void drop_score_grads(float (&dP)[kNTiles][4],
+                                                 const KeepBytes (&keep)[kNTiles / 2],
+                                                 const KeepThreshold& t, float scale) {
+#pragma unroll
+    for (int nj = 0; nj < kNTiles; ++nj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dP[nj][e] = kept(keep, t, nj, e) ? dP[nj][e] * scale : 0.f;
 }
 
 // The same with A still in float accumulators (rounded and packed here).
@@ -737,14 +751,8 @@ __device__ __forceinline__ void step_score_grads(float (&dS)[kQ / 8][4],
                                                  bool dropout = false) {
     const int lane = threadIdx.x % 32;
     // Dropout: dS = P o (keep o dPd / (1 - p) - delta), dPd = V dO^T of the dropped P.
-    if (kScoreMods && dropout) {
-        const KeepThreshold t(p.dropout_threshold);
-#pragma unroll
-        for (int nj = 0; nj < kQ / 8; ++nj)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                dS[nj][e] = kept(keep, t, nj, e) ? dS[nj][e] * p.dropout_scale : 0.f;
-    }
+    if (kScoreMods && dropout)
+        drop_score_grads<kQ / 8>(dS, keep, KeepThreshold(p.dropout_threshold), p.dropout_scale);
 #pragma unroll
     for (int nj = 0; nj < kQ / 8; ++nj)
 #pragma unroll
@@ -1315,6 +1323,18 @@ __device__ __forceinline__ void bwd_dkdv_dq_packed(const BwdParams& p) {
         __trap();
     }
 }
+// The atomic scheme with dropout on a padded batch: the warp-specialized fused kernel, the
+// forward's keep mask regenerated per step, with 64 query rows per step (with 128 the keep
+// bits and dV's operand spilled: 8-378 bytes). The other modules serve dropout in the
+// deterministic scheme only (the *_scoremod entries): a trap, as bwd_dkdv_dq_packed's
+// (cudaflash.backward_config.BackwardConfig.fused_dropout mirrors the condition).
+__device__ __forceinline__ void bwd_dkdv_dq_dropout(const BwdParams& p) {
+    if constexpr (kD != 256 && C::kWarpSpecialized && C::kWsQueryRows == 64) {
+        bwd_dkdv_dq_ws<false, C, false, true>(p, padded_origin(p));
+    } else {
+        __trap();
+    }
+}
 template <bool kScoreMods = false>
 __device__ __forceinline__ void bwd_dq_packed(const BwdParams& p) {
     if constexpr (kD == 256 && C::kWarpSpecialized && !kScoreMods) {
@@ -1366,6 +1386,12 @@ extern "C" __global__ void CF_FUSED_BOUNDS
 extern "C" __global__ void CF_FUSED_BOUNDS
     cudaflash_bwd_dkdv_dq_window(const __grid_constant__ cudaflash::BwdParams p) {
     cudaflash::bwd_dkdv_dq<true>(p);
+}
+
+// ... and with dropout (warp-specialized modules; elsewhere a trap).
+extern "C" __global__ void CF_FUSED_BOUNDS
+    cudaflash_bwd_dkdv_dq_dropout(const __grid_constant__ cudaflash::BwdParams p) {
+    cudaflash::bwd_dkdv_dq_dropout(p);
 }
 
 extern "C" __global__ void __launch_bounds__(cudaflash::kPreprocessThreads)

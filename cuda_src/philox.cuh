@@ -135,4 +135,23 @@ __device__ __forceinline__ bool kept(const KeepBytes (&bytes)[kBlocks], const Ke
     return (bytes[nj / 2].w[e / 2] & (0xFFu << (8 * k))) >= t.at[k];
 }
 
+// P's 16-bit A fragments (pack_a_fragments' layout: register 2 n + rr of slice j holds
+// columns 8 n + {0, 1} of row half rr of 16 x 16 block j, low half first) with the dropped
+// scores' halves zeroed, for kernels that apply the mask to the packed P (`out` may be `in`).
+template <int kSlices>
+__device__ __forceinline__ void keep_packed(uint32_t (&out)[kSlices][4],
+                                            const uint32_t (&in)[kSlices][4],
+                                            const KeepBytes (&bytes)[kSlices],
+                                            const KeepThreshold& t) {
+#pragma unroll
+    for (int j = 0; j < kSlices; ++j)
+#pragma unroll
+        for (int reg = 0; reg < 4; ++reg) {
+            const int nj = 2 * j + reg / 2, e = 2 * (reg % 2);  // (nj, e), (nj, e + 1)
+            const uint32_t low = kept(bytes, t, nj, e) ? 0x0000FFFFu : 0u;
+            const uint32_t high = kept(bytes, t, nj, e + 1) ? 0xFFFF0000u : 0u;
+            out[j][reg] = in[j][reg] & (low | high);
+        }
+}
+
 }  // namespace cudaflash

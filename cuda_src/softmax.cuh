@@ -196,9 +196,8 @@ struct OnlineSoftmax {
         }
     }
 
-    // The same on P already packed as A fragments (pack_a_fragments: register 2 n + rr of
-    // slice j holds columns 8 n + {0, 1} of row half rr of 16 x 16 block j, low half first):
-    // for kernels whose registers cannot hold the float P and the random numbers at once.
+    // The same on P already packed as A fragments (keep_packed): for kernels whose registers
+    // cannot hold the float P and the random numbers at once.
     __device__ __forceinline__ static void dropout_packed(uint32_t (&pf)[kM][C::kKvSlices][4],
                                                           uint64_t seed, int q16, int k16,
                                                           int head_index, uint32_t threshold,
@@ -209,15 +208,7 @@ struct OnlineSoftmax {
             KeepBytes bytes[C::kKvSlices];
             dropout_bytes<false, C::kKvSlices, true>(bytes, seed, q16 + mi, k16, 0, 1,
                                                      head_index, lane);
-#pragma unroll
-            for (int j = 0; j < C::kKvSlices; ++j)
-#pragma unroll
-                for (int reg = 0; reg < 4; ++reg) {
-                    const int nj = 2 * j + reg / 2, e = 2 * (reg % 2);  // (nj, e), (nj, e + 1)
-                    const uint32_t low = kept(bytes, t, nj, e) ? 0x0000FFFFu : 0u;
-                    const uint32_t high = kept(bytes, t, nj, e + 1) ? 0xFFFF0000u : 0u;
-                    pf[mi][j][reg] &= low | high;
-                }
+            keep_packed(pf[mi], pf[mi], bytes, t);
         }
     }
 

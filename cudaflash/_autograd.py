@@ -47,8 +47,7 @@ class FlashAttnFunction(torch.autograd.Function):
         # Fail now, not in the backward after a whole forward pass of work.
         dispatch.check_backward_supported(
             q.get_device(), q.dtype, q.shape[3],
-            backward.scheme(deterministic, softcap,
-                            alibi_slopes is not None or dropout is not None))
+            backward.scheme(deterministic, softcap, alibi_slopes is not None))
         ctx.save_for_backward(q, k, v, out, lse)
         # The engine would zero-fill a gradient for lse (never used) before every backward:
         # one allocation and one kernel less per step (backward: None for an unused output).
@@ -80,8 +79,8 @@ def run_backward(dout, q, k, v, out, lse, scale: float, causal: bool, determinis
     (heuristics.kernel_window: the kernels mask by it, causal included); ``softcap`` and
     ``alibi_slopes`` the forward's."""
     # torch's global switch counts here too; a cap or ALiBi takes the deterministic scheme
-    scheme = backward.scheme(deterministic, softcap,
-                             alibi_slopes is not None or dropout is not None)
+    # (dropout runs in either: backward.run)
+    scheme = backward.scheme(deterministic, softcap, alibi_slopes is not None)
     index = q.get_device()
     if index != torch.cuda.current_device():
         with torch.cuda.device(index):
@@ -125,8 +124,7 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        scheme = backward.scheme(ctx.deterministic, ctx.softcap,
-                                 ctx.alibi_slopes is not None or ctx.dropout is not None)
+        scheme = backward.scheme(ctx.deterministic, ctx.softcap, ctx.alibi_slopes is not None)
         with torch.cuda.device(q.get_device()):
             dq, dk, dv = backward.run_varlen(dout, q, k, v, out, lse, cu_seqlens_q,
                                              cu_seqlens_k, *ctx.max_seqlens, ctx.scale,

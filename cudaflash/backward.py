@@ -22,9 +22,11 @@ it serves).
 Packed (varlen) batches (run_varlen) run each CTA on its own sequence (flash_bwd.cu,
 sequence_view): in the atomic scheme on the warp-specialized fused kernel where the GPU has
 it (Hopper, d64 and d128: _varlen_module, a packed dQ accumulator), else on the
-deterministic kernels. Softcapped calls (``softcap`` > 0), ALiBi and dropout take the
-deterministic kernels, through the modules' *_scoremod entries: the atomic scheme's fused
-kernel has no such form (with the tanh it spilled at d128 on wgmma).
+deterministic kernels. Softcapped calls (``softcap`` > 0) and ALiBi take the deterministic
+kernels, through the modules' *_scoremod entries: the atomic scheme's fused kernel has no
+such form (with the tanh it spilled at d128 on wgmma). Dropout in the atomic scheme takes
+the warp-specialized fused kernel's dropout entry (dkdv_dq_dropout: padded batches without
+a window, on modules with BackwardConfig.fused_dropout), else the *_scoremod entries too.
 
 A padded batch's call keeps a _Plan per signature (the module, maps layout, launches and
 fixed BwdParams), as the forward's plans do: a training step repeats every layer's shapes.
@@ -57,7 +59,8 @@ STATS_ROWS_PER_PACKED_ROW = 16
 def scheme(deterministic: bool, softcap: float = 0.0, alibi: bool = False) -> str:
     """The scheme of a call: deterministic when asked for, when torch's global switch
     (torch.use_deterministic_algorithms) asks every op for reproducible results, or with
-    softcapping or ALiBi (the only scheme with score-modifier kernels)."""
+    softcapping or ALiBi (the only scheme with their kernels). Dropout runs in either (run:
+    the fused kernel's dropout entry where a module has it)."""
     if deterministic or softcap or alibi or torch.are_deterministic_algorithms_enabled():
         return "deterministic"
     return "atomic"
@@ -212,16 +215,20 @@ def _plan_key(q, k, v, out, dout, scale, causal, scheme, window, softcap, alibi_
 
 
 def _new_plan(ctx: int, q, k, v, out, dout, dq, dk, dv, scale, causal, scheme, window,
-              softcap, scoremod: bool, maps_refused: bool = False) -> _Plan:
+              softcap, scoremod: bool, dropout: bool, maps_refused: bool = False) -> _Plan:
     """The module (loaded in context ``ctx``), maps, launches and fixed BwdParams fields of a
-    padded-batch call.
+    padded-batch call (``scoremod``: softcap, ALiBi or dropout; ``dropout``: dropout).
     ``maps_refused``: the driver refused this call's pointers (TensorMaps.write), so the
     module without maps serves it."""
     batch, seqlen_q, n_heads, d_head = q.shape
     seqlen_k, n_heads_k = k.shape[1], k.shape[2]
     index = q.get_device()
+    plain_window = window == (-1, 0 if causal else -1)
     if scheme == "atomic":
-        atomic = dispatch.find_backward_entry(index, q.dtype, d_head, "atomic")
+        # Dropout: a fused kernel with dropout (no window form), else the deterministic ones.
+        atomic = (dispatch.find_backward_entry(index, q.dtype, d_head, "atomic",
+                                               dropout=dropout)
+                  if plain_window or not dropout else None)
         if atomic is None:  # no fused kernel at this head dim (d256): the deterministic ones
             scheme = "deterministic"
         else:
@@ -229,7 +236,8 @@ def _new_plan(ctx: int, q, k, v, out, dout, dq, dk, dv, scale, causal, scheme, w
                                                  causal, atomic.config.wgmma, window)
     # A padded batch without score modifiers may take a module that serves only such calls
     # (d256's warp-specialized dK/dV kernel, deterministic scheme).
-    kernel = dispatch.backward_kernel(ctx, index, q.dtype, d_head, scheme, plain=not scoremod)
+    kernel = dispatch.backward_kernel(ctx, index, q.dtype, d_head, scheme, plain=not scoremod,
+                                      dropout=dropout and scheme == "atomic")
     maps = None
     config = kernel.entry.config
     if config.warp_specialized and (scheme == "atomic" or config.dkdv_warp_specialized):
@@ -255,7 +263,8 @@ def _new_plan(ctx: int, q, k, v, out, dout, dq, dk, dv, scale, causal, scheme, w
         # The fused kernel without window code where the mask is only causal (or none): the
         # window's masking cost it 2-5% (flash_bwd.cu, bwd_dkdv). dq_convert covers whole
         # tiles (fragment order: a tile's rows spread over all of it).
-        fused = "dkdv_dq" if window == (-1, 0 if causal else -1) else "dkdv_dq_window"
+        fused = ("dkdv_dq_dropout" if dropout else
+                 "dkdv_dq" if plain_window else "dkdv_dq_window")
         launches = (steps.per_row("preprocess", accum_rows), steps.per_key_tile(fused),
                     steps.per_row("dq_convert", accum_rows))
     strides = [x for t in (q, k, v, out, dout, dq, dk, dv) for x in t.stride()[:3]]
@@ -307,12 +316,12 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kernels mask by it, so a causal call must pass right = 0 (``causal`` only orders CTAs
     and picks the scheme). ``softcap``: the forward's cap (0.0: none); ``alibi_slopes``: the
     forward's checked slopes (None: none); either needs the deterministic scheme (scheme()).
+    ``dropout``: the forward's _dropout.Dropout (None: none), in either scheme.
     A signature seen before takes its _Plan."""
     scoremod = bool(softcap) or alibi_slopes is not None or dropout is not None
-    if scoremod and scheme != "deterministic":
-        raise ValueError(f"softcap={softcap}, ALiBi ({alibi_slopes is not None}) and dropout "
-                         f"({dropout is not None}) run in the deterministic scheme, not "
-                         f"{scheme!r}")
+    if (softcap or alibi_slopes is not None) and scheme != "deterministic":
+        raise ValueError(f"softcap={softcap} and ALiBi ({alibi_slopes is not None}) run in the "
+                         f"deterministic scheme, not {scheme!r}")
     dout, out = _kernel_dout(dout, q), _kernel_layout(out)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.shape[0] == 0 or q.shape[1] == 0 or k.shape[1] == 0:
@@ -328,14 +337,14 @@ def run(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     plan = _plans.get(key)
     if plan is None:
         plan = _new_plan(ctx, q, k, v, out, dout, dq, dk, dv, scale, causal, scheme, window,
-                         softcap, scoremod)
+                         softcap, scoremod, dropout is not None)
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
         _plans[key] = plan
     stream = current_stream(index)
     if not _run_plan(plan, stream, q, k, v, out, dout, lse, dq, dk, dv, alibi_slopes, dropout):
         _run_plan(_new_plan(ctx, q, k, v, out, dout, dq, dk, dv, scale, causal, scheme,
-                            window, softcap, scoremod, maps_refused=True),
+                            window, softcap, scoremod, dropout is not None, maps_refused=True),
                   stream, q, k, v, out, dout, lse, dq, dk, dv, alibi_slopes, dropout)
     return dq, dk, dv
 

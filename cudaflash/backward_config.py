@@ -84,7 +84,9 @@ class BackwardConfig:
                        "dq_smem_bytes"),
              # the atomic scheme on a packed batch (warp-specialized modules; elsewhere traps)
              EntryRole("dkdv_dq_varlen", "cudaflash_bwd_dkdv_dq_varlen", "dkdv_dq_smem_bytes"),
-             EntryRole("dq_convert_varlen", "cudaflash_bwd_dq_convert_varlen"))
+             EntryRole("dq_convert_varlen", "cudaflash_bwd_dq_convert_varlen"),
+             # the atomic scheme with dropout (warp-specialized modules; elsewhere traps)
+             EntryRole("dkdv_dq_dropout", "cudaflash_bwd_dkdv_dq_dropout", "dkdv_dq_smem_bytes"))
     ENTRIES = tuple(role.symbol for role in ROLES)
     PREPROCESS_THREADS = 128  # kPreprocessThreads: d_head / 8 lanes per query row
 
@@ -122,6 +124,15 @@ class BackwardConfig:
         (bwd_warp_specialized_d256.cuh): a producer warpgroup and two consumer warpgroups on
         the same 64 keys."""
         return self.warp_specialized and self.d_head == 256
+
+    @property
+    def fused_dropout(self) -> bool:
+        """Its dkdv_dq_dropout entry is the fused kernel with dropout (the warp-specialized
+        dK/dV + dQ kernel with 64 query rows per step, d64 and d128: with 128 it spilled);
+        elsewhere that entry traps (flash_bwd.cu, bwd_dkdv_dq_dropout) and dropout takes
+        the deterministic scheme's *_scoremod entries."""
+        return (self.warp_specialized and not self.dkdv_warp_specialized
+                and self.ws_query_rows == 64)
 
     @property
     def plain_calls_only(self) -> bool:

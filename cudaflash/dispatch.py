@@ -250,12 +250,13 @@ def _make_kernel(dk: DeviceKernels, entry: KernelEntry, ctx: int) -> Kernel:
 
 
 def find_backward_entry(index: int, dtype: torch.dtype, d_head: int, scheme: str,
-                        plain: bool = False) -> BackwardEntry | None:
+                        plain: bool = False, dropout: bool = False) -> BackwardEntry | None:
     """The backward module for (dtype, d_head, scheme) that runs on cuda:``index``, or None.
     ``plain``: the call has no score modifiers (softcap, ALiBi, dropout), so modules that
     serve only such calls may take it (BackwardConfig.plain_calls_only: d256's
-    warp-specialized one)."""
-    key = (index, dtype, d_head, scheme, plain)
+    warp-specialized one). ``dropout`` (atomic scheme): only a module whose fused kernel
+    applies dropout (BackwardConfig.fused_dropout)."""
+    key = (index, dtype, d_head, scheme, plain, dropout)
     if key not in _backward_entries:
         device = _driver.device(index)
         usable = _manifest.load_manifest().usable_backward(device.arch, device.smem_optin)
@@ -263,7 +264,8 @@ def find_backward_entry(index: int, dtype: torch.dtype, d_head: int, scheme: str
             (e for e in usable.values()
              if e.config.dtype == DTYPES[dtype] and e.config.d_head == d_head
              and scheme in e.schemes and (scheme != "atomic" or e.config.fuses_dq)
-             and (plain or not e.config.plain_calls_only)), None)
+             and (plain or not e.config.plain_calls_only)
+             and (not dropout or e.config.fused_dropout)), None)
     return _backward_entries[key]
 
 
@@ -284,13 +286,13 @@ def check_backward_supported(index: int, dtype: torch.dtype, d_head: int, scheme
 
 
 def backward_kernel(ctx: int, index: int, dtype: torch.dtype, d_head: int,
-                    scheme: str, plain: bool = False) -> BackwardKernel:
-    """The backward module for the call, loaded in context ``ctx`` (``plain``: as in
-    find_backward_entry)."""
-    key = (ctx, index, dtype, d_head, scheme, plain)
+                    scheme: str, plain: bool = False, dropout: bool = False) -> BackwardKernel:
+    """The backward module for the call, loaded in context ``ctx`` (``plain``, ``dropout``:
+    as in find_backward_entry)."""
+    key = (ctx, index, dtype, d_head, scheme, plain, dropout)
     kernel = _backward_kernels.get(key)
     if kernel is None:
-        entry = find_backward_entry(index, dtype, d_head, scheme, plain)
+        entry = find_backward_entry(index, dtype, d_head, scheme, plain, dropout)
         if entry is None:  # the forward checked; only a changed manifest or switch gets here
             check_backward_supported(index, dtype, d_head, scheme)
             raise AssertionError("check_backward_supported did not raise")

@@ -60,7 +60,9 @@ from .selection import Rule, parse_rules
 # persistent forward's causal calls take their tiles from it.
 # 18: backward modules carry dkdv_dq_varlen and dq_convert_varlen (the atomic scheme on a
 # packed batch).
-SCHEMA = 18
+# 19: backward modules carry dkdv_dq_dropout (the atomic scheme with dropout; a trap unless
+# BackwardConfig.fused_dropout).
+SCHEMA = 19
 KINDS = ("cubin", "ptx")
 MANIFEST_NAME = "manifest.json"
 

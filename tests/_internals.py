@@ -138,13 +138,17 @@ def force_backward_module(monkeypatch, entry) -> None:
     clear_backward_cache again after the monkeypatch context ends). A module that serves only
     plain calls (BackwardConfig.plain_calls_only) is not given to the lookups of other calls
     (find_backward_entry's ``plain`` false: the fallback after a refused tensor map), which
-    then find the module the manifest gives them."""
+    then find the module the manifest gives them. A dropout call's lookup for a fused kernel
+    with dropout finds none unless ``entry`` has one (BackwardConfig.fused_dropout), so such
+    calls run ``entry``'s deterministic kernels."""
     clear_backward_cache()
     find = dispatch.find_backward_entry
 
-    def forced(index, dtype, d_head, scheme, plain=False):
+    def forced(index, dtype, d_head, scheme, plain=False, dropout=False):
         if entry.config.plain_calls_only and not plain:
-            return find(index, dtype, d_head, scheme, plain)
+            return find(index, dtype, d_head, scheme, plain, dropout)
+        if dropout and not entry.config.fused_dropout:
+            return None
         return entry
 
     replace(monkeypatch, dispatch.find_backward_entry, forced)

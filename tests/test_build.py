@@ -478,7 +478,8 @@ BACKWARD_ENTRIES = ["cudaflash_bwd_preprocess", "cudaflash_bwd_dkdv", "cudaflash
                     "cudaflash_bwd_dkdv_varlen", "cudaflash_bwd_dq_varlen",
                     "cudaflash_bwd_dkdv_scoremod", "cudaflash_bwd_dq_scoremod",
                     "cudaflash_bwd_dkdv_varlen_scoremod", "cudaflash_bwd_dq_varlen_scoremod",
-                    "cudaflash_bwd_dkdv_dq_varlen", "cudaflash_bwd_dq_convert_varlen"]
+                    "cudaflash_bwd_dkdv_dq_varlen", "cudaflash_bwd_dq_convert_varlen",
+                    "cudaflash_bwd_dkdv_dq_dropout"]
 KERNEL_KEYS = {"name", "config", "arch", "kind", "file", "entries", "threads", "registers",
                "spill_bytes", "sha256", "nvcc_version", "ptxas_version", "ptx_isa",
                "min_driver", "source_hash"}
@@ -502,7 +503,7 @@ def check_entries(k: dict, cfg, symbols: list) -> None:
 
 def check_manifest(m: dict, out_dir: Path) -> None:
     assert set(m) == TOP_KEYS
-    assert m["schema"] == build_cubins.manifest.SCHEMA == 18
+    assert m["schema"] == build_cubins.manifest.SCHEMA == 19
     assert re.fullmatch(r"\d+\.\d+\.\d+", m["nvcc_version"])
     assert re.fullmatch(r"\d+\.\d+\.\d+", m["ptxas_version"])
     # Every file's driver floor is what its own header / .version line says.

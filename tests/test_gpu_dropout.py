@@ -131,6 +131,34 @@ def test_gradients_match_the_mask_rebuilt_on_the_host(dtype, d, causal):
                         reference_grads(q, k, v, dout, mask, p, causal, False), (q, k, v))
 
 
+@pytest.mark.parametrize("b,sq,sk,h,hk,causal", [
+    (2, 600, 520, 4, 2, False),  # query and key tails, GQA
+    (1, 700, 300, 2, 1, True),  # MQA, more query rows than keys, bottom-right causal
+])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_fused_backward_rebuilds_the_mask(monkeypatch, dtype, d, b, sq, sk, h, hk, causal):
+    """The atomic scheme's fused kernel with dropout (dkdv_dq_dropout, warp-specialized
+    modules: sm_90), at sizes the atomic scheme keeps (enough query rows per CTA): it is the
+    kernel that runs, and dq, dk, dv match the torch math with the host's mask."""
+    from test_gpu_backward import (assert_grads_within, launched_backward_modules,
+                                   run_with_grad, warp_specialized_backward)
+
+    warp_specialized_backward(DTYPES[dtype], d)  # else skip: no fused dropout kernel
+    p = 0.2
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, DTYPES[dtype], seed=d + sq)
+    dout = torch.randn_like(q)
+    seed = seed_after(23, q.device)
+    torch.manual_seed(23)
+    launched = launched_backward_modules(monkeypatch)
+    out, grads = run_with_grad(q, k, v, dout, dropout_p=p, causal=causal)
+    assert [role for _, role in launched] == ["preprocess", "dkdv_dq_dropout", "dq_convert"], \
+        launched
+    mask = torch.from_numpy(keep_mask(seed, p, b, h, sq, sk))
+    assert_grads_within(grads, reference_grads(q, k, v, dout, mask, p, causal, True),
+                        reference_grads(q, k, v, dout, mask, p, causal, False), (q, k, v))
+
+
 def test_varlen_forward_and_gradients_per_sequence():
     """flash_attn_varlen_func: sequence b draws the numbers of batch entry b of the padded
     layout (its rows and keys counted within the sequence)."""

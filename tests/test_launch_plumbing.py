@@ -307,7 +307,7 @@ def test_backward_module_loads_every_role_with_its_smem(fake, fake_kernel_dir):
     smem = {fn[1].decode(): value for fn, _, value in fake.attributes}
     assert smem == {role.symbol: role.smem_bytes(BWD_D64) for role in BWD_D64.ROLES
                     if role.smem}
-    assert len(smem) == len(fake.attributes) == 11  # preprocess(_varlen), dq_convert(_varlen): none
+    assert len(smem) == len(fake.attributes) == 12  # preprocess(_varlen), dq_convert(_varlen): none
 
 
 def test_driver_knows_no_manifest():
