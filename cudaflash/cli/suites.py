@@ -292,9 +292,9 @@ SUITES = {
               ("plain", "dropout"), ("plain", "dropout"), ("forward", "train"),
               ("forward", "train"), (("drop/plain", "dropout", "plain"),),
               fa_rows, SWEEP, (1024, 4096, 16384), (64, 128),
-              note="train: each side with flash_attn_func's default backward (dropout runs "
-                   "the deterministic scheme's score-modifier kernels); TFLOP/s count every "
-                   "score, dropped or not"),
+              note="train: each side with flash_attn_func's default backward (on Hopper "
+                   "d64/d128 both the fused atomic kernel, dropout's entry regenerating the "
+                   "mask); TFLOP/s count every score, dropped or not"),
         Suite("kvcache", "decoding steps: flash_attn_with_kvcache vs the alternatives",
               ("kvcache", "full", "sdpa-eff", *PAGED_VARIANTS, "copy"),
               ("kvcache", "full", "sdpa-eff", *PAGED_VARIANTS, "copy"),
