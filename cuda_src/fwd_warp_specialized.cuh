@@ -335,11 +335,11 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
             named_barrier_arrive(kTurnBarrier + 0, kTurnThreads);
 
         // Step i: Q K^T of block i and P V of block i - 1 are issued together (in this
-        // warpgroup's turn, where there are turns), as two wgmma groups; the softmax of block i starts as soon as the first lands and
-        // overlaps the second, which still adds into O, so O's rescale waits for it. The first
-        // step has no previous block (kFirst: a compile-time fact, so that no wgmma sits on a
-        // branch, which makes ptxas serialize them all). The ring's stages and phases count the
-        // CTA's steps over all its tiles (g + i).
+        // warpgroup's turn, where there are turns), as two wgmma groups; the softmax of block
+        // i starts as soon as the first lands and overlaps the second, which still adds into O,
+        // so O's rescale waits for it. The first step has no previous block (kFirst: a
+        // compile-time fact, so that no wgmma sits on a branch, which makes ptxas serialize them
+        // all). The ring's stages and phases count the CTA's steps over all its tiles (g + i).
         auto step = [&](int i, auto first_tag) {
             constexpr bool kFirst = decltype(first_tag)::value;
             const int gi = g + i;
