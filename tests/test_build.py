@@ -432,6 +432,25 @@ def test_modules_for_plain_calls_only_have_a_general_module_behind_them():
                        for c in later), (cfg.name, arch)
 
 
+def test_every_atomic_module_of_hopper_has_a_fused_dropout_module():
+    """Dropout's atomic backward runs a module whose fused kernel applies it
+    (BackwardConfig.fused_dropout: warp-specialized, 64 query rows per step, not d256; its
+    dkdv_dq_dropout entry traps elsewhere): configs.yaml builds one for every (dtype, d_head)
+    whose first sm_90 atomic module is warp-specialized, and only those are marked."""
+    for cfg in SPEC.backward_configs:
+        assert cfg.fused_dropout == (cfg.warp_specialized and cfg.d_head != 256
+                                     and cfg.ws_query_rows == 64), cfg.name
+    atomic = [c for c in SPEC.backward_configs if "atomic" in SPEC.backward_schemes[c]
+              and 90 in SPEC.cubin_archs(c)]
+    firsts = {}
+    for c in atomic:
+        firsts.setdefault((c.dtype, c.d_head), c)
+    for (dtype, d_head), first in firsts.items():
+        if first.warp_specialized:
+            assert any(c.fused_dropout and (c.dtype, c.d_head) == (dtype, d_head)
+                       for c in atomic), (dtype, d_head)
+
+
 def test_backward_entry_scheme(tmp_path):
     data = yaml.safe_load((ROOT / "configs.yaml").read_text())
     entry = {"dtype": "fp16", "d_head": 64, "B_r": 64, "B_c": 64, "n_warps": 4}
