@@ -134,6 +134,7 @@ def test_gradients_match_the_mask_rebuilt_on_the_host(dtype, d, causal):
 @pytest.mark.parametrize("b,sq,sk,h,hk,causal", [
     (2, 600, 520, 4, 2, False),  # query and key tails, GQA
     (1, 700, 300, 2, 1, True),  # MQA, more query rows than keys, bottom-right causal
+    (2, 300, 700, 4, 2, True),  # more keys than query rows: the diagonal shifted right
 ])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -157,6 +158,30 @@ def test_fused_backward_rebuilds_the_mask(monkeypatch, dtype, d, b, sq, sk, h, h
     mask = torch.from_numpy(keep_mask(seed, p, b, h, sq, sk))
     assert_grads_within(grads, reference_grads(q, k, v, dout, mask, p, causal, True),
                         reference_grads(q, k, v, dout, mask, p, causal, False), (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_deterministic_dropout_keeps_the_deterministic_kernels(monkeypatch, dtype):
+    """deterministic=True with dropout at a size the atomic scheme would take: the
+    deterministic scheme's dK/dV and dQ kernels run (bitwise reproducible), not the fused
+    one, and the gradients match the host's mask."""
+    from test_gpu_backward import assert_grads_within, launched_backward_modules, run_with_grad
+
+    p, b, sq, sk, h, hk, d = 0.2, 2, 600, 520, 4, 2, 64
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, DTYPES[dtype], seed=5)
+    dout = torch.randn_like(q)
+    seed = seed_after(29, q.device)
+    torch.manual_seed(29)
+    launched = launched_backward_modules(monkeypatch)
+    out, grads = run_with_grad(q, k, v, dout, dropout_p=p, deterministic=True)
+    assert [role for _, role in launched] == ["preprocess", "dkdv_scoremod", "dq_scoremod"], \
+        launched
+    torch.manual_seed(29)
+    _, again = run_with_grad(q, k, v, dout, dropout_p=p, deterministic=True)
+    assert all(torch.equal(x, y) for x, y in zip(grads, again))
+    mask = torch.from_numpy(keep_mask(seed, p, b, h, sq, sk))
+    assert_grads_within(grads, reference_grads(q, k, v, dout, mask, p, False, True),
+                        reference_grads(q, k, v, dout, mask, p, False, False), (q, k, v))
 
 
 def test_varlen_forward_and_gradients_per_sequence():
