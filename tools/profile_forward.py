@@ -1,14 +1,18 @@
-"""Forward calls for ncu (issue 20's S = 1k gap): bf16 d128 non-causal, the FlashAttention
-sizes (batch = 16384 / S, 16 heads) at S = 1024 and 8192 (or the lengths given as
-arguments), cudaflash then SDPA's cuDNN backend on the same tensors, each called twice (the
-first call loads, the second is the one to read). Run under ncu, e.g.
+"""Forward calls for ncu: the FlashAttention sizes (batch = 16384 / S, nheads = 2048 / d,
+bf16) at each S given (default 1024 and 8192), cudaflash then SDPA's cuDNN backend on the
+same tensors, each called twice (the first call loads, the second is the one to read). With
+--dropout P or --alibi, cudaflash runs the plain call first and then the modified one (cuDNN
+is left out: compare the two cudaflash kernels). Run under ncu, e.g.
 
-    ncu --clock-control none --kernel-name regex:"cudaflash_fwd|cudnn|fprop" \\
-        --launch-skip-before-match 0 --section SpeedOfLight --section WarpStateStats \\
-        --section Occupancy --section LaunchStats python3 tools/profile_forward.py
+    ncu --clock-control none --kernel-name regex:"cudaflash_fwd|cudnn|fprop|sm90" \\
+        --section SpeedOfLight --section WarpStateStats --section InstructionStats \\
+        --section Occupancy --section LaunchStats python3 tools/profile_forward.py 1024
+
+(docs/perf-log.md: "The S = 1k forward, profiled", "The dropout forward's cost, profiled",
+"The ALiBi forward's cost, profiled".)
 """
 
-import sys
+import argparse
 
 import torch
 import torch.nn.functional as F
@@ -16,16 +20,39 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cudaflash import flash_attn_func
 
-for seqlen in [int(a) for a in sys.argv[1:]] or (1024, 8192):
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(16384 // seqlen, seqlen, 16, 128, device="cuda",
-                           dtype=torch.bfloat16) for _ in range(3))
-    with torch.no_grad():
-        for _ in range(2):
-            flash_attn_func(q, k, v)
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("seqlens", type=int, nargs="*", default=[1024, 8192])
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                        help="also run flash_attn_func with dropout_p=P (after the plain call)")
+    parser.add_argument("--alibi", action="store_true",
+                        help="also run flash_attn_func with the ALiBi paper's slopes")
+    args = parser.parse_args()
+    d, heads = args.head_dim, 2048 // args.head_dim
+    slopes = torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)], device="cuda")
+    modified = args.dropout > 0 or args.alibi
+    for seqlen in args.seqlens:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(16384 // seqlen, seqlen, heads, d, device="cuda",
+                               dtype=torch.bfloat16) for _ in range(3))
+        with torch.no_grad():
             for _ in range(2):
-                F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                               v.transpose(1, 2))
-    torch.cuda.synchronize()
-    print(f"S={seqlen}: done")
+                flash_attn_func(q, k, v, causal=args.causal)
+            if modified:
+                for _ in range(2):
+                    flash_attn_func(q, k, v, causal=args.causal, dropout_p=args.dropout,
+                                    alibi_slopes=slopes if args.alibi else None)
+            else:
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    for _ in range(2):
+                        F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                       v.transpose(1, 2), is_causal=args.causal)
+        torch.cuda.synchronize()
+        print(f"d={d} causal={args.causal} S={seqlen}: done")
+
+
+if __name__ == "__main__":
+    main()
