@@ -102,7 +102,7 @@ FAKE_SELECTION = [
 
 
 def write_fake_kernel_dir(root, kernels=FAKE_KERNELS, selection=FAKE_SELECTION,
-                          params_bytes=PARAMS_BYTES):
+                          params_bytes=PARAMS_BYTES, backward_kernels=FAKE_BACKWARD):
     """A kernel directory whose manifest cudaflash/manifest.py writes, as the build's is."""
     def fake_module(cfg, kind, arch, text, **fields):
         """Write a stand-in kernel file; its manifest entry (module_record)."""
@@ -124,7 +124,7 @@ def write_fake_kernel_dir(root, kernels=FAKE_KERNELS, selection=FAKE_SELECTION,
                             registers=200 if kind == "cubin" else None,
                             spill_bytes=0 if kind == "cubin" else None,
                             schemes=["atomic", "deterministic"])
-                for i, (cfg, kind, arch) in enumerate(FAKE_BACKWARD)]
+                for i, (cfg, kind, arch) in enumerate(backward_kernels)]
     data = manifest.manifest_dict(
         kernels=entries, backward_kernels=backward, nvcc_version="13.0.88",
         ptxas_version="12.9.86", source_hash="f" * 64, params_bytes=params_bytes,
