@@ -131,6 +131,25 @@ def test_gradients_match_the_mask_rebuilt_on_the_host(dtype, d, causal):
                         reference_grads(q, k, v, dout, mask, p, causal, False), (q, k, v))
 
 
+def run_checked_backward(monkeypatch, dtype, b, sq, sk, h, hk, d, causal, seed, **kwargs):
+    """flash_attn_func(dropout_p=0.2, causal, **kwargs) with gradients after
+    torch.manual_seed(seed): the backward roles it launched, its grads (checked against
+    autograd through the torch math with the host's mask) and its inputs (q, k, v, dout)."""
+    from test_gpu_backward import assert_grads_within, launched_backward_modules, run_with_grad
+
+    p = 0.2
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, DTYPES[dtype], seed=d + sq)
+    dout = torch.randn_like(q)
+    mask_seed = seed_after(seed, q.device)
+    torch.manual_seed(seed)
+    launched = launched_backward_modules(monkeypatch)
+    _, grads = run_with_grad(q, k, v, dout, dropout_p=p, causal=causal, **kwargs)
+    mask = torch.from_numpy(keep_mask(mask_seed, p, b, h, sq, sk))
+    assert_grads_within(grads, reference_grads(q, k, v, dout, mask, p, causal, True),
+                        reference_grads(q, k, v, dout, mask, p, causal, False), (q, k, v))
+    return [role for _, role in launched], grads, (q, k, v, dout)
+
+
 @pytest.mark.parametrize("b,sq,sk,h,hk,causal", [
     (2, 600, 520, 4, 2, False),  # query and key tails, GQA
     (1, 700, 300, 2, 1, True),  # MQA, more query rows than keys, bottom-right causal
@@ -142,22 +161,11 @@ def test_fused_backward_rebuilds_the_mask(monkeypatch, dtype, d, b, sq, sk, h, h
     """The atomic scheme's fused kernel with dropout (dkdv_dq_dropout, warp-specialized
     modules: sm_90), at sizes the atomic scheme keeps (enough query rows per CTA): it is the
     kernel that runs, and dq, dk, dv match the torch math with the host's mask."""
-    from test_gpu_backward import (assert_grads_within, launched_backward_modules,
-                                   run_with_grad, warp_specialized_backward)
+    from test_gpu_backward import warp_specialized_backward
 
     warp_specialized_backward(DTYPES[dtype], d)  # else skip: no fused dropout kernel
-    p = 0.2
-    q, k, v = make_qkv(b, sq, sk, h, hk, d, DTYPES[dtype], seed=d + sq)
-    dout = torch.randn_like(q)
-    seed = seed_after(23, q.device)
-    torch.manual_seed(23)
-    launched = launched_backward_modules(monkeypatch)
-    out, grads = run_with_grad(q, k, v, dout, dropout_p=p, causal=causal)
-    assert [role for _, role in launched] == ["preprocess", "dkdv_dq_dropout", "dq_convert"], \
-        launched
-    mask = torch.from_numpy(keep_mask(seed, p, b, h, sq, sk))
-    assert_grads_within(grads, reference_grads(q, k, v, dout, mask, p, causal, True),
-                        reference_grads(q, k, v, dout, mask, p, causal, False), (q, k, v))
+    roles, _, _ = run_checked_backward(monkeypatch, dtype, b, sq, sk, h, hk, d, causal, 23)
+    assert roles == ["preprocess", "dkdv_dq_dropout", "dq_convert"], roles
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -165,23 +173,14 @@ def test_deterministic_dropout_keeps_the_deterministic_kernels(monkeypatch, dtyp
     """deterministic=True with dropout at a size the atomic scheme would take: the
     deterministic scheme's dK/dV and dQ kernels run (bitwise reproducible), not the fused
     one, and the gradients match the host's mask."""
-    from test_gpu_backward import assert_grads_within, launched_backward_modules, run_with_grad
+    from test_gpu_backward import run_with_grad
 
-    p, b, sq, sk, h, hk, d = 0.2, 2, 600, 520, 4, 2, 64
-    q, k, v = make_qkv(b, sq, sk, h, hk, d, DTYPES[dtype], seed=5)
-    dout = torch.randn_like(q)
-    seed = seed_after(29, q.device)
+    roles, grads, (q, k, v, dout) = run_checked_backward(
+        monkeypatch, dtype, 2, 600, 520, 4, 2, 64, False, 29, deterministic=True)
+    assert roles == ["preprocess", "dkdv_scoremod", "dq_scoremod"], roles
     torch.manual_seed(29)
-    launched = launched_backward_modules(monkeypatch)
-    out, grads = run_with_grad(q, k, v, dout, dropout_p=p, deterministic=True)
-    assert [role for _, role in launched] == ["preprocess", "dkdv_scoremod", "dq_scoremod"], \
-        launched
-    torch.manual_seed(29)
-    _, again = run_with_grad(q, k, v, dout, dropout_p=p, deterministic=True)
+    _, again = run_with_grad(q, k, v, dout, dropout_p=0.2, deterministic=True)
     assert all(torch.equal(x, y) for x, y in zip(grads, again))
-    mask = torch.from_numpy(keep_mask(seed, p, b, h, sq, sk))
-    assert_grads_within(grads, reference_grads(q, k, v, dout, mask, p, False, True),
-                        reference_grads(q, k, v, dout, mask, p, False, False), (q, k, v))
 
 
 def test_varlen_forward_and_gradients_per_sequence():
