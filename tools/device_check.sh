@@ -4,7 +4,7 @@
 #
 #   tools/device_check.sh [test] [bench] [decode] [train] [backward] [varlen] [window] [softcap]
 #                         [alibi] [dropout] [kvcache] [suites] [tune] [ablation] [tma]
-#                                                                  (default: test, bench, train)
+#                         [sanitize]                               (default: test, bench, train)
 #
 # bench: `python -m cudaflash bench` (the forward suite, bf16 and fp16); decode, train,
 # backward, varlen, window, softcap, alibi, dropout, kvcache: `python -m cudaflash bench --suite <step>`
@@ -13,6 +13,9 @@
 #
 # tma: tools/tma_ab.py, the forward's TMA loads against cp.async, flash_attn_func's choice
 # and cuDNN in one run (TMA_ARGS, e.g. "--head-dims 64 --config fwd_{dtype}_d{d}_...").
+#
+# sanitize: compute-sanitizer's memcheck over tools/sanitizer_sweep.py (every kernel family
+# at small sizes with tails), racecheck and synccheck over its tensor-map sizes (" S").
 #
 # ablation: builds tools/ablation.py's knob variants into .dev/ablation (sm_90), runs the
 # per-config correctness tests on them and times each variant against its base.
@@ -81,6 +84,16 @@ for step in $steps; do
         else
             tail -40 "$OUT/ablation-build.log"; rc=1
         fi ;;
+    sanitize)
+        # memcheck over every kernel family (tools/sanitizer_sweep.py), each tensor its own
+        # allocation; then racecheck and synccheck over the warp-specialized sizes.
+        for tool in memcheck racecheck synccheck; do
+            only=$([[ $tool == memcheck ]] && echo "" || echo " S")
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONPATH=. compute-sanitizer --tool $tool \
+                --print-limit 20 python3 tools/sanitizer_sweep.py --only "$only" \
+                > "$OUT/sanitize-$tool.log" 2>&1 || rc=1
+            grep -E "REFUSED|calls ran|ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize-$tool.log"
+        done ;;
     *) echo "unknown step $step"; exit 2 ;;
     esac
 done
