@@ -230,8 +230,9 @@ __device__ __forceinline__ void zero_tail_rows(elem_t* a, elem_t* b, int first_r
 // packed accumulator (packed_dq_accum_row) and whose tiles past the sequence's end are zeroed
 // (zero_tail_rows: here K and V too, since dQ = dS K sums over every key row of the tile).
 // kDropout: the forward's dropout (BwdParams::dropout_*), its keep mask drawn per step as the
-// deterministic dK/dV kernel draws it; dV from the kept P (keep_packed), dS^T from the
-// dropped dP^T (drop_score_grads). 64 query rows per step only (bwd_dkdv_dq_dropout).
+// deterministic dK/dV kernel draws it and kept as one bit per score (keep_words: 2 registers
+// at 128 query rows, where the 16 of the drawn bytes spilled); dV from the kept P
+// (keep_packed_words), dS^T from the dropped dP^T (drop_score_grads_words).
 template <bool kWindow, class Cfg = C, bool kPacked = false, bool kDropout = false>
 __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrigin origin) {
     const BwdParams& maps = *origin.maps;  // the tensor maps (grid-constant params)
@@ -421,10 +422,13 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
         wgmma_commit();
         // Dropout: the forward's keep bits of the warp's 16 keys x kQ queries (the transposed
         // layout, as the deterministic dK/dV kernel draws them), while S^T and dP^T run.
-        KeepBytes keep[kQ / 16];
-        if constexpr (kDropout)
-            dropout_bytes<true, kQ / 16, true>(keep, seed, q0 / 16, (key0 + row0) / 16, 1, 0,
+        uint32_t keep[kQ / 64];
+        if constexpr (kDropout) {
+            KeepBytes bytes[kQ / 16];
+            dropout_bytes<true, kQ / 16, true>(bytes, seed, q0 / 16, (key0 + row0) / 16, 1, 0,
                                                batch * p.n_heads + at.head, lane);
+            keep_words(keep, bytes, p.dropout_threshold);
+        }
         wgmma_wait<1>();  // S^T
         wgmma_fence_operands(wg::flat(P[0]));
         step_probabilities<kQ, kWindow, false, true>(P[0], p, lse, mask, window, key0 + row0,
@@ -434,8 +438,7 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
         // kDropout: dV's operand, P^T with the dropped scores zeroed (dV = sum (P o keep)^T dO
         // is scaled by 1 / (1 - p) once, in the epilogue); dS^T takes the undropped P^T.
         uint32_t a_kept[1][kQ / 16][4];
-        if constexpr (kDropout)
-            keep_packed(a_kept[0], a[0], keep, KeepThreshold(p.dropout_threshold));
+        if constexpr (kDropout) keep_packed_words(a_kept[0], a[0], keep);
         wgmma_fence_operands(wg::flat(dV));
         wgmma_fence();
         wg::regs_tile<kQ, kQ / 16>(dV, *(kDropout ? &a_kept : &a), do_tile);
@@ -444,9 +447,7 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
             named_barrier_arrive(kBwdOffsetBarrier, kBwdConsumerThreads);
         wgmma_wait<1>();  // dP^T (dV may still run)
         wgmma_fence_operands(wg::flat(dS[0]));
-        if constexpr (kDropout)
-            drop_score_grads<kQ / 8>(dS[0], keep, KeepThreshold(p.dropout_threshold),
-                                     p.dropout_scale);
+        if constexpr (kDropout) drop_score_grads_words<kQ / 8>(dS[0], keep, p.dropout_scale);
         if constexpr (kQ == 128) {
             step_score_grads_packed<kQ>(dS[0], a, delta);
         } else {

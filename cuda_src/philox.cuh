@@ -154,4 +154,66 @@ __device__ __forceinline__ void keep_packed(uint32_t (&out)[kSlices][4],
         }
 }
 
+// ---- Keep bits, one per score ---------------------------------------------------------------
+// For kernels short of registers (the fused backward at 128 query rows): a lane's keep bytes
+// compressed right after they are drawn, to one word per 64 keys or queries (four 16 x 16
+// blocks nb of its 16-row strip; 8 words of KeepBytes become 2). Bit 7 - (2 (nb % 4) + n) of
+// byte 2 rr + cc is the keep bit of the score at row half rr, column half n, column parity cc
+// of block nb (KeepBytes' byte 2 n + cc of word rr; the same in either layout), so that a
+// left shift by 2 (nb % 4) + n brings a 16-bit pair's two bits, or one score's, to the top of
+// their bytes, where prmt's sign mode (selector nibble 8 + byte) widens them into masks.
+
+// Per byte, the top bit set iff that byte of `a` is >= the byte of `t4` (unsigned, no carry
+// between bytes: the top bit of half the sum of a and ~t).
+__device__ __forceinline__ uint32_t bytes_at_least(uint32_t a, uint32_t t4) {
+    return (a | ~t4) - ((~(a ^ t4) & 0xFEFEFEFEu) >> 1);
+}
+
+template <int kBlocks>
+__device__ __forceinline__ void keep_words(uint32_t (&words)[(kBlocks + 3) / 4],
+                                           const KeepBytes (&bytes)[kBlocks], uint32_t threshold) {
+    const uint32_t t4 = threshold * 0x01010101u;
+#pragma unroll
+    for (int w = 0; w < (kBlocks + 3) / 4; ++w) words[w] = 0;
+#pragma unroll
+    for (int nb = 0; nb < kBlocks; ++nb)
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            // Column half n's bytes of both row halves: [rr 0 cc 0, rr 0 cc 1, rr 1 cc 0, rr 1 cc 1].
+            const uint32_t scores = __byte_perm(bytes[nb].w[0], bytes[nb].w[1], n ? 0x7632 : 0x5410);
+            const int shift = 2 * (nb % 4) + n;
+            words[nb / 4] |= (bytes_at_least(scores, t4) >> shift) & (0x80808080u >> shift);
+        }
+}
+
+// The mask of byte `byte`'s top bit after `word` << shift, replicated over the bytes `select`
+// names (prmt's sign mode).
+__device__ __forceinline__ uint32_t top_bit_mask(uint32_t word, int shift, uint32_t select) {
+    uint32_t mask;
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(mask) : "r"(word << shift), "r"(select));
+    return mask;
+}
+
+// keep_packed from keep words: register 2 n + rr of slice nb keeps its low half (column
+// parity 0) iff the bit at byte 2 rr, its high half iff the bit at byte 2 rr + 1.
+template <int kSlices>
+__device__ __forceinline__ void keep_packed_words(uint32_t (&out)[kSlices][4],
+                                                  const uint32_t (&in)[kSlices][4],
+                                                  const uint32_t (&words)[(kSlices + 3) / 4]) {
+#pragma unroll
+    for (int j = 0; j < kSlices; ++j)
+#pragma unroll
+        for (int reg = 0; reg < 4; ++reg)
+            out[j][reg] = in[j][reg] & top_bit_mask(words[j / 4], 2 * (j % 4) + reg / 2,
+                                                    reg % 2 ? 0xBBAAu : 0x9988u);
+}
+
+// Whether element (nj, e) of an m16n8 accumulator tile is kept, as a 32-bit mask: block
+// nj / 2, column half nj % 2, row half e / 2, column parity e % 2.
+template <int kWords>
+__device__ __forceinline__ uint32_t kept_mask(const uint32_t (&words)[kWords], int nj, int e) {
+    const int byte = e;  // 2 rr + cc
+    return top_bit_mask(words[nj / 8], 2 * ((nj / 2) % 4) + nj % 2, 0x8888u + 0x1111u * byte);
+}
+
 }  // namespace cudaflash

@@ -128,11 +128,10 @@ class BackwardConfig:
     @property
     def fused_dropout(self) -> bool:
         """Its dkdv_dq_dropout entry is the fused kernel with dropout (the warp-specialized
-        dK/dV + dQ kernel with 64 query rows per step, d64 and d128: with 128 it spilled);
-        elsewhere that entry traps (flash_bwd.cu, bwd_dkdv_dq_dropout) and dropout takes
-        the deterministic scheme's *_scoremod entries."""
-        return (self.warp_specialized and not self.dkdv_warp_specialized
-                and self.ws_query_rows == 64)
+        dK/dV + dQ kernel, d64 and d128); elsewhere that entry traps (flash_bwd.cu,
+        bwd_dkdv_dq_dropout) and dropout takes the deterministic scheme's *_scoremod
+        entries."""
+        return self.warp_specialized and not self.dkdv_warp_specialized
 
     @property
     def plain_calls_only(self) -> bool:

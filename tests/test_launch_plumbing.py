@@ -313,19 +313,19 @@ def test_backward_module_loads_every_role_with_its_smem(fake, fake_kernel_dir):
 def test_dropouts_atomic_backward_takes_a_module_whose_fused_kernel_applies_it(
         tmp_path, monkeypatch):
     """find_backward_entry(..., dropout=True): on Hopper the first atomic module whose fused
-    kernel has dropout (BackwardConfig.fused_dropout: 64 query rows per step), past the
-    128-row module plain calls take; where none has it (sm_80 here), None, so that
+    kernel has dropout (BackwardConfig.fused_dropout: the warp-specialized ones), past a
+    module before it that plain calls take; where none has it (sm_80 here), None, so that
     backward.run takes the deterministic kernels."""
     from conftest import write_fake_kernel_dir
     from cudaflash import dispatch
     from cudaflash.backward_config import BackwardConfig
 
-    ws = dict(dtype="fp16", d_head=64, B_r=64, B_c=64, n_warps=8, wgmma=True,
-              warp_specialized=True)
-    rows128, rows64 = BackwardConfig(**ws, ws_query_rows=128), BackwardConfig(**ws)
-    assert not rows128.fused_dropout and rows64.fused_dropout and not BWD_D64.fused_dropout
+    hopper = dict(dtype="fp16", d_head=64, B_r=64, B_c=64, n_warps=8, wgmma=True)
+    wgmma, ws = BackwardConfig(**hopper), BackwardConfig(**hopper, warp_specialized=True,
+                                                         ws_query_rows=128)
+    assert not wgmma.fused_dropout and ws.fused_dropout and not BWD_D64.fused_dropout
     root = write_fake_kernel_dir(tmp_path / "kernels", backward_kernels=[
-        (rows128, "cubin", 90), (rows64, "cubin", 90), (BWD_D64, "cubin", 80)])
+        (wgmma, "cubin", 90), (ws, "cubin", 90), (BWD_D64, "cubin", 80)])
     monkeypatch.setenv("CUDAFLASH_KERNEL_DIR", str(root))
     api.clear_caches()
     try:
@@ -337,7 +337,7 @@ def test_dropouts_atomic_backward_takes_a_module_whose_fused_kernel_applies_it(
             dropout = dispatch.find_backward_entry(0, torch.float16, 64, "atomic",
                                                    dropout=True)
             if arch == 90:
-                assert (plain.name, dropout.name) == (rows128.name, rows64.name)
+                assert (plain.name, dropout.name) == (wgmma.name, ws.name)
             else:
                 assert plain.name == BWD_D64.name and dropout is None
     finally:
