@@ -186,8 +186,8 @@ __device__ __forceinline__ void keep_words(uint32_t (&words)[(kBlocks + 3) / 4],
         }
 }
 
-// The mask of byte `byte`'s top bit after `word` << shift, replicated over the bytes `select`
-// names (prmt's sign mode).
+// prmt's sign mode on `word` << shift: output byte i is the top bit of the input byte that
+// nibble i of `select` names (8 + byte), replicated over its 8 bits.
 __device__ __forceinline__ uint32_t top_bit_mask(uint32_t word, int shift, uint32_t select) {
     uint32_t mask;
     asm("prmt.b32 %0, %1, 0, %2;" : "=r"(mask) : "r"(word << shift), "r"(select));
