@@ -475,10 +475,8 @@ def _check_register_pool(cfg, stats: dict) -> None:
     need = (backward_config.BWD_WS_PRODUCER_REGS * (cfg.fused_threads - cfg.threads)
             + backward_config.BWD_WS_CONSUMER_REGS * cfg.threads)
     # (d256: the dK/dV and dQ entries, padded and packed; its fused entries are traps)
-    # (and the dropout entry where it is the fused kernel, not a trap)
     roles = (("dkdv", "dq", "dkdv_varlen", "dq_varlen") if cfg.dkdv_warp_specialized
-             else ("dkdv_dq", "dkdv_dq_window", "dkdv_dq_varlen")
-             + (("dkdv_dq_dropout",) if cfg.fused_dropout else ()))
+             else ("dkdv_dq", "dkdv_dq_window", "dkdv_dq_varlen", "dkdv_dq_dropout"))
     for role in roles:
         symbol = _symbol(backward_config.BackwardConfig, role)
         registers = stats[symbol][0]

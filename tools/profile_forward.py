@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cudaflash import flash_attn_func
+from cudaflash.cli.suite_calls import paper_alibi_slopes
 
 
 def main() -> None:
@@ -32,7 +33,7 @@ def main() -> None:
                         help="also run flash_attn_func with the ALiBi paper's slopes")
     args = parser.parse_args()
     d, heads = args.head_dim, 2048 // args.head_dim
-    slopes = torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)], device="cuda")
+    slopes = paper_alibi_slopes(heads, "cuda")
     modified = args.dropout > 0 or args.alibi
     for seqlen in args.seqlens:
         torch.manual_seed(0)

@@ -37,16 +37,37 @@ def attention(b, sq, sk, h, hk, d, dtype=torch.bfloat16, backward=True, **kwargs
         torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
 
 
+def cu_seqlens(lens):
+    return torch.tensor([0] + lens, device=DEVICE).cumsum(0).to(torch.int32)
+
+
+def paged_cache(entries, seqs, blocks, page, hk, d):
+    """K and V caches of `entries` x `blocks` pages of `page` positions, and a block table
+    giving each of `seqs` sequences `blocks` of them, shuffled (no sequence's pages are
+    contiguous)."""
+    k_cache = rand(entries * blocks, page, hk, d)
+    v_cache = rand(entries * blocks, page, hk, d)
+    table = torch.randperm(entries * blocks, device=DEVICE, dtype=torch.int32)
+    return k_cache, v_cache, table[: seqs * blocks].view(seqs, blocks)
+
+
 def varlen(lens_q, lens_k, h, hk, d, backward=True, **kwargs):
-    cu_q = torch.tensor([0] + lens_q, device=DEVICE).cumsum(0).to(torch.int32)
-    cu_k = torch.tensor([0] + lens_k, device=DEVICE).cumsum(0).to(torch.int32)
     q = rand(sum(lens_q), h, d, grad=backward)
     k = rand(sum(lens_k), hk, d, grad=backward)
     v = rand(sum(lens_k), hk, d, grad=backward)
-    out = cudaflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
-                                           **kwargs)
+    out = cudaflash.flash_attn_varlen_func(q, k, v, cu_seqlens(lens_q), cu_seqlens(lens_k),
+                                           max(lens_q), max(lens_k), **kwargs)
     if backward:
         torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+
+
+def paged_varlen(lens_q, lens_k, h, hk, d, page=16, **kwargs):
+    """flash_attn_varlen_func with a paged K/V (block_table)."""
+    k_cache, v_cache, table = paged_cache(len(lens_q), len(lens_q),
+                                          -(-max(lens_k) // page), page, hk, d)
+    cudaflash.flash_attn_varlen_func(rand(sum(lens_q), h, d), k_cache, v_cache,
+                                     cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q),
+                                     max(lens_k), block_table=table, **kwargs)
 
 
 def kvcache(b, sq, cache_len, h, hk, d, lens, new=0, page=0, rotary=False, batch_idx=False,
@@ -55,12 +76,8 @@ def kvcache(b, sq, cache_len, h, hk, d, lens, new=0, page=0, rotary=False, batch
     page > 0), holding lens[i] positions, with `new` positions appended by the call."""
     n_cache = b + 1 if batch_idx else b  # one spare entry that the call does not read
     if page:
-        blocks = cache_len // page
-        k_cache = rand(n_cache * blocks, page, hk, d)
-        v_cache = rand(n_cache * blocks, page, hk, d)
-        # A shuffled page order, so that no sequence's pages are contiguous.
-        table = torch.randperm(n_cache * blocks, device=DEVICE, dtype=torch.int32)
-        kwargs["block_table"] = table[: b * blocks].view(b, blocks)
+        k_cache, v_cache, kwargs["block_table"] = paged_cache(n_cache, b, cache_len // page,
+                                                              page, hk, d)
     else:
         k_cache = rand(n_cache, cache_len, hk, d)
         v_cache = rand(n_cache, cache_len, hk, d)
@@ -119,6 +136,7 @@ for d in (64, 128, 256):
                                     dict(causal=True))
     CALLS[f"varlen d{d} dropout window"] = (varlen, ([37, 128, 200], [64, 130, 300], 2, 2, d),
                                             dict(dropout_p=0.1, window_size=(20, 20)))
+    CALLS[f"varlen d{d} paged"] = (paged_varlen, ([37, 128], [64, 130], 2, 2, d), {})
     CALLS[f"kvcache d{d} decode"] = (kvcache, (3, 1, 512, 8, 2, d, [5, 511, 300]), {})
     CALLS[f"kvcache d{d} append rotary causal"] = (
         kvcache, (3, 4, 512, 4, 2, d, [5, 100, 508]), dict(new=4, rotary=True, causal=True))
@@ -134,23 +152,6 @@ for d in (64, 128, 256):
     CALLS[f"kvcache d{d} softcap window"] = (
         kvcache, (2, 5, 512, 4, 4, d, [100, 400]), dict(softcap=30.0, window_size=(64, 0),
                                                         causal=True))
-
-
-def paged_varlen(lens_q, lens_k, h, hk, d, page=16, **kwargs):
-    """flash_attn_varlen_func with a paged K/V (block_table)."""
-    b = len(lens_q)
-    blocks = (max(lens_k) + page - 1) // page
-    cu_q = torch.tensor([0] + lens_q, device=DEVICE).cumsum(0).to(torch.int32)
-    cu_k = torch.tensor([0] + lens_k, device=DEVICE).cumsum(0).to(torch.int32)
-    k_cache = rand(b * blocks, page, hk, d)
-    v_cache = rand(b * blocks, page, hk, d)
-    table = torch.randperm(b * blocks, device=DEVICE, dtype=torch.int32).view(b, blocks)
-    cudaflash.flash_attn_varlen_func(rand(sum(lens_q), h, d), k_cache, v_cache, cu_q, cu_k,
-                                     max(lens_q), max(lens_k), block_table=table, **kwargs)
-
-
-for d in (64, 128, 256):
-    CALLS[f"varlen d{d} paged"] = (paged_varlen, ([37, 128], [64, 130], 2, 2, d), {})
 
 
 def main() -> None:

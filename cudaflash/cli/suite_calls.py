@@ -43,12 +43,16 @@ def train_forwards(row: Row, variants, q, k, v) -> dict:
     return forwards
 
 
+def paper_alibi_slopes(heads: int, device) -> torch.Tensor:
+    """ALiBi's slopes as the ALiBi paper sets them: 2^(-8 (h + 1) / H) for head h of H."""
+    return torch.exp2(-8.0 * torch.arange(1, heads + 1, device=device) / heads)
+
+
 def modifier_forwards(row: Row, variants, q, k, v, deterministic: bool) -> dict:
     """The softcap, alibi and dropout suites: flash_attn_func plain, capped, with ALiBi's
-    slopes (2^(-8 (h + 1) / H) for head h of H, as in the ALiBi paper) or with dropout."""
+    slopes (paper_alibi_slopes) or with dropout."""
     causal = row.get("causal")
-    heads = q.shape[2]
-    slopes = torch.exp2(-8.0 * torch.arange(1, heads + 1, device=q.device) / heads)
+    slopes = paper_alibi_slopes(q.shape[2], q.device)
     options = {"plain": {}, "softcap": {"softcap": SOFTCAP}, "alibi": {"alibi_slopes": slopes},
                "dropout": {"dropout_p": DROPOUT_P}}
     return {variant: ((lambda kwargs=options[variant]: api.flash_attn_func(
