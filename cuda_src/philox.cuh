@@ -1,5 +1,6 @@
-// Dropout's random numbers: Philox4x32-10 (Salmon et al., SC 2011), counter-based, so the
-// backward regenerates the forward's keep mask from the call's seed instead of storing it.
+// Dropout's random numbers: Philox4x32 with kPhiloxRounds = 7 rounds (Salmon et al., SC
+// 2011; below, why 7), counter-based, so the backward regenerates the forward's keep mask
+// from the call's seed instead of storing it.
 //
 // One call gives 16 random bytes, one per score of a 4 x 4 "quad" of a 16 x 16 block:
 // queries {2a, 2a+1, 2a+8, 2a+9} x keys {2c, 2c+1, 2c+8, 2c+9} (a, c in 0..3). Score (query i,
@@ -27,14 +28,25 @@ struct Philox4 {
     uint32_t x[4];
 };
 
+// Seven rounds, not the paper's default of ten: seven is the fewest rounds with which the
+// paper's authors found Philox4x32 passing all of TestU01's BigCrush (ten is their margin on
+// top), and it is the count flash-attn 2's kernels (and PyTorch's copy of them, SDPA's flash
+// backend) draw dropout with. So users get the generator quality they get there, for 30%
+// fewer of the multiplies and XORs that bound the dropout kernels (docs/perf-log.md, "The
+// dropout forward's cost, profiled"). The host mirrors (cudaflash/_dropout.py,
+// tests/_dropout_reference.py) must use the same count.
+constexpr int kPhiloxRounds = 7;
+
 // kRolled: the rounds as a loop (fewer live values for kernels with no registers to spare).
 template <bool kRolled = false>
-__device__ __forceinline__ Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2,
-                                                 uint32_t c3, uint32_t k0, uint32_t k1) {
+__device__ __forceinline__ Philox4 philox4x32(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
+                                              uint32_t k0, uint32_t k1) {
     constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;  // round multipliers
     constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;  // key bumps
-#pragma unroll (kRolled ? 1 : 10)
-    for (int round = 0; round < 10; ++round) {
+    // The key is bumped after every round, the last bump unused: the same outputs as bumping
+    // only between rounds, as Random123's reference and flash-attn's kernels do.
+#pragma unroll (kRolled ? 1 : kPhiloxRounds)
+    for (int round = 0; round < kPhiloxRounds; ++round) {
         const uint32_t hi0 = __umulhi(kM0, c0), lo0 = kM0 * c0;
         const uint32_t hi1 = __umulhi(kM1, c2), lo1 = kM1 * c2;
         c0 = hi1 ^ c1 ^ k0;
@@ -77,8 +89,8 @@ __device__ __forceinline__ KeepBytes quad_half(const Philox4& r, int half) {
 // block q16 + i * dq, key block k16 + i * dk). Blocks go in pairs: lane l computes the first
 // block's quad when (l / 4) % 2 == 0, the second's otherwise, and the two lanes swap halves.
 // kLeanKeys: the key schedule is recomputed in each call (two adds a round) instead of
-// being hoisted out of the kernel's loop by the compiler (20 registers held throughout), for
-// kernels with no registers to spare.
+// being hoisted out of the kernel's loop by the compiler (two registers a round, held
+// throughout), for kernels with no registers to spare.
 template <bool kTransposed, int kN, bool kLeanKeys = false>
 __device__ __forceinline__ void dropout_bytes(KeepBytes (&out)[kN], uint64_t seed, int q16,
                                               int k16, int dq, int dk, int head_index,
@@ -95,8 +107,9 @@ __device__ __forceinline__ void dropout_bytes(KeepBytes (&out)[kN], uint64_t see
 #pragma unroll
     for (int i = 0; i + 1 < kN; i += 2) {
         const int mine = i + half;  // the block this lane draws
-        const Philox4 r = philox4x32_10<kLeanKeys>(uint32_t(q16 + mine * dq), uint32_t(k16 + mine * dk),
-                                        uint32_t(head_index), quad, k0, k1);
+        const Philox4 r = philox4x32<kLeanKeys>(uint32_t(q16 + mine * dq),
+                                                uint32_t(k16 + mine * dk), uint32_t(head_index),
+                                                quad, k0, k1);
         const KeepBytes own = quad_half<kTransposed>(r, half);
         const KeepBytes give = quad_half<kTransposed>(r, half ^ 1);
         KeepBytes got;
@@ -109,9 +122,9 @@ __device__ __forceinline__ void dropout_bytes(KeepBytes (&out)[kN], uint64_t see
         }
     }
     if constexpr (kN % 2 == 1) {  // an unpaired last block: both lanes draw it
-        const Philox4 r = philox4x32_10<kLeanKeys>(uint32_t(q16 + (kN - 1) * dq),
-                                        uint32_t(k16 + (kN - 1) * dk), uint32_t(head_index),
-                                        quad, k0, k1);
+        const Philox4 r = philox4x32<kLeanKeys>(uint32_t(q16 + (kN - 1) * dq),
+                                                uint32_t(k16 + (kN - 1) * dk),
+                                                uint32_t(head_index), quad, k0, k1);
         out[kN - 1] = quad_half<kTransposed>(r, half);
     }
 }

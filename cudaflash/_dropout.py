@@ -83,10 +83,15 @@ def _mulhilo(m: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (t2 >> 16) + (u >> 32), u & _MASK32
 
 
-def philox4x32_10(c0, c1, c2, c3, k0, k1):
-    """Philox4x32-10 (cuda_src/philox.cuh) on int64 tensors of 32-bit values; the key words
-    ints or int64 tensors (broadcast)."""
-    for _ in range(10):
+# Philox's round count: cuda_src/philox.cuh's kPhiloxRounds (flash-attn 2's count; the
+# header says why), which the masks built here must match bit for bit.
+PHILOX_ROUNDS = 7
+
+
+def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = PHILOX_ROUNDS):
+    """Philox4x32 with ``rounds`` rounds (the kernels': cuda_src/philox.cuh) on int64 tensors
+    of 32-bit values; the key words ints or int64 tensors (broadcast)."""
+    for _ in range(rounds):
         hi0, lo0 = _mulhilo(0xD2511F53, c0)
         hi1, lo1 = _mulhilo(0xCD9E8D57, c2)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
@@ -110,8 +115,8 @@ def keep_mask(dropout: Dropout, batch: int, heads: int, seqlen_q: int, seqlen_k:
     entries = range(batch) if entry is None else (entry,)
     masks = []
     for bh in (b * heads + h for b in entries for h in range(heads)):
-        words = philox4x32_10(q_idx // 16, k_idx // 16, torch.full_like(q_idx, bh), quad,
-                              seed & _MASK32, (seed >> 32) & _MASK32)
+        words = philox4x32(q_idx // 16, k_idx // 16, torch.full_like(q_idx, bh), quad,
+                           seed & _MASK32, (seed >> 32) & _MASK32)
         word = torch.stack(words, -1).gather(-1, word_at[..., None])[..., 0]
         masks.append((word >> (8 * byte_at)) & 0xFF >= dropout.threshold)
     return torch.stack(masks).view(len(entries), heads, seqlen_q, seqlen_k)

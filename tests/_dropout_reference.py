@@ -2,10 +2,12 @@
 query, key) as the kernels' (cuda_src/philox.cuh), so GPU tests can rebuild a call's keep mask
 exactly (docs/design-notes.md, "Dropout").
 
-Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011): a
-counter-based generator; 10 rounds of two 32x32 -> 64-bit multiplications and xors with a
-key that is bumped by two Weyl constants each round. Written here from the paper's
-description; the known-answer vectors in test_dropout_reference.py check it.
+Philox4x32 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011): a
+counter-based generator; rounds of two 32x32 -> 64-bit multiplications and xors with a key
+that is bumped by two Weyl constants each round, 7 of them as the kernels run it (flash-attn
+2's count; the paper's default is 10). Written here from the paper's description, importing
+nothing from cudaflash so that it checks the package rather than repeats it; the
+known-answer vectors in test_dropout_reference.py check it at 7 and 10 rounds.
 """
 
 from __future__ import annotations
@@ -16,17 +18,21 @@ _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)  # round multipliers
 _W0, _W1 = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)  # key bumps (Weyl constants)
 _LO = np.uint64(0xFFFFFFFF)
 
+# The kernels' round count: it must equal kPhiloxRounds in cuda_src/philox.cuh (and
+# PHILOX_ROUNDS in cudaflash/_dropout.py; test_dropout_reference.py checks both).
+PHILOX_ROUNDS = 7
 
-def philox4x32_10(counter, key):
-    """Philox4x32-10 of uint32 arrays: counter (..., 4), key (..., 2), broadcast together;
-    returns (..., 4) uint32."""
+
+def philox4x32(counter, key, rounds: int = PHILOX_ROUNDS):
+    """Philox4x32 with ``rounds`` rounds of uint32 arrays: counter (..., 4), key (..., 2),
+    broadcast together; returns (..., 4) uint32."""
     c = np.asarray(counter, dtype=np.uint32)
     k = np.asarray(key, dtype=np.uint32)
     c, k = np.broadcast_arrays(c, k[..., [0, 1, 0, 1]])  # shape match; k's last 2 unused
     c0, c1, c2, c3 = (c[..., i].astype(np.uint64) for i in range(4))
     k0, k1 = k[..., 0].copy(), k[..., 1].copy()
     with np.errstate(over="ignore"):
-        for _ in range(10):
+        for _ in range(rounds):
             p0, p1 = _M0 * c0, _M1 * c2  # full 64-bit products of 32-bit values
             hi0, lo0 = p0 >> np.uint64(32), p0 & _LO
             hi1, lo1 = p1 >> np.uint64(32), p1 & _LO
@@ -49,7 +55,7 @@ def random8(seed: int, batch: int, heads: int, b: int, h: int, q_idx, k_idx):
                         np.full_like(q_idx, b * heads + h),
                         4 * (q_idx % 8 // 2) + k_idx % 8 // 2], axis=-1).astype(np.uint32)
     key = np.array([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF], dtype=np.uint32)
-    words = philox4x32_10(counter, key)
+    words = philox4x32(counter, key)
     qi = q_idx % 2 + 2 * (q_idx % 16 // 8)
     kj = k_idx % 2 + 2 * (k_idx % 16 // 8)
     word = np.take_along_axis(words, qi[..., None], axis=-1)[..., 0]

@@ -1,28 +1,79 @@
-"""The host's Philox4x32-10 (tests/_dropout_reference.py) against the generator's published
-known-answer vectors, and the keep mask's basic statistics. CPU only."""
+"""The host's Philox4x32 (tests/_dropout_reference.py) against the generator's published
+known-answer vectors at 10 rounds (the paper's default) and 7 (the kernels' count), and the
+keep mask's basic statistics. CPU only."""
+
+import re
+from pathlib import Path
 
 import numpy as np
 
-from _dropout_reference import keep_mask, philox4x32_10, random8, threshold
+from _dropout_reference import PHILOX_ROUNDS, keep_mask, philox4x32, random8, threshold
 
-# (counter, key, output) known-answer vectors of Philox4x32-10 (Random123's kat_vectors).
-KAT = [
+# (counter, key, output) known-answer vectors of Philox4x32-10 and Philox4x32-7: Random123's
+# kat_vectors lines "philox4x32 10 ..." and "philox4x32 7 ..." (as D. E. Shaw Research's
+# Random123-Boost carries them in libs/random/test/test_philox.cpp).
+# The 10-round ones check the round function and the key schedule; the 7-round ones, the
+# count the kernels run.
+KAT_10 = [
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
     ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
     ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
      (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
 ]
+KAT_7 = [
+    ((0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A)),
+]
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_philox_known_answers():
-    for counter, key, expected in KAT:
-        assert tuple(int(x) for x in philox4x32_10(counter, key)) == expected
+    for rounds, kat in ((10, KAT_10), (7, KAT_7)):
+        for counter, key, expected in kat:
+            assert tuple(int(x) for x in philox4x32(counter, key, rounds=rounds)) == expected
+
+
+def test_philox_defaults_to_the_kernels_seven_rounds():
+    """The reference, cudaflash's torch mirror (return_attn_probs' masks) and the kernels'
+    header all run 7 rounds, and the default call gives the 7-round known answers."""
+    from cudaflash import _dropout
+
+    header = (ROOT / "cuda_src" / "philox.cuh").read_text()
+    kernel_rounds = re.findall(r"constexpr int kPhiloxRounds = (\d+);", header)
+    assert kernel_rounds == ["7"]
+    assert PHILOX_ROUNDS == _dropout.PHILOX_ROUNDS == 7
+    for counter, key, expected in KAT_7:
+        assert tuple(int(x) for x in philox4x32(counter, key)) == expected
+
+
+def test_torch_philox_equals_the_numpy_one_at_both_counts():
+    """cudaflash._dropout.philox4x32 (int64 torch ops) against the reference, by default
+    and at 10 rounds, on the known-answer inputs and on counters with every bit pattern."""
+    import torch
+
+    from cudaflash import _dropout
+
+    rng = np.random.default_rng(0)
+    counters = np.concatenate([np.array([k[0] for k in KAT_7], dtype=np.uint32),
+                               rng.integers(0, 2**32, (64, 4), dtype=np.uint32)])
+    keys = np.concatenate([np.array([k[1] for k in KAT_7], dtype=np.uint32),
+                           rng.integers(0, 2**32, (64, 2), dtype=np.uint32)])
+    c = [torch.from_numpy(counters[:, i].astype(np.int64)) for i in range(4)]
+    k = [torch.from_numpy(keys[:, i].astype(np.int64)) for i in range(2)]
+    for rounds in (None, 10):
+        kwargs = {} if rounds is None else {"rounds": rounds}
+        ours = torch.stack(_dropout.philox4x32(*c, *k, **kwargs), -1).numpy()
+        assert np.array_equal(ours, philox4x32(counters, keys, **kwargs).astype(np.int64))
 
 
 def test_philox_broadcasts_over_counters():
-    counters = np.array([k[0] for k in KAT], dtype=np.uint32)
-    keys = np.array([k[1] for k in KAT], dtype=np.uint32)
-    assert philox4x32_10(counters, keys).tolist() == [list(k[2]) for k in KAT]
+    for rounds, kat in ((10, KAT_10), (7, KAT_7)):
+        counters = np.array([k[0] for k in kat], dtype=np.uint32)
+        keys = np.array([k[1] for k in kat], dtype=np.uint32)
+        assert philox4x32(counters, keys, rounds=rounds).tolist() == [list(k[2]) for k in kat]
 
 
 def test_random8_covers_each_byte_once_per_block():
@@ -77,12 +128,11 @@ def _dropout_bytes(seed: int, q16: int, k16: int, dq: int, dk: int, head_index: 
         quad = 4 * (lane & 3) + (lane >> 3) if transposed else 4 * (lane >> 3) + (lane & 3)
         for i in range(0, n - 1, 2):
             mine = i + half
-            words = philox4x32_10(((q16 + mine * dq), (k16 + mine * dk), head_index, quad), key)
+            words = philox4x32(((q16 + mine * dq), (k16 + mine * dk), head_index, quad), key)
             own[lane, i] = _quad_half(words, half, transposed)
             give[lane, i] = _quad_half(words, half ^ 1, transposed)
         if n % 2:
-            words = philox4x32_10((q16 + (n - 1) * dq, k16 + (n - 1) * dk, head_index, quad),
-                                  key)
+            words = philox4x32((q16 + (n - 1) * dq, k16 + (n - 1) * dk, head_index, quad), key)
             out[lane][n - 1] = _quad_half(words, half, transposed)
     for lane in range(32):
         half = (lane >> 2) & 1
