@@ -148,23 +148,22 @@ def selected_config(device_index: int, dtype: str, d_head: int, causal: bool, se
 def _select(dk: DeviceKernels, r: Rules, dtype: str, d_head: int, causal: bool,
             seqlen_q: int, seqlen_k: int, maps: bool) -> tuple[str, str]:
     """The built config the rules choose for the problem, and why; a call without tensor
-    maps passes over the configs that need them (KernelConfig.needs_tensor_maps: the next
-    matching rule serves it) and takes a persistent config's twin (without_persistence)."""
+    maps passes over the configs that need them (maps_only: the next matching rule serves
+    it) and takes a persistent config's twin (without_persistence)."""
     usable = dk.usable if maps else {n: e for n, e in dk.usable.items()
-                                     if not e.config.needs_tensor_maps}
+                                     if not maps_only(e.config, dk.usable)}
     try:
         name, reason = selection.select(r.rules, usable, arch=dk.device.arch, dtype=dtype,
                                         d_head=d_head, causal=causal, seqlen_q=seqlen_q,
                                         seqlen_k=seqlen_k)
     except LookupError as e:
-        maps_only = [n for n, entry in dk.usable.items() if n not in usable
-                     and (entry.config.dtype, entry.config.d_head) == (dtype, d_head)]
-        if not maps_only:
+        left_out = [n for n, entry in dk.usable.items() if n not in usable
+                    and (entry.config.dtype, entry.config.d_head) == (dtype, d_head)]
+        if not left_out:
             raise
         raise LookupError(f"{e}; built but left out because this call loads without tensor "
                           f"maps (packed batch, cache addressing, key counts or a small call) "
-                          f"and they need them (KernelConfig.needs_tensor_maps): "
-                          f"{maps_only}") from None
+                          f"and they need them (dispatch.maps_only): {left_out}") from None
     if not maps:
         twin = without_persistence(dk.usable, dk.usable[name]).name
         if twin != name:
@@ -206,6 +205,19 @@ def auto_kernel(ctx: int, index: int, dtype: torch.dtype, d_head: int, causal: b
                       name, d_head, causal, seqlen_q, seqlen_k, config_name, reason)
         kernel = _auto_kernels[key] = _make_kernel(dk, dk.usable[config_name], ctx)
     return kernel
+
+
+def maps_only(config, built) -> bool:
+    """Whether dispatch gives ``config`` only calls that load through tensor maps, with
+    ``built`` (config name -> anything) the build's configs: the configs that need them
+    (KernelConfig.needs_tensor_maps), and a persistent config whose non-persistent twin is
+    not built (without maps it would run one tile per CTA on a two-stage ring, a form nobody
+    tuned: d64's, 0.69x cuDNN where the next rule's 64-row config gives 0.82; perf log "The
+    d64 persistent forward for S <= 512"). The next matching rule serves the others."""
+    if config.needs_tensor_maps:
+        return True
+    return (config.persistent
+            and dataclasses.replace(config, persistent=False).name not in built)
 
 
 def without_persistence(usable: dict, entry: KernelEntry) -> KernelEntry:

@@ -38,7 +38,9 @@ WS256 = "fwd_{}_d256_br128_bc64_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wg
 WSP = WS + "_pers"  # persistent CTAs where maps are given
 # d64 with three consumer warpgroups (B_r = 192: round-robin turns)
 WS64 = "fwd_{}_d64_br192_bc128_w12_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1_ws"
-CONFIGS = [(128, WS), (128, WSP), (256, WS256), (64, WS64)] + V6
+# d64 persistent, two consumer warpgroups (S <= 512 non-causal; no non-persistent twin)
+WSP64 = "fwd_{}_d64_br128_bc128_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1_ws_pers"
+CONFIGS = [(128, WS), (128, WSP), (256, WS256), (64, WS64), (64, WSP64)] + V6
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -124,19 +126,21 @@ def test_forward_matches_cp_async(monkeypatch, dtype, d, name, b, sq, sk, h, hk,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,name", [(128, WSP), (64, WSP64)], ids=["d128", "d64"])
 @pytest.mark.parametrize("b,sq,sk,h,hk,causal", [
     (4, 2048, 1024, 8, 4, True),  # 512 tiles: several per CTA, causal (heaviest first)
     # causal, K/V of 4 MB a head: L2 groups of 4 heads and a last one of 2 (kL2GroupBytes)
     (1, 4096, 8192, 6, 2, True),
     (3, 1000, 1500, 16, 2, False),  # 384 tiles with query tails, GQA, batch entries
 ])
-def test_persistent_ctas_walk_several_tiles(monkeypatch, dtype, b, sq, sk, h, hk, causal):
-    """The persistent config with maps: one CTA per SM, each walking several tiles (its Q
+def test_persistent_ctas_walk_several_tiles(monkeypatch, dtype, d, name, b, sq, sk, h, hk,
+                                            causal):
+    """The persistent configs with maps: one CTA per SM, each walking several tiles (its Q
     buffers alternating, the K/V ring running on across tiles; causal calls drawing them
     from a tile counter), bit-identical to the one-tile-per-CTA cp.async path of the same
     kernel, and within the rule."""
-    q, k, v = make_qkv(b, sq, sk, h, hk, 128, DTYPES[dtype], seed=sq)
-    config = WSP.format(dtype)
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, DTYPES[dtype], seed=sq)
+    config = name.format(dtype)
     grids = []
     launcher = _driver.Launcher
 
@@ -345,6 +349,43 @@ def test_calls_without_maps_run_the_non_persistent_twin():
         kernel = dispatch.auto_kernel(ctx, 0, torch.bfloat16, 128, True, 1024, 1024, maps=maps)
         assert kernel.label.endswith(suffix), kernel.label
         assert kernel.persistent == maps
+
+
+def test_d64_short_calls_without_maps_pass_over_the_persistent_config():
+    """The rules give d64 non-causal calls up to 512 keys with tensor maps to the persistent
+    two-consumer config, whose non-persistent twin is not built: a call without maps takes
+    the next rule's 64-row config, not the persistent kernel's one-tile-per-CTA form."""
+    from cudaflash import dispatch
+    ctx = _driver.current_context(0)
+    for dtype in DTYPES.values():
+        for maps, rows, persistent in ((True, 128, True), (False, 64, False)):
+            kernel = dispatch.auto_kernel(ctx, 0, dtype, 64, False, 512, 512, maps=maps)
+            assert (kernel.block_rows, kernel.persistent) == (rows, persistent), kernel.label
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dropout_on_the_d64_persistent_config(monkeypatch, dtype):
+    """Dropout at d64 S = 512 non-causal: with maps the persistent config's dropout entry
+    walks the tiles, without them a 64-row config runs; both match the math with the keep
+    mask rebuilt on the host."""
+    from _dropout_reference import keep_mask
+    from test_gpu_dropout import dropout_reference, seed_after
+    assert internals.selected_config(0, dtype, 64, False, 512, 512)[0] == WSP64.format(dtype)
+    q, k, v = make_qkv(3, 512, 512, 4, 2, 64, DTYPES[dtype], seed=23)
+    seed = seed_after(29, q.device)
+
+    def call():
+        torch.manual_seed(29)
+        return flash_attn_func(q, k, v, dropout_p=0.17), None
+
+    results = [out for out, _ in both_paths(monkeypatch, call)]
+    mask = torch.from_numpy(keep_mask(seed, 0.17, 3, 4, 512, 512))
+    ref = dropout_reference(q, k, v, mask, 0.17, False)
+    low = dropout_reference(q, k, v, mask, 0.17, False, upcast=False)
+    base = (low - ref).abs().max().item()
+    for out, path in zip(results, ("persistent (maps)", "64-row (no maps)")):
+        err = (out.float() - ref).abs().max().item()
+        assert err <= 2 * base + 1e-3, f"{path}: error {err} (low-precision math: {base})"
 
 
 def test_calls_without_maps_pass_over_the_three_group_config():

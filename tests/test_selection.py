@@ -1,11 +1,13 @@
 """Selection rules (cudaflash/selection.py): parsing, errors, what select() picks. CPU only."""
 
+import dataclasses
 import itertools
 from pathlib import Path
 
 import pytest
 
 import build_cubins
+from cudaflash import dispatch
 
 selection = build_cubins.selection
 ConfigError = build_cubins.ConfigError
@@ -142,7 +144,7 @@ def test_configs_yaml_rules_serve_every_built_kernel_family():
             built_for = 86 if arch == 89 else arch  # sm_89 runs the sm_86 cubins
             fits = {c.name: c for c in SPEC.configs if built_for in SPEC.cubin_archs(c)}
         if not maps:
-            fits = {n: c for n, c in fits.items() if not c.needs_tensor_maps}
+            fits = {n: c for n, c in fits.items() if not dispatch.maps_only(c, fits)}
         for dtype, d_head in {(c.dtype, c.d_head) for c in fits.values()}:
             for causal in (False, True):
                 # One length per bucket of the rules, and decoding (one query row).
@@ -254,6 +256,31 @@ def test_calls_without_tensor_maps_pass_over_configs_that_need_them():
         for seqlen_k, ctas in ((2048, 1), (4096, 1), (8192, 3)):
             name, _ = select("bf16", 64, False, 16, seqlen_k, maps=maps)
             assert name.endswith(f"_ctas{ctas}_wgmma1"), (maps, seqlen_k, name)
+
+
+def test_d64_short_calls_with_maps_take_the_persistent_config():
+    """d64 non-causal up to 512 keys: with tensor maps the persistent two-consumer config,
+    whose non-persistent twin is not built, so a call without maps passes over it to the
+    tuned 64-row rule (not to the persistent kernel's one-tile-per-CTA form); from 513 keys,
+    and causal, the rules as before."""
+    built = {c.name: c for c in SPEC.configs if 90 in SPEC.cubin_archs(c)}
+    select = select_on_sm90(built.values())
+    for dtype in ("bf16", "fp16"):
+        persistent, _ = select(dtype, 64, False, 512, 512, maps=True)
+        config = built[persistent]
+        assert config.persistent and config.B_r == 128 and not config.needs_tensor_maps
+        assert dispatch.maps_only(config, built)
+        assert dataclasses.replace(config, persistent=False).name not in built
+        without, reason = select(dtype, 64, False, 512, 512, maps=False)
+        tuned = f"fwd_{dtype}_d64_br64_bc128_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas3_wgmma1"
+        assert without == tuned, without
+        assert "twin" not in reason, reason
+        for maps in (True, False):
+            assert select(dtype, 64, False, 1024, 1024, maps=maps)[0] == without
+            assert not built[select(dtype, 64, True, 512, 512, maps=maps)[0]].persistent
+    # d128's persistent config keeps its built twin for calls without maps.
+    d128 = next(c for c in built.values() if c.persistent and c.d_head == 128)
+    assert not dispatch.maps_only(d128, built)
 
 
 def test_a_build_of_maps_only_configs_says_why_a_call_without_maps_has_none():

@@ -130,6 +130,10 @@ for d, s in ((64, 2048), (128, 1024), (128, 1100), (256, 1024)):
     CALLS[f"fwd+bwd d{d} S{s} dropout"] = (attention, (1, s, s, 4, 4, d), dict(dropout_p=0.1))
     CALLS[f"fwd d{d} S{s} alibi"] = (attention, (1, s, s, 4, 4, d),
                                      dict(alibi_slopes=lambda: slopes(4), backward=False))
+# d64 non-causal up to 512 keys with maps: the persistent two-consumer config.
+CALLS["fwd+bwd d64 S512 persistent"] = (attention, (8, 512, 512, 16, 16, 64), {})
+CALLS["fwd+bwd d64 S512 persistent dropout"] = (attention, (8, 512, 512, 16, 16, 64),
+                                                dict(dropout_p=0.1))
 for d in (64, 128, 256):
     CALLS[f"varlen d{d}"] = (varlen, ([37, 128, 1, 200], [64, 1, 300, 200], 4, 2, d), {})
     CALLS[f"varlen d{d} causal"] = (varlen, ([37, 128, 1, 200], [64, 130, 300, 200], 4, 4, d),
