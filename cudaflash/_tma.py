@@ -77,12 +77,23 @@ def worth_maps(rows: int, seqlen_k: int, heads: int, batch: int, causal: bool,
             and rows * seqlen_k * heads * batch >= MIN_SCORES)
 
 
+# The query rows of a persistent config's tile (every one built: B_r 128). launch_function
+# bounds a windowed call's keys by its kernel's B_r; the prediction below bounds them by this.
+PERSISTENT_TILE_ROWS = 128
+
+
 def selects_with_maps(rows: int, seqlen_k: int, heads: int, batch: int,
-                      window: tuple[int, int]) -> bool:
+                      window: tuple[int, int], num_splits=None) -> bool:
     """Whether a forward whose tensors maps can describe (launch.run: a padded batch, no cache
     addressing or key counts, not GQA decoding's folded rows) selects its kernel as one that
-    loads through tensor maps: big enough for a persistent kernel's (worth_maps). ``rows``,
+    loads through tensor maps: big enough for a persistent kernel's (worth_maps), over the
+    keys its CTAs can visit (a left window bounds them, as launch_function bounds them), and
+    not split on request (``num_splits`` > 1: split calls load without maps). ``rows``,
     ``heads``, ``window``: the kernel's problem (heuristics.kernel_problem)."""
+    if num_splits is not None and num_splits > 1:
+        return False
+    if window[0] >= 0:
+        seqlen_k = min(seqlen_k, window[0] + min(rows, PERSISTENT_TILE_ROWS) + max(window[1], 0))
     return worth_maps(rows, seqlen_k, heads, batch, causal=window[1] == 0 and window[0] < 0,
                       persistent=True)
 

@@ -132,7 +132,8 @@ def selected_config(device_index: int, dtype: str, d_head: int, causal: bool, se
     ``n_heads`` query heads reading ``n_heads_k`` K/V heads, the sliding ``window`` and ALiBi
     slopes or not), and the rule that chose it. ``maps``: whether the call loads through
     tensor maps (a padded batch big enough for them; packed batches, cache addressing and
-    small calls do not, and run a persistent config's twin: without_persistence). ``batch``:
+    small calls do not, and run a persistent config's twin, without_persistence, or with no
+    twin built the next rule's config, maps_only). ``batch``:
     the padded batch's size; given, a padded call's ``maps`` is decided as flash_attn_func
     decides it (_tma.selects_with_maps: small calls load without maps), not taken from
     ``maps``. Raises LookupError when no built config fits."""
@@ -147,27 +148,38 @@ def selected_config(device_index: int, dtype: str, d_head: int, causal: bool, se
 
 def _select(dk: DeviceKernels, r: Rules, dtype: str, d_head: int, causal: bool,
             seqlen_q: int, seqlen_k: int, maps: bool) -> tuple[str, str]:
-    """The built config the rules choose for the problem, and why; a call without tensor
-    maps passes over the configs that need them (maps_only: the next matching rule serves
-    it) and takes a persistent config's twin (without_persistence)."""
-    usable = dk.usable if maps else {n: e for n, e in dk.usable.items()
-                                     if not maps_only(e.config, dk.usable)}
+    """The built config the rules choose for the problem, and why. A call without tensor
+    maps passes over the configs that are for calls with them (maps_only: the next matching
+    rule serves it), and takes a persistent config's twin (without_persistence); where no
+    other config serves it, a persistent config without a twin runs it one tile per CTA
+    (correct, not tuned), and only the configs that cannot run without maps at all
+    (KernelConfig.needs_tensor_maps) are left out."""
+    def select(usable):
+        return selection.select(r.rules, usable, arch=dk.device.arch, dtype=dtype,
+                                d_head=d_head, causal=causal, seqlen_q=seqlen_q,
+                                seqlen_k=seqlen_k)
+
+    if maps:
+        return select(dk.usable)
     try:
-        name, reason = selection.select(r.rules, usable, arch=dk.device.arch, dtype=dtype,
-                                        d_head=d_head, causal=causal, seqlen_q=seqlen_q,
-                                        seqlen_k=seqlen_k)
-    except LookupError as e:
-        left_out = [n for n, entry in dk.usable.items() if n not in usable
-                    and (entry.config.dtype, entry.config.d_head) == (dtype, d_head)]
-        if not left_out:
-            raise
-        raise LookupError(f"{e}; built but left out because this call loads without tensor "
-                          f"maps (packed batch, cache addressing, key counts or a small call) "
-                          f"and they need them (dispatch.maps_only): {left_out}") from None
-    if not maps:
-        twin = without_persistence(dk.usable, dk.usable[name]).name
-        if twin != name:
-            name, reason = twin, f"{reason}; no tensor maps: its non-persistent twin"
+        name, reason = select({n: e for n, e in dk.usable.items()
+                               if not maps_only(e.config, dk.usable)})
+    except LookupError:
+        runnable = {n: e for n, e in dk.usable.items() if not e.config.needs_tensor_maps}
+        try:
+            name, reason = select(runnable)
+        except LookupError as e:
+            left_out = [n for n, entry in dk.usable.items() if n not in runnable
+                        and (entry.config.dtype, entry.config.d_head) == (dtype, d_head)]
+            if not left_out:
+                raise
+            raise LookupError(f"{e}; built but left out because this call loads without "
+                              f"tensor maps (packed batch, cache addressing, key counts or a "
+                              f"small call) and they need them "
+                              f"(KernelConfig.needs_tensor_maps): {left_out}") from None
+    twin = without_persistence(dk.usable, dk.usable[name]).name
+    if twin != name:
+        name, reason = twin, f"{reason}; no tensor maps: its non-persistent twin"
     return name, reason
 
 
@@ -188,7 +200,7 @@ def auto_kernel(ctx: int, index: int, dtype: torch.dtype, d_head: int, causal: b
     """The kernel the selection rules choose for the problem (kernel_problem's rows and
     causal), loaded in context ``ctx``. ``maps``: whether the call will load through tensor
     maps (launch.run: _tma.worth_maps); without them a persistent config gives way to its
-    twin (without_persistence)."""
+    twin (without_persistence), or with no twin built to the next rule's config (maps_only)."""
     dk = device_kernels(index)
     r = rules(dk.device.arch)
     key = (ctx, dtype, d_head, causal, bisect.bisect_left(r.q_bounds, seqlen_q),
@@ -207,17 +219,23 @@ def auto_kernel(ctx: int, index: int, dtype: torch.dtype, d_head: int, causal: b
     return kernel
 
 
-def maps_only(config, built) -> bool:
+def non_persistent_twin(config: KernelConfig) -> str:
+    """The name of a persistent config's non-persistent twin (the same config walking one
+    tile per CTA on a three-stage ring), built or not."""
+    return dataclasses.replace(config, persistent=False).name
+
+
+def maps_only(config: KernelConfig, built) -> bool:
     """Whether dispatch gives ``config`` only calls that load through tensor maps, with
     ``built`` (config name -> anything) the build's configs: the configs that need them
     (KernelConfig.needs_tensor_maps), and a persistent config whose non-persistent twin is
     not built (without maps it would run one tile per CTA on a two-stage ring, a form nobody
     tuned: d64's, 0.69x cuDNN where the next rule's 64-row config gives 0.82; perf log "The
-    d64 persistent forward for S <= 512"). The next matching rule serves the others."""
+    d64 persistent forward for S <= 512"). The next matching rule serves the others (_select:
+    where none does, such a persistent config still runs them)."""
     if config.needs_tensor_maps:
         return True
-    return (config.persistent
-            and dataclasses.replace(config, persistent=False).name not in built)
+    return config.persistent and non_persistent_twin(config) not in built
 
 
 def without_persistence(usable: dict, entry: KernelEntry) -> KernelEntry:
@@ -227,7 +245,7 @@ def without_persistence(usable: dict, entry: KernelEntry) -> KernelEntry:
     three), else ``entry`` itself."""
     if not entry.config.persistent:
         return entry
-    return usable.get(dataclasses.replace(entry.config, persistent=False).name, entry)
+    return usable.get(non_persistent_twin(entry.config), entry)
 
 
 def config_kernel(ctx: int, index: int, config: KernelConfig) -> Kernel:

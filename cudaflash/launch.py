@@ -72,8 +72,10 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
     # GQA decoding's rows.
     maps_ok = cache is None and seqused_k is None and rows == seqlen_q
     if config is None:
-        # (whether maps will be given, as launch_function decides it for a persistent kernel)
-        maps = maps_ok and _tma.selects_with_maps(rows, seqlen_k, heads, batch, kernel_window)
+        # (whether maps will be given, as launch_function decides it for a persistent kernel:
+        # a padded call big enough over the keys its CTAs visit, not split on request)
+        maps = maps_ok and _tma.selects_with_maps(rows, seqlen_k, heads, batch, kernel_window,
+                                                  num_splits)
         kernel = dispatch.auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k,
                                       maps=maps)
     else:

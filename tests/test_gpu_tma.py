@@ -129,7 +129,8 @@ def test_forward_matches_cp_async(monkeypatch, dtype, d, name, b, sq, sk, h, hk,
 @pytest.mark.parametrize("d,name", [(128, WSP), (64, WSP64)], ids=["d128", "d64"])
 @pytest.mark.parametrize("b,sq,sk,h,hk,causal", [
     (4, 2048, 1024, 8, 4, True),  # 512 tiles: several per CTA, causal (heaviest first)
-    # causal, K/V of 4 MB a head: L2 groups of 4 heads and a last one of 2 (kL2GroupBytes)
+    # causal, K/V of 4 MB a head at d128: L2 groups of 4 heads and a last one of 2
+    # (kL2GroupBytes; at d64, 2 MB a head, one group of all 6)
     (1, 4096, 8192, 6, 2, True),
     (3, 1000, 1500, 16, 2, False),  # 384 tiles with query tails, GQA, batch entries
 ])
@@ -236,8 +237,9 @@ def test_strided_views_of_packed_qkv(monkeypatch, dtype):
     check_attention(out, lse, q, k, v, True)
 
 
-@pytest.mark.parametrize("d,name", [(128, WS), (128, WSP), V6[0], V6[4]],
-                         ids=["ws_d128", "ws_d128_persistent", "v6_d64", "v6_d256"])
+@pytest.mark.parametrize("d,name", [(128, WS), (128, WSP), (64, WSP64), V6[0], V6[4]],
+                         ids=["ws_d128", "ws_d128_persistent", "ws_d64_persistent", "v6_d64",
+                              "v6_d256"])
 def test_score_modifiers(monkeypatch, d, name):
     """A window, softcap and ALiBi change only the consumers: same result either way (the
     *_softcap and *_alibi entries load through the maps too)."""
@@ -366,12 +368,15 @@ def test_d64_short_calls_without_maps_pass_over_the_persistent_config():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dropout_on_the_d64_persistent_config(monkeypatch, dtype):
     """Dropout at d64 S = 512 non-causal: with maps the persistent config's dropout entry
-    walks the tiles, without them a 64-row config runs; both match the math with the keep
-    mask rebuilt on the host."""
+    walks the tiles (256 of them: about two per CTA), without them a 64-row config runs;
+    both match the math with the keep mask rebuilt on the host."""
     from _dropout_reference import keep_mask
     from test_gpu_dropout import dropout_reference, seed_after
     assert internals.selected_config(0, dtype, 64, False, 512, 512)[0] == WSP64.format(dtype)
-    q, k, v = make_qkv(3, 512, 512, 4, 2, 64, DTYPES[dtype], seed=23)
+    b, h = 4, 16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert 512 // 128 * h * b > sms  # several tiles for some CTA
+    q, k, v = make_qkv(b, 512, 512, h, 8, 64, DTYPES[dtype], seed=23)
     seed = seed_after(29, q.device)
 
     def call():
@@ -379,7 +384,7 @@ def test_dropout_on_the_d64_persistent_config(monkeypatch, dtype):
         return flash_attn_func(q, k, v, dropout_p=0.17), None
 
     results = [out for out, _ in both_paths(monkeypatch, call)]
-    mask = torch.from_numpy(keep_mask(seed, 0.17, 3, 4, 512, 512))
+    mask = torch.from_numpy(keep_mask(seed, 0.17, b, h, 512, 512))
     ref = dropout_reference(q, k, v, mask, 0.17, False)
     low = dropout_reference(q, k, v, mask, 0.17, False, upcast=False)
     base = (low - ref).abs().max().item()

@@ -276,11 +276,23 @@ def test_d64_short_calls_with_maps_take_the_persistent_config():
         assert without == tuned, without
         assert "twin" not in reason, reason
         for maps in (True, False):
-            assert select(dtype, 64, False, 1024, 1024, maps=maps)[0] == without
+            assert select(dtype, 64, False, 513, 513, maps=maps)[0] == without
+            assert select(dtype, 64, False, 513, 512, maps=maps)[0] == without  # 513 rows
             assert not built[select(dtype, 64, True, 512, 512, maps=maps)[0]].persistent
     # d128's persistent config keeps its built twin for calls without maps.
     d128 = next(c for c in built.values() if c.persistent and c.d_head == 128)
     assert not dispatch.maps_only(d128, built)
+
+
+def test_a_persistent_config_without_a_twin_still_serves_when_nothing_else_does():
+    """A custom build whose only d64 config is the persistent one (no twin, so dispatch
+    keeps it for calls with maps): a call without maps still runs it, one tile per CTA,
+    rather than finding no kernel."""
+    only = [c for c in SPEC.configs if c.persistent and c.d_head == 64 and c.dtype == "bf16"]
+    assert len(only) == 1 and not only[0].needs_tensor_maps
+    select = select_on_sm90(only)
+    for maps in (True, False):
+        assert select("bf16", 64, False, 512, 512, maps=maps)[0] == only[0].name
 
 
 def test_a_build_of_maps_only_configs_says_why_a_call_without_maps_has_none():
