@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from . import _driver
+from . import _driver, heuristics
 from ._params import BWD_PARAMS_MAPS_OFFSET, PARAMS_MAPS_OFFSET
 
 SLAB_COLUMNS = 64  # a 128-byte swizzle row holds 64 16-bit elements
@@ -78,7 +78,8 @@ def worth_maps(rows: int, seqlen_k: int, heads: int, batch: int, causal: bool,
 
 
 # The query rows of a persistent config's tile (every one built: B_r 128). launch_function
-# bounds a windowed call's keys by its kernel's B_r; the prediction below bounds them by this.
+# bounds a windowed call's keys by its kernel's B_r (heuristics.visited_keys); the prediction
+# below, made before the kernel is chosen, bounds them by this.
 PERSISTENT_TILE_ROWS = 128
 
 
@@ -92,8 +93,7 @@ def selects_with_maps(rows: int, seqlen_k: int, heads: int, batch: int,
     ``heads``, ``window``: the kernel's problem (heuristics.kernel_problem)."""
     if num_splits is not None and num_splits > 1:
         return False
-    if window[0] >= 0:
-        seqlen_k = min(seqlen_k, window[0] + min(rows, PERSISTENT_TILE_ROWS) + max(window[1], 0))
+    seqlen_k = heuristics.visited_keys(seqlen_k, rows, PERSISTENT_TILE_ROWS, window)
     return worth_maps(rows, seqlen_k, heads, batch, causal=window[1] == 0 and window[0] < 0,
                       persistent=True)
 

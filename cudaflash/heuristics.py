@@ -63,6 +63,15 @@ MIN_KEYS_PER_ROW = 16
 MAX_SPLITS = 128
 
 
+def visited_keys(seqlen_k: int, rows: int, block_rows: int, window: tuple[int, int]) -> int:
+    """The keys one CTA of ``block_rows`` query rows (of a call's ``rows``) can visit: all
+    ``seqlen_k``, or with a left window bound the window's span over its rows (``window``:
+    the kernel's, heuristics.kernel_window)."""
+    if window[0] < 0:
+        return seqlen_k
+    return min(seqlen_k, window[0] + min(rows, block_rows) + max(window[1], 0))
+
+
 def max_splits(keys: int, kv_blocks: int, rows_per_cta: int, batch: int) -> int:
     """The most splits worth making: each keeps >= MIN_BLOCKS_PER_SPLIT KV blocks and
     >= MIN_KEYS_PER_ROW keys per query row of its CTA, and grid.z = batch x splits fits."""

@@ -213,8 +213,7 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
     maps may describe the call (a padded batch, see run), for a kernel that loads through
     them (_tma.py: a whole, big enough call)."""
     q_blocks = (rows + kernel.block_rows - 1) // kernel.block_rows
-    if window[0] >= 0:
-        seqlen_k = min(seqlen_k, window[0] + min(rows, kernel.block_rows) + max(window[1], 0))
+    seqlen_k = heuristics.visited_keys(seqlen_k, rows, kernel.block_rows, window)
     kv_blocks = (seqlen_k + kernel.block_cols - 1) // kernel.block_cols
     if dropout is not None:  # training calls: the dropout entry is whole, never split
         if softcap:  # (the public functions refuse the pair before they get here)

@@ -365,32 +365,41 @@ def test_d64_short_calls_without_maps_pass_over_the_persistent_config():
             assert (kernel.block_rows, kernel.persistent) == (rows, persistent), kernel.label
 
 
+def assert_dropout_paths_follow_the_mask(monkeypatch, q, k, v, p, manual_seed, paths):
+    """flash_attn_func with dropout, with tensor maps and without (both_paths; ``paths`` names
+    the two kernels for the messages): each output matches the math with the keep mask
+    rebuilt on the host, within the accuracy rule."""
+    from _dropout_reference import keep_mask
+    from test_gpu_dropout import dropout_reference, seed_after
+    seed = seed_after(manual_seed, q.device)
+
+    def call():
+        torch.manual_seed(manual_seed)
+        return flash_attn_func(q, k, v, dropout_p=p), None
+
+    results = [out for out, _ in both_paths(monkeypatch, call)]
+    b, sq, h, _ = q.shape
+    mask = torch.from_numpy(keep_mask(seed, p, b, h, sq, k.shape[1]))
+    ref = dropout_reference(q, k, v, mask, p, False)
+    low = dropout_reference(q, k, v, mask, p, False, upcast=False)
+    base = (low - ref).abs().max().item()
+    for out, path in zip(results, paths):
+        err = (out.float() - ref).abs().max().item()
+        assert err <= 2 * base + 1e-3, f"{path}: error {err} (low-precision math: {base})"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dropout_on_the_d64_persistent_config(monkeypatch, dtype):
     """Dropout at d64 S = 512 non-causal: with maps the persistent config's dropout entry
     walks the tiles (256 of them: about two per CTA), without them a 64-row config runs;
     both match the math with the keep mask rebuilt on the host."""
-    from _dropout_reference import keep_mask
-    from test_gpu_dropout import dropout_reference, seed_after
     assert internals.selected_config(0, dtype, 64, False, 512, 512)[0] == WSP64.format(dtype)
     b, h = 4, 16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert 512 // 128 * h * b > sms  # several tiles for some CTA
     q, k, v = make_qkv(b, 512, 512, h, 8, 64, DTYPES[dtype], seed=23)
-    seed = seed_after(29, q.device)
-
-    def call():
-        torch.manual_seed(29)
-        return flash_attn_func(q, k, v, dropout_p=0.17), None
-
-    results = [out for out, _ in both_paths(monkeypatch, call)]
-    mask = torch.from_numpy(keep_mask(seed, 0.17, b, h, 512, 512))
-    ref = dropout_reference(q, k, v, mask, 0.17, False)
-    low = dropout_reference(q, k, v, mask, 0.17, False, upcast=False)
-    base = (low - ref).abs().max().item()
-    for out, path in zip(results, ("persistent (maps)", "64-row (no maps)")):
-        err = (out.float() - ref).abs().max().item()
-        assert err <= 2 * base + 1e-3, f"{path}: error {err} (low-precision math: {base})"
+    assert_dropout_paths_follow_the_mask(monkeypatch, q, k, v, 0.17, 29,
+                                         ("persistent (maps)", "64-row (no maps)"))
 
 
 def test_calls_without_maps_pass_over_the_three_group_config():
@@ -427,22 +436,8 @@ def test_kvcache_prefill_where_the_rules_pick_the_three_group_config():
 def test_dropout_on_the_three_group_config(monkeypatch, dtype):
     """Dropout at d64 2k: with maps the three-warpgroup config runs it, without them a
     64-row config; both match the math with the keep mask rebuilt on the host."""
-    from _dropout_reference import keep_mask
-    from test_gpu_dropout import dropout_reference, seed_after
     # (with maps, the rules' choice at this size is the three-warpgroup config)
     assert internals.selected_config(0, dtype, 64, False, 2048, 2048)[0] == WS64.format(dtype)
     q, k, v = make_qkv(1, 2048, 2048, 2, 2, 64, DTYPES[dtype], seed=13)
-    seed = seed_after(17, q.device)
-
-    def call():
-        torch.manual_seed(17)
-        return flash_attn_func(q, k, v, dropout_p=0.25), None
-
-    results = [out for out, _ in both_paths(monkeypatch, call)]
-    mask = torch.from_numpy(keep_mask(seed, 0.25, 1, 2, 2048, 2048))
-    ref = dropout_reference(q, k, v, mask, 0.25, False)
-    low = dropout_reference(q, k, v, mask, 0.25, False, upcast=False)
-    base = (low - ref).abs().max().item()
-    for out, path in zip(results, ("three warpgroups (maps)", "64-row (no maps)")):
-        err = (out.float() - ref).abs().max().item()
-        assert err <= 2 * base + 1e-3, f"{path}: error {err} (low-precision math: {base})"
+    assert_dropout_paths_follow_the_mask(monkeypatch, q, k, v, 0.25, 17,
+                                         ("three warpgroups (maps)", "64-row (no maps)"))
