@@ -225,21 +225,17 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
                                    seq.len_q, seq.len_k, p.window_left, p.window_right, lane);
         softmax.template update<kFirst, kAlibi>(S, O, OnlineSoftmax<C>::score_scale(p.scale_log2),
                                                 row_terms);
-        if constexpr (kDropout && !C::kWgmma) {
-            // mma.sync configs hold ~255 registers: P is packed to 16 bits (half the
-            // registers) before the random numbers are drawn.
+        if constexpr (kDropout) {
+            // The mask on P packed to 16 bits (dropout_packed): fewer instructions per score,
+            // and half the registers of the float P beside the random numbers (the mma.sync
+            // configs hold ~255: kStarved).
             uint32_t pf[kM][C::kKvSlices][4];
             pack_a_fragments<C::kBf16>(pf, S);
-            OnlineSoftmax<C>::dropout_packed(pf, seed, (q_row0 + warp * C::kRowsPerWarp) / 16,
-                                             block * C::kBc / 16,
-                                             at.batch * p.n_heads + at.head,
-                                             p.dropout_threshold, lane);
+            OnlineSoftmax<C>::template dropout_packed<!C::kWgmma>(
+                pf, seed, (q_row0 + warp * C::kRowsPerWarp) / 16, block * C::kBc / 16,
+                at.batch * p.n_heads + at.head, p.dropout_threshold, lane);
             gemm.pv_packed(O, pf);
         } else {
-            if constexpr (kDropout)
-                OnlineSoftmax<C>::dropout(S, seed, (q_row0 + warp * C::kRowsPerWarp) / 16,
-                                          block * C::kBc / 16, at.batch * p.n_heads + at.head,
-                                          p.dropout_threshold, lane);
             gemm.pv(O, S);
         }
     };

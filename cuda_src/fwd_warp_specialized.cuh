@@ -386,11 +386,11 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
                 if (lane == 0) mbarrier_arrive(&v_empty[prev]);
             }
             if (rescale) OnlineSoftmax<C>::rescale(O, alpha);
-            if constexpr (kDropout)
-                OnlineSoftmax<C>::dropout(S, seed, (q_row0 + row0) / 16, block * C::kBc / 16,
-                                          at.batch * p.n_heads + at.head,
-                                          p.dropout_threshold, lane);
             pack_a_fragments<C::kBf16>(P, S);
+            if constexpr (kDropout)  // on the packed P (dropout_packed)
+                OnlineSoftmax<C>::template dropout_packed<false>(
+                    P, seed, (q_row0 + row0) / 16, block * C::kBc / 16,
+                    at.batch * p.n_heads + at.head, p.dropout_threshold, lane);
         };
         if (n_steps > 0) step(0, std::true_type{});
         for (int i = 1; i < n_steps; ++i) step(i, std::false_type{});

@@ -131,11 +131,14 @@ __device__ __forceinline__ void dropout_bytes(KeepBytes (&out)[kN], uint64_t see
 
 // The 8-bit threshold at each byte position of a word, so that a byte's test is one AND and
 // one compare: kept(byte k of w) = (w & (0xFF << 8 k)) >= (threshold << 8 k).
+// `pair`: the threshold in both 16-bit halves, for keep_pair_mask.
 struct KeepThreshold {
     uint32_t at[4];
+    uint32_t pair;
     __device__ __forceinline__ explicit KeepThreshold(uint32_t threshold) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) at[k] = threshold << (8 * k);
+        pair = threshold * 0x00010001u;
     }
 };
 
@@ -148,10 +151,26 @@ __device__ __forceinline__ bool kept(const KeepBytes (&bytes)[kBlocks], const Ke
     return (bytes[nj / 2].w[e / 2] & (0xFFu << (8 * k))) >= t.at[k];
 }
 
+// The keep mask of a 16-bit pair whose bytes are bytes 2 n (low half) and 2 n + 1 (high half)
+// of `word`, 0xFFFF per kept half. Each byte goes to the low byte of its half (prmt), where,
+// read as an fp16 bit pattern, it is a non-negative subnormal ordered as the byte; one packed
+// fp16 compare with the threshold in the same form (t.pair) then tests both scores: three
+// instructions per two scores with the caller's AND, where a compare and a select took three
+// per score. (set without .ftz: the subnormals must compare as themselves.)
+__device__ __forceinline__ uint32_t keep_pair_mask(uint32_t word, int n, const KeepThreshold& t) {
+    const uint32_t pair = __byte_perm(word, 0u, n ? 0x4342u : 0x4140u);  // [b 2n, 0, b 2n+1, 0]
+    uint32_t mask;
+    asm("set.ge.u32.f16x2 %0, %1, %2;" : "=r"(mask) : "r"(pair), "r"(t.pair));
+    return mask;
+}
+
 // P's 16-bit A fragments (pack_a_fragments' layout: register 2 n + rr of slice j holds
 // columns 8 n + {0, 1} of row half rr of 16 x 16 block j, low half first) with the dropped
 // scores' halves zeroed, for kernels that apply the mask to the packed P (`out` may be `in`).
-template <int kSlices>
+// Two scores per keep_pair_mask; kPerScore: a test and a select per score instead (kernels
+// with no registers to spare: the pair compare's temporaries spilled 4 bytes in an mma.sync
+// module at 255 registers).
+template <bool kPerScore = false, int kSlices>
 __device__ __forceinline__ void keep_packed(uint32_t (&out)[kSlices][4],
                                             const uint32_t (&in)[kSlices][4],
                                             const KeepBytes (&bytes)[kSlices],
@@ -159,11 +178,15 @@ __device__ __forceinline__ void keep_packed(uint32_t (&out)[kSlices][4],
 #pragma unroll
     for (int j = 0; j < kSlices; ++j)
 #pragma unroll
-        for (int reg = 0; reg < 4; ++reg) {
-            const int nj = 2 * j + reg / 2, e = 2 * (reg % 2);  // (nj, e), (nj, e + 1)
-            const uint32_t low = kept(bytes, t, nj, e) ? 0x0000FFFFu : 0u;
-            const uint32_t high = kept(bytes, t, nj, e + 1) ? 0xFFFF0000u : 0u;
-            out[j][reg] = in[j][reg] & (low | high);
+        for (int reg = 0; reg < 4; ++reg) {  // register 2 n + rr: word rr, bytes 2 n, 2 n + 1
+            if constexpr (kPerScore) {
+                const int nj = 2 * j + reg / 2, e = 2 * (reg % 2);  // (nj, e), (nj, e + 1)
+                const uint32_t low = kept(bytes, t, nj, e) ? 0x0000FFFFu : 0u;
+                const uint32_t high = kept(bytes, t, nj, e + 1) ? 0xFFFF0000u : 0u;
+                out[j][reg] = in[j][reg] & (low | high);
+            } else {
+                out[j][reg] = in[j][reg] & keep_pair_mask(bytes[j].w[reg % 2], reg / 2, t);
+            }
         }
 }
 

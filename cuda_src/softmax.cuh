@@ -176,28 +176,16 @@ struct OnlineSoftmax {
             }
     }
 
-    // Dropout (params.cuh, philox.cuh): P = 0 where the score is dropped, after update() took
-    // the row sums (the softmax's denominator is the undropped one; O is scaled by
-    // 1 / (1 - p) at the end). `q16` is the warp's first query row / 16 (within its
-    // sequence), `k16` the tile's first key / 16, `head_index` = batch * n_heads + head.
-    __device__ __forceinline__ static void dropout(float (&P)[kM][C::kSTiles][4], uint64_t seed,
-                                                   int q16, int k16, int head_index,
-                                                   uint32_t threshold, int lane) {
-        const KeepThreshold t(threshold);
-#pragma unroll
-        for (int mi = 0; mi < kM; ++mi) {
-            KeepBytes bytes[C::kSTiles / 2];
-            dropout_bytes<false>(bytes, seed, q16 + mi, k16, 0, 1, head_index, lane);
-#pragma unroll
-            for (int nj = 0; nj < C::kSTiles; ++nj)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (!kept(bytes, t, nj, e)) P[mi][nj][e] = 0.f;
-        }
-    }
-
-    // The same on P already packed as A fragments (keep_packed): for kernels whose registers
-    // cannot hold the float P and the random numbers at once.
+    // Dropout (params.cuh, philox.cuh), on P packed as A fragments: dropped scores' halves
+    // become 0, after update() took the row sums (the softmax's denominator is the undropped
+    // one; O is scaled by 1 / (1 - p) at the end). `q16` is the warp's first query row / 16
+    // (within its sequence), `k16` the tile's first key / 16, `head_index` = batch * n_heads +
+    // head. On the packed P (keep_packed) two scores take a prmt, a compare and an AND (the
+    // float P took a test and a select per score), and the float P need not live beside the
+    // random numbers. kStarved: for kernels with no registers to spare (the mma.sync configs
+    // at ~255): the key schedule recomputed per call (dropout_bytes' kLeanKeys) and the mask
+    // per score (keep_packed's kPerScore).
+    template <bool kStarved>
     __device__ __forceinline__ static void dropout_packed(uint32_t (&pf)[kM][C::kKvSlices][4],
                                                           uint64_t seed, int q16, int k16,
                                                           int head_index, uint32_t threshold,
@@ -206,9 +194,9 @@ struct OnlineSoftmax {
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi) {
             KeepBytes bytes[C::kKvSlices];
-            dropout_bytes<false, C::kKvSlices, true>(bytes, seed, q16 + mi, k16, 0, 1,
-                                                     head_index, lane);
-            keep_packed(pf[mi], pf[mi], bytes, t);
+            dropout_bytes<false, C::kKvSlices, kStarved>(bytes, seed, q16 + mi, k16, 0, 1,
+                                                         head_index, lane);
+            keep_packed<kStarved>(pf[mi], pf[mi], bytes, t);
         }
     }
 

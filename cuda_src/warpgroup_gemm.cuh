@@ -94,9 +94,15 @@ struct WarpgroupGemm {
     // swizzle atoms), read transposed (MN-major).
     __device__ __forceinline__ void pv(float (&O)[1][C::kOTiles][4],
                                        const float (&S)[1][C::kSTiles][4]) const {
-        float(&o)[C::kOTiles * 4] = reinterpret_cast<float(&)[C::kOTiles * 4]>(O);
         uint32_t p[1][C::kKvSlices][4];
         pack_a_fragments<C::kBf16>(p, S);
+        pv_packed(O, p);
+    }
+
+    // The same with P already rounded to 16 bits and packed as A fragments.
+    __device__ __forceinline__ void pv_packed(float (&O)[1][C::kOTiles][4],
+                                              const uint32_t (&p)[1][C::kKvSlices][4]) const {
+        float(&o)[C::kOTiles * 4] = reinterpret_cast<float(&)[C::kOTiles * 4]>(O);
         wgmma_fence_operands(o);
         wgmma_fence();
 #pragma unroll

@@ -331,3 +331,26 @@ def test_the_runtime_keep_mask_is_the_reference_one_without_a_host_read():
                                    .as_subclass(NoHostRead), "cpu")
         ours = _dropout.keep_mask(state, 2, 3, 40, 72, "cpu")
         assert np.array_equal(ours.numpy(), keep_mask(seed, 0.3, 2, 3, 40, 72)), seed
+
+
+def test_a_byte_read_as_an_fp16_subnormal_compares_as_the_byte():
+    """The kernels' packed mask (philox.cuh, keep_pair_mask) moves each random byte into the
+    low byte of a 16-bit half and compares the halves with the threshold as fp16 values
+    (set.ge.u32.f16x2): that is the byte test (kept iff byte >= threshold) only because the
+    patterns 0x0000-0x00FF are non-negative subnormals ordered as the integers, which IEEE
+    half precision (numpy's here, the GPU's without .ftz) guarantees. Every (byte,
+    threshold) pair, both halves of a word at once."""
+    byte = np.arange(256, dtype=np.uint16)[:, None]
+    thr = np.arange(256, dtype=np.uint16)[None, :]
+    as_half = byte.view(np.float16), thr.view(np.float16)
+    np.testing.assert_array_equal(as_half[0] >= as_half[1], byte >= thr)
+    assert not np.isnan(as_half[0]).any() and (as_half[0] >= 0).all()
+    # The prmt selectors put bytes 2n and 2n + 1 of a word into halves 0 and 1.
+    word = 0xD4C3B2A1
+    for n, selector in ((0, 0x4140), (1, 0x4342)):
+        pair = 0
+        for i in range(4):  # __byte_perm(word, 0, selector): nibble i picks output byte i
+            k = (selector >> (4 * i)) & 0xF
+            pair |= (((word >> (8 * k)) & 0xFF) if k < 4 else 0) << (8 * i)
+        assert pair & 0xFFFF == (word >> (16 * n)) & 0xFF
+        assert pair >> 16 == (word >> (16 * n + 8)) & 0xFF
