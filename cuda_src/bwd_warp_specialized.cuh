@@ -88,6 +88,37 @@ __device__ __forceinline__ void step_score_grads_packed(float (&dS)[kQ / 8][4],
         }
 }
 
+// Dropout's dS^T = P^T o (keep o dPd^T / (1 - p) - delta), in place of dPd^T = V dO^T, as
+// kept * (dPd * scale) - P * delta: `kept` is dV's operand (P^T o keep, keep_packed's 16-bit
+// fragments, read back here), so the keep mask is already in its zeros and costs nothing per
+// score here (drawn as bits and applied to dPd it cost ~3.5 instructions per score). P^T: its
+// float32 values where the step keeps them (kFloatP, 64 query rows), else read back from its
+// fragments `a` (step_score_grads_packed's reason).
+template <int kQ, bool kFloatP>
+__device__ __forceinline__ void step_score_grads_dropped(float (&dS)[kQ / 8][4],
+                                                         const float (&P)[kQ / 8][4],
+                                                         const uint32_t (&a)[1][kQ / 16][4],
+                                                         const uint32_t (&kept)[1][kQ / 16][4],
+                                                         const float* delta, float scale) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int nj = 0; nj < kQ / 8; ++nj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int col = nj * 8 + 2 * (lane % 4) + e % 2;
+            const int reg = 2 * (nj % 2) + e / 2;  // pack_a_fragments' register of (nj, e)
+            const float2 k2 = to_float2(kept[0][nj / 2][reg]);
+            float prob;
+            if constexpr (kFloatP) {
+                prob = P[nj][e];
+            } else {
+                const float2 p2 = to_float2(a[0][nj / 2][reg]);
+                prob = e % 2 ? p2.y : p2.x;
+            }
+            dS[nj][e] = fmaf(e % 2 ? k2.y : k2.x, dS[nj][e] * scale, -prob * delta[col]);
+        }
+}
+
 // The (query head, first query row) pairs of a dK/dV CTA's steps (kQ query rows each), in
 // order: each role walks them with counters, not a division per step (the producer's few
 // registers).
@@ -230,9 +261,8 @@ __device__ __forceinline__ void zero_tail_rows(elem_t* a, elem_t* b, int first_r
 // packed accumulator (packed_dq_accum_row) and whose tiles past the sequence's end are zeroed
 // (zero_tail_rows: here K and V too, since dQ = dS K sums over every key row of the tile).
 // kDropout: the forward's dropout (BwdParams::dropout_*), its keep mask drawn per step as the
-// deterministic dK/dV kernel draws it and kept as one bit per score (keep_words: 2 registers
-// at 128 query rows, where the 16 of the drawn bytes spilled); dV from the kept P
-// (keep_packed_words), dS^T from the dropped dP^T (drop_score_grads_words).
+// deterministic dK/dV kernel draws it; dV from the kept P (keep_packed), dS^T from the kept
+// and the undropped P (step_score_grads_dropped).
 template <bool kWindow, class Cfg = C, bool kPacked = false, bool kDropout = false>
 __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrigin origin) {
     const BwdParams& maps = *origin.maps;  // the tensor maps (grid-constant params)
@@ -420,15 +450,6 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
         wgmma_commit();
         wg::rows_rows<kKeys, kQ>(dS[0], v_rows, do_tile);
         wgmma_commit();
-        // Dropout: the forward's keep bits of the warp's 16 keys x kQ queries (the transposed
-        // layout, as the deterministic dK/dV kernel draws them), while S^T and dP^T run.
-        uint32_t keep[kQ / 64];
-        if constexpr (kDropout) {
-            KeepBytes bytes[kQ / 16];
-            dropout_bytes<true, kQ / 16, true>(bytes, seed, q0 / 16, (key0 + row0) / 16, 1, 0,
-                                               batch * p.n_heads + at.head, lane);
-            keep_words(keep, bytes, p.dropout_threshold);
-        }
         wgmma_wait<1>();  // S^T
         wgmma_fence_operands(wg::flat(P[0]));
         step_probabilities<kQ, kWindow, false, true>(P[0], p, lse, mask, window, key0 + row0,
@@ -436,9 +457,25 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
         uint32_t a[1][kQ / 16][4];
         pack_a_fragments<C::kBf16>(a, P);
         // kDropout: dV's operand, P^T with the dropped scores zeroed (dV = sum (P o keep)^T dO
-        // is scaled by 1 / (1 - p) once, in the epilogue); dS^T takes the undropped P^T.
+        // is scaled by 1 / (1 - p) once, in the epilogue); dS^T reads both. The keep bytes of
+        // the warp's 16 keys x kQ queries (the transposed layout, as the deterministic dK/dV
+        // kernel draws them) are drawn here, while dP^T runs, 64 queries at a time, and die
+        // in keep_packed: drawn before S^T's wait they lived across the softmax (16 registers
+        // at 128 query rows, where they spilled, so they were squeezed to bits at ~2
+        // instructions per score).
         uint32_t a_kept[1][kQ / 16][4];
-        if constexpr (kDropout) keep_packed_words(a_kept[0], a[0], keep);
+        if constexpr (kDropout) {
+            const KeepThreshold threshold(p.dropout_threshold);
+#pragma unroll
+            for (int h = 0; h < kQ / 32; ++h) {  // two 16-query blocks each
+                KeepBytes bytes[2];
+                dropout_bytes<true, 2, true>(bytes, seed, q0 / 16 + 2 * h, (key0 + row0) / 16, 1,
+                                             0, batch * p.n_heads + at.head, lane);
+                keep_packed(reinterpret_cast<uint32_t(&)[2][4]>(a_kept[0][2 * h]),
+                            reinterpret_cast<const uint32_t(&)[2][4]>(a[0][2 * h]), bytes,
+                            threshold);
+            }
+        }
         wgmma_fence_operands(wg::flat(dV));
         wgmma_fence();
         wg::regs_tile<kQ, kQ / 16>(dV, *(kDropout ? &a_kept : &a), do_tile);
@@ -447,8 +484,10 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
             named_barrier_arrive(kBwdOffsetBarrier, kBwdConsumerThreads);
         wgmma_wait<1>();  // dP^T (dV may still run)
         wgmma_fence_operands(wg::flat(dS[0]));
-        if constexpr (kDropout) drop_score_grads_words<kQ / 8>(dS[0], keep, p.dropout_scale);
-        if constexpr (kQ == 128) {
+        if constexpr (kDropout) {
+            step_score_grads_dropped<kQ, kQ != 128>(dS[0], P[0], a, a_kept, delta,
+                                                    p.dropout_scale);
+        } else if constexpr (kQ == 128) {
             step_score_grads_packed<kQ>(dS[0], a, delta);
         } else {
             step_score_grads<kQ, false>(dS[0], P[0], p, lse, delta, 0, 0, 0, 0.f);

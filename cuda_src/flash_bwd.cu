@@ -178,18 +178,6 @@ __device__ __forceinline__ void pack_dropped(uint32_t (&a)[1][kNTiles / 2][4],
     }
 }
 
-// drop_score_grads with the keep bits as keep_words makes them (one bit per score).
-template <int kNTiles>
-__device__ __forceinline__ void drop_score_grads_words(float (&dP)[kNTiles][4],
-                                                       const uint32_t (&keep)[kNTiles / 8],
-                                                       float scale) {
-#pragma unroll
-    for (int nj = 0; nj < kNTiles; ++nj)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-            dP[nj][e] = __uint_as_float(__float_as_uint(dP[nj][e] * scale) & kept_mask(keep, nj, e));
-}
-
 // Dropout on dP^T (the transposed layout, as P^T): the gradient of the dropped P is
 // keep o dPd / (1 - p), where dPd = V dO^T (in place); then dS^T = P^T (that - delta).
 template <int kNTiles>
@@ -1336,8 +1324,8 @@ __device__ __forceinline__ void bwd_dkdv_dq_packed(const BwdParams& p) {
     }
 }
 // The atomic scheme with dropout on a padded batch: the warp-specialized fused kernel, the
-// forward's keep mask regenerated per step and kept as one bit per score (keep_words; as the
-// drawn bytes it spilled 8-378 bytes at 128 query rows). The other modules serve dropout in
+// forward's keep mask regenerated per step and applied to dV's packed operand, which dS^T
+// then reads (bwd_dkdv_dq_ws, step_score_grads_dropped). The other modules serve dropout in
 // the deterministic scheme only (the *_scoremod entries): a trap, as bwd_dkdv_dq_packed's
 // (cudaflash.backward_config.BackwardConfig.fused_dropout mirrors the condition).
 __device__ __forceinline__ void bwd_dkdv_dq_dropout(const BwdParams& p) {

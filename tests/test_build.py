@@ -606,10 +606,10 @@ def test_built_manifest_has_every_config_for_every_arch_it_fits(built_manifest):
 # per entry) made the backward 11% faster: perf log "Backward v4.2". A TMA producer would need
 # no registers for addresses.
 # The one consumer exception: the bf16 d64 128-query-row module's dropout entry
-# (cudaflash_bwd_dkdv_dq_dropout) stores 108 bytes (14 values a step, unpacking P^T's bf16
-# fragments beside the keep words); it ran as fast as the 64-row module's spill-free entry and
-# its fp16 twin, which does not spill, 2-8% faster (perf log, "One keep bit per score in the
-# fused dropout backward").
+# (cudaflash_bwd_dkdv_dq_dropout) stores 4 bytes, one loop-invariant value spilled before the
+# loop and reloaded once a step (unpacking both P^T's and the kept P^T's bf16 fragments for
+# dS^T; its fp16 twin does not spill; perf log, "The fused dropout backward's dS^T from dV's
+# operand"). Drawn as keep bits (until the thirtieth session) it stored 108 bytes.
 WS_PRODUCER_SPILL_BYTES = 640
 
 
