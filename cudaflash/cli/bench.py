@@ -428,7 +428,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--plot", type=Path, default=None, metavar="PATH",
                    help="save a TFLOP/s plot to PATH (needs the extra cudaflash[plot])")
     p.add_argument("--no-host", action="store_true",
-                   help="forward and decode: skip the host-overhead measurement")
+                   help="skip the host-overhead measurement (only the forward and decode "
+                        "suites take one; the others accept the flag and measure the same)")
     p.set_defaults(run=run)
     return p
 
