@@ -89,16 +89,21 @@ __device__ __forceinline__ void step_score_grads_packed(float (&dS)[kQ / 8][4],
 }
 
 // Dropout's dS^T = P^T o (keep o dPd^T / (1 - p) - delta), in place of dPd^T = V dO^T, as
-// kept * (dPd * scale) - P * delta: `kept` is dV's operand (P^T o keep, keep_packed's 16-bit
+// kept * (dPd * scale) - P * delta: `a_kept` is dV's operand (P^T o keep, keep_packed's 16-bit
 // fragments, read back here), so the keep mask is already in its zeros and costs nothing per
-// score here (drawn as bits and applied to dPd it cost ~3.5 instructions per score). P^T: its
-// float32 values where the step keeps them (kFloatP, 64 query rows), else read back from its
-// fragments `a` (step_score_grads_packed's reason).
+// score here (drawn as bits and applied to dPd it cost ~3.5 instructions per score). P^T in
+// the delta term: its float32 values where the step keeps them (kFloatP, 64 query rows), else
+// read back from its fragments `a` (step_score_grads_packed's reason); the kept term always
+// takes the 16-bit P^T, the value dV's GEMM used (at 64 rows the old form took float32 P^T
+// there too: a difference within P's 16-bit rounding). A dropped score gives -P * delta
+// (0 * dPd), NaN only where dPd is not finite, where its column's gradients are NaN anyway.
+// Both fragment arrays are read while dV's wgmma may still read `a_kept` (as
+// step_score_grads_packed reads `a`): read-only, nothing writes them before the step's wait.
 template <int kQ, bool kFloatP>
 __device__ __forceinline__ void step_score_grads_dropped(float (&dS)[kQ / 8][4],
                                                          const float (&P)[kQ / 8][4],
                                                          const uint32_t (&a)[1][kQ / 16][4],
-                                                         const uint32_t (&kept)[1][kQ / 16][4],
+                                                         const uint32_t (&a_kept)[1][kQ / 16][4],
                                                          const float* delta, float scale) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
@@ -107,7 +112,7 @@ __device__ __forceinline__ void step_score_grads_dropped(float (&dS)[kQ / 8][4],
         for (int e = 0; e < 4; ++e) {
             const int col = nj * 8 + 2 * (lane % 4) + e % 2;
             const int reg = 2 * (nj % 2) + e / 2;  // pack_a_fragments' register of (nj, e)
-            const float2 k2 = to_float2(kept[0][nj / 2][reg]);
+            const float2 k2 = to_float2(a_kept[0][nj / 2][reg]);
             float prob;
             if constexpr (kFloatP) {
                 prob = P[nj][e];
@@ -459,8 +464,8 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
         // kDropout: dV's operand, P^T with the dropped scores zeroed (dV = sum (P o keep)^T dO
         // is scaled by 1 / (1 - p) once, in the epilogue); dS^T reads both. The keep bytes of
         // the warp's 16 keys x kQ queries (the transposed layout, as the deterministic dK/dV
-        // kernel draws them) are drawn here, while dP^T runs, 64 queries at a time, and die
-        // in keep_packed: drawn before S^T's wait they lived across the softmax (16 registers
+        // kernel draws them) are drawn here, while dP^T runs, two 16-query blocks at a time,
+        // and die in keep_packed: drawn before S^T's wait they lived across the softmax (16 registers
         // at 128 query rows, where they spilled, so they were squeezed to bits at ~2
         // instructions per score).
         uint32_t a_kept[1][kQ / 16][4];

@@ -198,7 +198,8 @@ def test_suite_defaults(suite, phases, variants):
     assert opts.rows()
 
 
-@pytest.mark.parametrize("suite", ["train", "dropout", "alibi", "kvcache"])
+@pytest.mark.parametrize("suite", ["train", "backward", "varlen", "window", "softcap", "alibi",
+                                   "dropout", "kvcache", "hf"])
 def test_suites_without_host_time_accept_no_host(suite):
     """--no-host skips a measurement these suites never take: the same sweep as without it
     (a script may pass one set of flags to every suite)."""

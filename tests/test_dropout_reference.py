@@ -339,7 +339,9 @@ def test_a_byte_read_as_an_fp16_subnormal_compares_as_the_byte():
     (set.ge.u32.f16x2): that is the byte test (kept iff byte >= threshold) only because the
     patterns 0x0000-0x00FF are non-negative subnormals ordered as the integers, which IEEE
     half precision (numpy's here, the GPU's without .ftz) guarantees. Every (byte,
-    threshold) pair, both halves of a word at once."""
+    threshold) pair as single fp16 values, and the prmt selectors as __byte_perm defines
+    them (re-implemented here); the GPU's packed compare itself is checked by the GPU dropout
+    tests, which rebuild each call's mask on the host."""
     byte = np.arange(256, dtype=np.uint16)[:, None]
     thr = np.arange(256, dtype=np.uint16)[None, :]
     as_half = byte.view(np.float16), thr.view(np.float16)
