@@ -465,17 +465,18 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
         // is scaled by 1 / (1 - p) once, in the epilogue); dS^T reads both. The keep bytes of
         // the warp's 16 keys x kQ queries (the transposed layout, as the deterministic dK/dV
         // kernel draws them) are drawn here, while dP^T runs, two 16-query blocks at a time,
-        // and die in keep_packed: drawn before S^T's wait they lived across the softmax (16 registers
-        // at 128 query rows, where they spilled, so they were squeezed to bits at ~2
-        // instructions per score).
+        // and die in keep_packed: drawn before S^T's wait they lived across the softmax (16
+        // registers at 128 query rows, where they spilled, so they were squeezed to bits at ~2
+        // instructions per score). Philox unrolled, its key schedule hoisted (kLeanKeys off:
+        // uniform registers): as a rolled loop it took 12 instructions a round, 3.4 per score.
         uint32_t a_kept[1][kQ / 16][4];
         if constexpr (kDropout) {
             const KeepThreshold threshold(p.dropout_threshold);
 #pragma unroll
             for (int h = 0; h < kQ / 32; ++h) {  // two 16-query blocks each
                 KeepBytes bytes[2];
-                dropout_bytes<true, 2, true>(bytes, seed, q0 / 16 + 2 * h, (key0 + row0) / 16, 1,
-                                             0, batch * p.n_heads + at.head, lane);
+                dropout_bytes<true, 2, false>(bytes, seed, q0 / 16 + 2 * h, (key0 + row0) / 16,
+                                              1, 0, batch * p.n_heads + at.head, lane);
                 keep_packed(reinterpret_cast<uint32_t(&)[2][4]>(a_kept[0][2 * h]),
                             reinterpret_cast<const uint32_t(&)[2][4]>(a[0][2 * h]), bytes,
                             threshold);

@@ -606,11 +606,12 @@ def test_built_manifest_has_every_config_for_every_arch_it_fits(built_manifest):
 # per entry) made the backward 11% faster: perf log "Backward v4.2". A TMA producer would need
 # no registers for addresses.
 # The one consumer exception: the bf16 d64 128-query-row module's dropout entry
-# (cudaflash_bwd_dkdv_dq_dropout) spills 8 bytes (4 stored, 4 loaded: one loop-invariant value
-# stored before the loop and reloaded once a step, beside the unpacking of P^T's and the kept
-# P^T's bf16 fragments for dS^T; its fp16 twin does not spill; perf log, "The fused dropout
-# backward's dS^T from dV's operand"). Drawn as keep bits (until the thirtieth session) it
-# spilled 108.
+# (cudaflash_bwd_dkdv_dq_dropout) spills 16 bytes (8 stored, 8 loaded: two loop-invariant
+# values stored before the loop and reloaded once a step each, beside the unpacking of P^T's
+# and the kept P^T's bf16 fragments for dS^T and the unrolled Philox; its fp16 twin does not
+# spill; perf log, "The fused dropout backward's dS^T from dV's operand" and "Philox
+# unrolled in the fused dropout backward"). Drawn as keep bits (until the thirtieth session)
+# it spilled 108.
 WS_PRODUCER_SPILL_BYTES = 640
 
 
