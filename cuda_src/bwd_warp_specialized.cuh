@@ -83,8 +83,7 @@ __device__ __forceinline__ void step_score_grads_packed(float (&dS)[kQ / 8][4],
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int col = nj * 8 + 2 * (lane % 4) + e % 2;
-            const float2 pair = to_float2(a[0][nj / 2][2 * (nj % 2) + e / 2]);
-            dS[nj][e] = (e % 2 ? pair.y : pair.x) * (dS[nj][e] - delta[col]);
+            dS[nj][e] = fragment_value(a, nj, e) * (dS[nj][e] - delta[col]);
         }
 }
 
@@ -111,16 +110,9 @@ __device__ __forceinline__ void step_score_grads_dropped(float (&dS)[kQ / 8][4],
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int col = nj * 8 + 2 * (lane % 4) + e % 2;
-            const int reg = 2 * (nj % 2) + e / 2;  // pack_a_fragments' register of (nj, e)
-            const float2 k2 = to_float2(a_kept[0][nj / 2][reg]);
-            float prob;
-            if constexpr (kFloatP) {
-                prob = P[nj][e];
-            } else {
-                const float2 p2 = to_float2(a[0][nj / 2][reg]);
-                prob = e % 2 ? p2.y : p2.x;
-            }
-            dS[nj][e] = fmaf(e % 2 ? k2.y : k2.x, dS[nj][e] * scale, -prob * delta[col]);
+            const float kept_prob = fragment_value(a_kept, nj, e);
+            const float prob = kFloatP ? P[nj][e] : fragment_value(a, nj, e);
+            dS[nj][e] = fmaf(kept_prob, dS[nj][e] * scale, -prob * delta[col]);
         }
 }
 

@@ -387,10 +387,8 @@ __device__ __forceinline__ void bwd_dq_ws_d256(const BwdParams& p, const MapOrig
 #pragma unroll
             for (int nj = 0; nj < kKv / 8; ++nj)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float2 pair = to_float2(a[0][nj / 2][2 * (nj % 2) + e / 2]);
-                    S[0][nj][e] = (e % 2 ? pair.y : pair.x) * (S[0][nj][e] - delta[e / 2]);
-                }
+                for (int e = 0; e < 4; ++e)
+                    S[0][nj][e] = fragment_value(a, nj, e) * (S[0][nj][e] - delta[e / 2]);
             pack_a_fragments<C::kBf16>(a, S);
             uint4* ds_slot = sdS + buf * kFrags + gtid;
             if (i >= 2) named_barrier_sync(kD256DsFreeBarrier + buf, kBwdConsumerThreads);

@@ -356,6 +356,16 @@ __device__ __forceinline__ float2 to_float2(uint32_t bits) {
     }
 }
 
+// Accumulator element (nj, e) of an m16n8 tile read back from its 16-bit A fragments
+// (pack_a_fragments' layout: register 2 (nj % 2) + e / 2 of slice nj / 2, the low half for
+// an even e), as float.
+template <int kSlices>
+__device__ __forceinline__ float fragment_value(const uint32_t (&a)[1][kSlices][4], int nj,
+                                                int e) {
+    const float2 pair = to_float2(a[0][nj / 2][2 * (nj % 2) + e / 2]);
+    return e % 2 ? pair.y : pair.x;
+}
+
 // The lanes of the warp that share this thread's row (shuffles stay inside them: a row past
 // the sequence's end leaves the kernel as a group).
 __device__ __forceinline__ uint32_t row_lanes_mask() {
