@@ -311,6 +311,30 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         const int n_steps = max(range.end - range.begin, 0);
         // The KV block of step i: last to first (kv_reverse) or first to last.
         auto block_of = [&](int i) { return C::kKvReverse ? range.end - 1 - i : range.begin + i; };
+        // This warpgroup's own 64 rows may see fewer of the tile's blocks: in 192-row tiles
+        // over 128-key blocks the causal diagonal (or a right window bound) ends a block
+        // earlier for the first warpgroup or two, and in a tail tile a warpgroup may have no
+        // rows (or no row that sees a key). It skips such a leading step, or the whole tile,
+        // passing the skipped steps' turns and ring stages on (pass). Skips take those two
+        // shapes only (rows 128 apart end at most one block apart); blocks that a left window
+        // bound hides from this warpgroup's rows after its last are computed and masked, as
+        // before. The masks keep the tile's range: a per-warpgroup test inside the step loop
+        // costs what the skips save (below). Only with three consumer warpgroups: with two
+        // (B_r = 128 over 128- or 64-key blocks) only a tail tile's second warpgroup can skip,
+        // and the d128 kernel ran 0-3% slower with it (H100). Not in the softcap and ALiBi
+        // entries: their consumers spilled with it at 160 registers.
+        constexpr bool kOwnRanges = kGroups == 3 && !kSoftcap && !kAlibi;
+        int skip = 0;  // 0: every step, 1: all but the first, 2: none
+        if constexpr (kOwnRanges) {
+            const int own_rows = min(kWarpgroupRows, q_rows - wg * kWarpgroupRows);
+            const KvRange own =
+                own_rows > 0
+                    ? kv_range<C, false>(p, seq, q_row0 + wg * kWarpgroupRows, own_rows, 0)
+                    : KvRange{0, 0, 0, 0};
+            const int lo = max(range.begin, own.begin), hi = min(range.end, own.end);
+            const int first = C::kKvReverse ? range.end - hi : lo - range.begin;
+            skip = lo >= hi ? 2 : first == 1 ? 1 : 0;
+        }
         elem_t* sQt = sQ + qb * C::kBr * C::kDHead;  // this tile's Q, then its O
         WarpgroupGemm<C> gemm(sQt, sK, sV, cwarp, lane);
 
@@ -392,19 +416,54 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
                     P, seed, (q_row0 + row0) / 16, block * C::kBc / 16,
                     at.batch * p.n_heads + at.head, p.dropout_threshold, lane);
         };
-        if (n_steps > 0) step(0, std::true_type{});
-        for (int i = 1; i < n_steps; ++i) step(i, std::false_type{});
-        if (n_steps > 0) {  // the last block's P V
-            const int last = (g + n_steps - 1) % kStages;
-            mbarrier_wait(&v_full[last], ((g + n_steps - 1) / kStages) & 1);
-            wgmma_fence_operands(o_acc);
-            wgmma_fence();
-            gemm.pv_issue(o_acc, P[0], last * kStageBytes);
-            wgmma_commit();
-            wgmma_wait<0>();
-            wgmma_fence_operands(o_acc);
-            // (persistent configs: the ring runs on into the CTA's next tile)
-            if (C::kPersistent && lane == 0) mbarrier_arrive(&v_empty[last]);
+        // A step outside this warpgroup's rows: its turn passes, and its stage is released
+        // once filled (an arrival before the fill could count toward the stage's previous
+        // release, which the other warps may not have made yet).
+        auto pass = [&](int i) {
+            const int gi = g + i;
+            const int stage = gi % kStages;
+            if (kTurns) {
+                named_barrier_sync(kTurnBarrier + wg, kTurnThreads);
+                if (wg != kGroups - 1 || i < n_steps - 1)
+                    named_barrier_arrive(kTurnBarrier + (wg + 1) % kGroups, kTurnThreads);
+            }
+            mbarrier_wait(&k_full[stage], (gi / kStages) & 1);
+            mbarrier_wait(&v_full[stage], (gi / kStages) & 1);
+            if (lane == 0) {
+                mbarrier_arrive(&k_empty[stage]);
+                mbarrier_arrive(&v_empty[stage]);
+            }
+        };
+        // The steps, from the first (kLead: from the second) on, then the last block's P V.
+        // Each skip shape is its own copy of the step loop, entered on a warp vote: ptxas
+        // takes a vote's result as warp-uniform, so the loop's counter and the ring's stages,
+        // phases and descriptors stay in uniform registers. Chosen on the plain value (or
+        // looped from a per-warpgroup first step) they went per thread: 35 more instructions
+        // a step and the d128 kernel 7% slower (H100; docs/perf-log.md, thirty-first session).
+        auto run_steps = [&](auto lead_tag) {
+            constexpr int kLead = decltype(lead_tag)::value ? 1 : 0;
+            if constexpr (kLead) pass(0);
+            if (n_steps > kLead) step(kLead, std::true_type{});
+            for (int i = kLead + 1; i < n_steps; ++i) step(i, std::false_type{});
+            if (n_steps > kLead) {  // the last block's P V
+                const int last = (g + n_steps - 1) % kStages;
+                mbarrier_wait(&v_full[last], ((g + n_steps - 1) / kStages) & 1);
+                wgmma_fence_operands(o_acc);
+                wgmma_fence();
+                gemm.pv_issue(o_acc, P[0], last * kStageBytes);
+                wgmma_commit();
+                wgmma_wait<0>();
+                wgmma_fence_operands(o_acc);
+                // (persistent configs: the ring runs on into the CTA's next tile)
+                if (C::kPersistent && lane == 0) mbarrier_arrive(&v_empty[last]);
+            }
+        };
+        if (!kOwnRanges || __all_sync(0xffffffffu, skip == 0)) {
+            run_steps(std::false_type{});
+        } else if (__all_sync(0xffffffffu, skip == 1)) {
+            run_steps(std::true_type{});
+        } else {
+            for (int i = 0; i < n_steps; ++i) pass(i);
         }
         g += n_steps;
 

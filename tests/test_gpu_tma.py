@@ -24,6 +24,7 @@ from cudaflash import _driver, _plans, _tma, flash_attn_func, forward, list_kern
 from test_gpu_correctness import (check_attention,
                                   fp32_reference_without_tf32,  # noqa: F401 (autouse fixture)
                                   make_qkv)
+from test_gpu_window import check_window
 
 pytestmark = pytest.mark.requires_gpu
 
@@ -123,6 +124,31 @@ def test_forward_matches_cp_async(monkeypatch, dtype, d, name, b, sq, sk, h, hk,
         monkeypatch, lambda: forward(config, q, k, v, causal=causal, num_splits=1))
     assert_identical((out, lse), (out_ref, lse_ref))
     check_attention(out, lse, q, k, v, causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,name", [(64, WS64), (128, WS)], ids=["ws_d64", "ws_d128"])
+@pytest.mark.parametrize("sq,sk,causal,window", [
+    # 192-row causal tiles over 128-key blocks: a tile's first two warpgroups skip its
+    # diagonal block (even tiles) or the first one does (odd); the last tile (1000 = 5 * 192
+    # + 40) gives the second and third warpgroups no rows (d128: 1000 = 7 * 128 + 104)
+    (1000, 1000, True, (-1, -1)),
+    (700, 1500, True, (-1, -1)),  # bottom-right causal, more keys than queries
+    (1000, 1000, False, (150, 0)),  # a left bound: the blocks a warpgroup skips come last
+    (1000, 1000, False, (100, 300)),  # both bounds
+    (900, 600, True, (-1, -1)),  # more queries than keys: warpgroups whose rows see no key
+], ids=["causal", "causal_more_keys", "window_left", "window_both", "rows_without_keys"])
+def test_warpgroup_block_ranges(monkeypatch, dtype, d, name, sq, sk, causal, window):
+    """With three consumer warpgroups each computes only the key blocks its own 64 rows
+    see, passing the tile's other steps (their turns and ring stages) on; the two-warpgroup
+    d128 kernel computes every block of the tile for both (the same cases as a control).
+    Each matches the attention math, its TMA and cp.async paths bit-identical."""
+    q, k, v = make_qkv(2, sq, sk, 4, 2, d, DTYPES[dtype], seed=sq + sk)
+    (out, lse), (out_ref, lse_ref) = both_paths(
+        monkeypatch, lambda: forward(name.format(dtype), q, k, v, causal=causal,
+                                     window_size=window, num_splits=1))
+    assert_identical((out, lse), (out_ref, lse_ref))
+    check_window(out, lse, q, k, v, *window, causal)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
