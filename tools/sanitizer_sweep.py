@@ -130,6 +130,11 @@ for d, s in ((64, 2048), (128, 1024), (128, 1100), (256, 1024)):
     CALLS[f"fwd+bwd d{d} S{s} dropout"] = (attention, (1, s, s, 4, 4, d), dict(dropout_p=0.1))
     CALLS[f"fwd d{d} S{s} alibi"] = (attention, (1, s, s, 4, 4, d),
                                      dict(alibi_slopes=lambda: slopes(4), backward=False))
+# d64 causal beyond 2560 keys with maps: the three-warpgroup config, whose warpgroups skip
+# the blocks their own rows cannot see (3100 = 16 * 192 + 28: a tail tile where two of the
+# three have no rows).
+CALLS["fwd d64 S3100 causal"] = (attention, (1, 3100, 3100, 4, 2, 64),
+                                 dict(causal=True, backward=False))
 # d64 non-causal up to 512 keys with maps: the persistent two-consumer config.
 CALLS["fwd+bwd d64 S512 persistent"] = (attention, (8, 512, 512, 16, 16, 64), {})
 CALLS["fwd+bwd d64 S512 persistent dropout"] = (attention, (8, 512, 512, 16, 16, 64),
