@@ -4,14 +4,15 @@ head dims with kernels and a padded one), its backward (atomic, deterministic, d
 packed batch (varlen) both ways, the K/V cache (append, rotary, paged, indexed, left padding,
 split keys), and calls big enough for the tensor-map and persistent kernels.
 
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \\
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --report-api-errors no \\
         python3 tools/sanitizer_sweep.py [--only SUBSTRING] [--list]
 
 Without PyTorch's caching allocator each tensor is its own allocation, so memcheck sees an
 access past a tensor's end (inside a cached block it would not). Prints one line per call and
 checks nothing itself (the reference tests do that): the sanitizer's ERROR SUMMARY is the
-result. tools/device_check.sh sanitize runs memcheck over all of it, then racecheck and
-synccheck over the warp-specialized kernels.
+result (API errors off: cuda-bindings' loader probes the driver's symbols, and each failed
+probe would count). tools/device_check.sh sanitize runs memcheck over all of it, then
+racecheck and synccheck over the warp-specialized kernels.
 """
 
 import argparse
