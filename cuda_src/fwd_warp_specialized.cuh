@@ -419,6 +419,9 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         // A step outside this warpgroup's rows: its turn passes, and its stage is released
         // once filled (an arrival before the fill could count toward the stage's previous
         // release, which the other warps may not have made yet).
+        // (With one stage this would deadlock on the cp.async path: its producer signals V's
+        // full barrier only after waiting to reuse the next K stage.)
+        static_assert(kStages >= 2, "pass waits a stage's V fill before releasing its K");
         auto pass = [&](int i) {
             const int gi = g + i;
             const int stage = gi % kStages;

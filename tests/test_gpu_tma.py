@@ -134,7 +134,9 @@ def test_forward_matches_cp_async(monkeypatch, dtype, d, name, b, sq, sk, h, hk,
     # + 40) gives the second and third warpgroups no rows (d128: 1000 = 7 * 128 + 104)
     (1000, 1000, True, (-1, -1)),
     (700, 1500, True, (-1, -1)),  # bottom-right causal, more keys than queries
-    (1000, 1000, False, (150, 0)),  # a left bound: the blocks a warpgroup skips come last
+    # a left bound: the blocks a warpgroup's rows do not see after its last are computed
+    # and masked (only right bounds skip)
+    (1000, 1000, False, (150, 0)),
     (1000, 1000, False, (100, 300)),  # both bounds
     (900, 600, True, (-1, -1)),  # more queries than keys: warpgroups whose rows see no key
 ], ids=["causal", "causal_more_keys", "window_left", "window_both", "rows_without_keys"])
@@ -148,6 +150,10 @@ def test_warpgroup_block_ranges(monkeypatch, dtype, d, name, sq, sk, causal, win
         monkeypatch, lambda: forward(name.format(dtype), q, k, v, causal=causal,
                                      window_size=window, num_splits=1))
     assert_identical((out, lse), (out_ref, lse_ref))
+    check_window(out, lse, q, k, v, *window, causal)
+    # split-KV (the split entry skips too; each split's tile range cut from the warpgroups')
+    out, lse = forward(name.format(dtype), q, k, v, causal=causal, window_size=window,
+                       num_splits=3)
     check_window(out, lse, q, k, v, *window, causal)
 
 
@@ -391,7 +397,8 @@ def test_d64_short_calls_without_maps_pass_over_the_persistent_config():
             assert (kernel.block_rows, kernel.persistent) == (rows, persistent), kernel.label
 
 
-def assert_dropout_paths_follow_the_mask(monkeypatch, q, k, v, p, manual_seed, paths):
+def assert_dropout_paths_follow_the_mask(monkeypatch, q, k, v, p, manual_seed, paths,
+                                         causal=False):
     """flash_attn_func with dropout, with tensor maps and without (both_paths; ``paths`` names
     the two kernels for the messages): each output matches the math with the keep mask
     rebuilt on the host, within the accuracy rule."""
@@ -401,13 +408,13 @@ def assert_dropout_paths_follow_the_mask(monkeypatch, q, k, v, p, manual_seed, p
 
     def call():
         torch.manual_seed(manual_seed)
-        return flash_attn_func(q, k, v, dropout_p=p), None
+        return flash_attn_func(q, k, v, dropout_p=p, causal=causal), None
 
     results = [out for out, _ in both_paths(monkeypatch, call)]
     b, sq, h, _ = q.shape
     mask = torch.from_numpy(keep_mask(seed, p, b, h, sq, k.shape[1]))
-    ref = dropout_reference(q, k, v, mask, p, False)
-    low = dropout_reference(q, k, v, mask, p, False, upcast=False)
+    ref = dropout_reference(q, k, v, mask, p, causal)
+    low = dropout_reference(q, k, v, mask, p, causal, upcast=False)
     base = (low - ref).abs().max().item()
     for out, path in zip(results, paths):
         err = (out.float() - ref).abs().max().item()
@@ -426,6 +433,18 @@ def test_dropout_on_the_d64_persistent_config(monkeypatch, dtype):
     q, k, v = make_qkv(b, 512, 512, h, 8, 64, DTYPES[dtype], seed=23)
     assert_dropout_paths_follow_the_mask(monkeypatch, q, k, v, 0.17, 29,
                                          ("persistent (maps)", "64-row (no maps)"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_dropout_on_the_three_group_config(monkeypatch, dtype):
+    """Causal dropout at d64 beyond 2560 keys: with maps the three-warpgroup config, its
+    warpgroups skipping the blocks their rows cannot see (2600 = 13 * 192 + 104: a tail tile
+    where the third has no rows); without them a 64-row config; both follow the mask."""
+    assert internals.selected_config(0, dtype, 64, True, 2600, 2600)[0] == WS64.format(dtype)
+    q, k, v = make_qkv(1, 2600, 2600, 2, 1, 64, DTYPES[dtype], seed=31)
+    assert_dropout_paths_follow_the_mask(monkeypatch, q, k, v, 0.2, 37,
+                                         ("three warpgroups (maps)", "64-row (no maps)"),
+                                         causal=True)
 
 
 def test_calls_without_maps_pass_over_the_three_group_config():
