@@ -2,14 +2,16 @@
 bf16) at each S given (default 1024 and 8192), cudaflash then SDPA's cuDNN backend on the
 same tensors, each called twice (the first call loads, the second is the one to read). With
 --dropout P or --alibi, cudaflash runs the plain call first and then the modified one (cuDNN
-is left out: compare the two cudaflash kernels). Run under ncu, e.g.
+is left out: compare the two cudaflash kernels). --config NAME (repeatable) runs those
+kernel configs (cudaflash.forward, no split) instead of flash_attn_func's choice, in the order
+given, before cuDNN. Run under ncu, e.g.
 
     ncu --clock-control none --kernel-name regex:"cudaflash_fwd|cudnn|fprop|sm90" \\
         --section SpeedOfLight --section WarpStateStats --section InstructionStats \\
         --section Occupancy --section LaunchStats python3 tools/profile_forward.py 1024
 
 (docs/perf-log.md: "The S = 1k forward, profiled", "The dropout forward's cost, profiled",
-"The ALiBi forward's cost, profiled".)
+"The ALiBi forward's cost, profiled", "The d64 causal 2k forward, profiled".)
 """
 
 import argparse
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cudaflash import flash_attn_func
+from cudaflash import flash_attn_func, forward
 from cudaflash.cli.suite_calls import paper_alibi_slopes
 
 
@@ -31,7 +33,12 @@ def main() -> None:
                         help="also run flash_attn_func with dropout_p=P (after the plain call)")
     parser.add_argument("--alibi", action="store_true",
                         help="also run flash_attn_func with the ALiBi paper's slopes")
+    parser.add_argument("--config", action="append", default=[], metavar="NAME",
+                        help="run this kernel config (cudaflash.forward) instead of "
+                             "flash_attn_func's choice; repeatable")
     args = parser.parse_args()
+    if args.config and (args.dropout > 0 or args.alibi):
+        parser.error("--config runs plain calls only (no --dropout or --alibi)")
     d, heads = args.head_dim, 2048 // args.head_dim
     slopes = paper_alibi_slopes(heads, "cuda")
     modified = args.dropout > 0 or args.alibi
@@ -40,7 +47,10 @@ def main() -> None:
         q, k, v = (torch.randn(16384 // seqlen, seqlen, heads, d, device="cuda",
                                dtype=torch.bfloat16) for _ in range(3))
         with torch.no_grad():
-            for _ in range(2):
+            for config in args.config:
+                for _ in range(2):
+                    forward(config, q, k, v, causal=args.causal, num_splits=1)
+            for _ in range(0 if args.config else 2):
                 flash_attn_func(q, k, v, causal=args.causal)
             if modified:
                 for _ in range(2):
