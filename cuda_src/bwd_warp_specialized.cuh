@@ -77,12 +77,11 @@ template <int kQ>
 __device__ __forceinline__ void step_score_grads_packed(float (&dS)[kQ / 8][4],
                                                         const uint32_t (&a)[1][kQ / 16][4],
                                                         const float* delta) {
-    const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int nj = 0; nj < kQ / 8; ++nj)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int col = nj * 8 + 2 * (lane % 4) + e % 2;
+            const int col = fragment_column(nj, e);
             dS[nj][e] = fragment_value(a, nj, e) * (dS[nj][e] - delta[col]);
         }
 }
@@ -104,12 +103,11 @@ __device__ __forceinline__ void step_score_grads_dropped(float (&dS)[kQ / 8][4],
                                                          const uint32_t (&a)[1][kQ / 16][4],
                                                          const uint32_t (&a_kept)[1][kQ / 16][4],
                                                          const float* delta, float scale) {
-    const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int nj = 0; nj < kQ / 8; ++nj)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int col = nj * 8 + 2 * (lane % 4) + e % 2;
+            const int col = fragment_column(nj, e);
             const float kept_prob = fragment_value(a_kept, nj, e);
             const float prob = kFloatP ? P[nj][e] : fragment_value(a, nj, e);
             dS[nj][e] = fmaf(kept_prob, dS[nj][e] * scale, -prob * delta[col]);

@@ -359,7 +359,7 @@ __device__ __forceinline__ void bwd_dq_ws_d256(const BwdParams& p, const MapOrig
                 for (int e = 0; e < 4; ++e) {
                     float x = ex2(fmaf(S[0][nj][e], p.scale_log2, -lse[e / 2]));
                     if (mask) {
-                        const int key = tile * kKv + nj * 8 + 2 * (lane % 4) + e % 2;
+                        const int key = tile * kKv + fragment_column(nj, e);
                         const int row = q0 + row0 + lane / 4 + 8 * (e / 2);
                         if (key >= p.seqlen_k || window.hides(key - row - shift)) x = 0.f;
                     }

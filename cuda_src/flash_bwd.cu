@@ -366,6 +366,13 @@ __device__ __forceinline__ float fragment_value(const uint32_t (&a)[1][kSlices][
     return e % 2 ? pair.y : pair.x;
 }
 
+// The column of accumulator element (nj, e) of an m16n8 tile in this lane, from the tile's
+// first column (8 columns per nj, two per lane quad position: the fragments' layout).
+__device__ __forceinline__ int fragment_column(int nj, int e) {
+    const int lane = threadIdx.x % 32;
+    return nj * 8 + 2 * (lane % 4) + e % 2;
+}
+
 // The lanes of the warp that share this thread's row (shuffles stay inside them: a row past
 // the sequence's end leaves the kernel as a group).
 __device__ __forceinline__ uint32_t row_lanes_mask() {
