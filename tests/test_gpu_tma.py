@@ -435,18 +435,6 @@ def test_dropout_on_the_d64_persistent_config(monkeypatch, dtype):
                                          ("persistent (maps)", "64-row (no maps)"))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_causal_dropout_on_the_three_group_config(monkeypatch, dtype):
-    """Causal dropout at d64 beyond 2560 keys: with maps the three-warpgroup config, its
-    warpgroups skipping the blocks their rows cannot see (2600 = 13 * 192 + 104: a tail tile
-    where the third has no rows); without them a 64-row config; both follow the mask."""
-    assert internals.selected_config(0, dtype, 64, True, 2600, 2600)[0] == WS64.format(dtype)
-    q, k, v = make_qkv(1, 2600, 2600, 2, 1, 64, DTYPES[dtype], seed=31)
-    assert_dropout_paths_follow_the_mask(monkeypatch, q, k, v, 0.2, 37,
-                                         ("three warpgroups (maps)", "64-row (no maps)"),
-                                         causal=True)
-
-
 def test_calls_without_maps_pass_over_the_three_group_config():
     """The rules give d64 prefill (here 2k non-causal) to the three-warpgroup config; a call
     without tensor maps (packed, cache addressing: its *_kvcache entries trap) takes the
@@ -478,11 +466,20 @@ def test_kvcache_prefill_where_the_rules_pick_the_three_group_config():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dropout_on_the_three_group_config(monkeypatch, dtype):
-    """Dropout at d64 2k: with maps the three-warpgroup config runs it, without them a
-    64-row config; both match the math with the keep mask rebuilt on the host."""
+@pytest.mark.parametrize("causal,seqlen,heads_k,p,seeds", [
+    (False, 2048, 2, 0.25, (13, 17)),
+    # beyond 2560 keys causal calls take it too, its warpgroups skipping the blocks their rows
+    # cannot see (2600 = 13 * 192 + 104: a tail tile where the third has no rows)
+    (True, 2600, 1, 0.2, (31, 37)),
+], ids=["2k", "causal_2600"])
+def test_dropout_on_the_three_group_config(monkeypatch, dtype, causal, seqlen, heads_k, p,
+                                           seeds):
+    """Dropout at d64: with maps the three-warpgroup config runs it, without them a 64-row
+    config; both match the math with the keep mask rebuilt on the host."""
     # (with maps, the rules' choice at this size is the three-warpgroup config)
-    assert internals.selected_config(0, dtype, 64, False, 2048, 2048)[0] == WS64.format(dtype)
-    q, k, v = make_qkv(1, 2048, 2048, 2, 2, 64, DTYPES[dtype], seed=13)
-    assert_dropout_paths_follow_the_mask(monkeypatch, q, k, v, 0.25, 17,
-                                         ("three warpgroups (maps)", "64-row (no maps)"))
+    assert internals.selected_config(0, dtype, 64, causal, seqlen, seqlen)[0] == \
+        WS64.format(dtype)
+    q, k, v = make_qkv(1, seqlen, seqlen, 2, heads_k, 64, DTYPES[dtype], seed=seeds[0])
+    assert_dropout_paths_follow_the_mask(monkeypatch, q, k, v, p, seeds[1],
+                                         ("three warpgroups (maps)", "64-row (no maps)"),
+                                         causal=causal)
