@@ -357,6 +357,11 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         constexpr bool kTurns = kIssueTurns<kGroups>;
         if (kTurns && wg == kGroups - 1 && n_steps > 0)
             named_barrier_arrive(kTurnBarrier + 0, kTurnThreads);
+        // Step i's hand-over to the next warpgroup (a step computed or passed alike).
+        auto hand_turn_on = [&](int i) {
+            if (kTurns && (wg != kGroups - 1 || i < n_steps - 1))
+                named_barrier_arrive(kTurnBarrier + (wg + 1) % kGroups, kTurnThreads);
+        };
 
         // Step i: Q K^T of block i and P V of block i - 1 are issued together (in this
         // warpgroup's turn, where there are turns), as two wgmma groups; the softmax of block
@@ -381,8 +386,7 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
                 gemm.pv_issue(o_acc, P[0], prev * kStageBytes);
                 wgmma_commit();
             }
-            if (kTurns && (wg != kGroups - 1 || i < n_steps - 1))
-                named_barrier_arrive(kTurnBarrier + (wg + 1) % kGroups, kTurnThreads);
+            hand_turn_on(i);
             wgmma_wait<kFirst ? 0 : 1>();  // Q K^T has landed
             wgmma_fence_operands(s_acc);
             if (lane == 0) mbarrier_arrive(&k_empty[stage]);
@@ -425,11 +429,8 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         auto pass = [&](int i) {
             const int gi = g + i;
             const int stage = gi % kStages;
-            if (kTurns) {
-                named_barrier_sync(kTurnBarrier + wg, kTurnThreads);
-                if (wg != kGroups - 1 || i < n_steps - 1)
-                    named_barrier_arrive(kTurnBarrier + (wg + 1) % kGroups, kTurnThreads);
-            }
+            if (kTurns) named_barrier_sync(kTurnBarrier + wg, kTurnThreads);
+            hand_turn_on(i);
             mbarrier_wait(&k_full[stage], (gi / kStages) & 1);
             mbarrier_wait(&v_full[stage], (gi / kStages) & 1);
             if (lane == 0) {
