@@ -47,11 +47,13 @@ def main() -> None:
         q, k, v = (torch.randn(16384 // seqlen, seqlen, heads, d, device="cuda",
                                dtype=torch.bfloat16) for _ in range(3))
         with torch.no_grad():
-            for config in args.config:
+            if args.config:
+                for config in args.config:
+                    for _ in range(2):
+                        forward(config, q, k, v, causal=args.causal, num_splits=1)
+            else:
                 for _ in range(2):
-                    forward(config, q, k, v, causal=args.causal, num_splits=1)
-            for _ in range(0 if args.config else 2):
-                flash_attn_func(q, k, v, causal=args.causal)
+                    flash_attn_func(q, k, v, causal=args.causal)
             if modified:
                 for _ in range(2):
                     flash_attn_func(q, k, v, causal=args.causal, dropout_p=args.dropout,
