@@ -349,6 +349,13 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         float(&o_acc)[C::kOTiles * 4] = reinterpret_cast<float(&)[C::kOTiles * 4]>(O);
         OnlineSoftmax<C> softmax;
         const float alibi = kAlibi ? alibi_coefficient(p, at.batch, at.head) : 0.f;
+        // kDropout with two consumer warpgroups (kEarlyKeep, below): the Philox work that
+        // every draw of this warp's rows in the tile shares (DropoutRow).
+        constexpr bool kEarlyKeep = kGroups == 2;
+        const DropoutRow drop_row =
+            kDropout && kEarlyKeep
+                ? DropoutRow(seed, (q_row0 + row0) / 16, at.batch * p.n_heads + at.head, lane)
+                : DropoutRow();
 
         mbarrier_wait(&q_full[qb], (j / C::kQBuffers) & 1);
         // With turns, consumer warpgroup 0 issues first: the last one lets it through once.
@@ -404,6 +411,14 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
             if (block >= range.mask_from || block * C::kBc < range.below_keys)
                 OnlineSoftmax<C>::mask(S, block * C::kBc, q_row0 + row0, seq.len_q, seq.len_k,
                                        p.window_left, p.window_right, lane);
+            // kDropout: the block's keep bytes. With two consumer warpgroups (224 registers)
+            // they are drawn here, where ptxas interleaves the Philox rounds with the row
+            // maxima's dependent chain, with the Philox's fixed part made once per tile
+            // (DropoutRow); drawn after P is packed they run alone on the step's critical
+            // path, as with three (160 registers: drawn here they spilled 384 bytes), where
+            // DropoutRow gained nothing (docs/perf-log.md, thirty-second session).
+            [[maybe_unused]] KeepBytes keep[C::kKvSlices];
+            if constexpr (kDropout && kEarlyKeep) drop_row.bytes(keep, block * C::kBc / 16, lane);
             float alpha[1][2];
             const bool rescale =
                 softmax.template update_scores<kFirst && C::kOptimizedSoftmax, kAlibi>(
@@ -415,10 +430,13 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
             }
             if (rescale) OnlineSoftmax<C>::rescale(O, alpha);
             pack_a_fragments<C::kBf16>(P, S);
-            if constexpr (kDropout)  // on the packed P (dropout_packed)
+            if constexpr (kDropout && kEarlyKeep) {  // on the packed P
+                keep_packed(P[0], P[0], keep, KeepThreshold(p.dropout_threshold));
+            } else if constexpr (kDropout) {
                 OnlineSoftmax<C>::template dropout_packed<false>(
                     P, seed, (q_row0 + row0) / 16, block * C::kBc / 16,
                     at.batch * p.n_heads + at.head, p.dropout_threshold, lane);
+            }
         };
         // A step outside this warpgroup's rows: its turn passes, and its stage is released
         // once filled (an arrival before the fill could count toward the stage's previous

@@ -36,13 +36,14 @@ struct Philox4 {
 // dropout forward's cost, profiled"). The host mirrors (cudaflash/_dropout.py,
 // tests/_dropout_reference.py) must use the same count.
 constexpr int kPhiloxRounds = 7;
+constexpr uint32_t kPhiloxM0 = 0xD2511F53u, kPhiloxM1 = 0xCD9E8D57u;  // round multipliers
+constexpr uint32_t kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;  // key bumps
 
 // kRolled: the rounds as a loop (fewer live values for kernels with no registers to spare).
 template <bool kRolled = false>
 __device__ __forceinline__ Philox4 philox4x32(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
                                               uint32_t k0, uint32_t k1) {
-    constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;  // round multipliers
-    constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;  // key bumps
+    constexpr uint32_t kM0 = kPhiloxM0, kM1 = kPhiloxM1, kW0 = kPhiloxW0, kW1 = kPhiloxW1;
     // The key is bumped after every round, the last bump unused: the same outputs as bumping
     // only between rounds, as Random123's reference and flash-attn's kernels do.
 #pragma unroll (kRolled ? 1 : kPhiloxRounds)
@@ -85,31 +86,15 @@ __device__ __forceinline__ KeepBytes quad_half(const Philox4& r, int half) {
     }
 }
 
-// The random bytes of the thread's 8 scores in each of kN 16 x 16 blocks, block i at (query
-// block q16 + i * dq, key block k16 + i * dk). Blocks go in pairs: lane l computes the first
-// block's quad when (l / 4) % 2 == 0, the second's otherwise, and the two lanes swap halves.
-// kLeanKeys: the key schedule is recomputed in each call (two adds a round) instead of
-// being hoisted out of the kernel's loop by the compiler (two registers a round, held
-// throughout), for kernels with no registers to spare.
-template <bool kTransposed, int kN, bool kLeanKeys = false>
-__device__ __forceinline__ void dropout_bytes(KeepBytes (&out)[kN], uint64_t seed, int q16,
-                                              int k16, int dq, int dk, int head_index,
-                                              int lane) {
-    const int half = (lane >> 2) & 1;
-    // The quad: (i % 8 / 2, j % 8 / 2) = (lane/4 / 2, lane%4) forward, (lane%4, lane/4 / 2)
-    // transposed.
-    const uint32_t quad = kTransposed ? 4 * (lane & 3) + (lane >> 3) : 4 * (lane >> 3) + (lane & 3);
-    uint32_t k0 = uint32_t(seed), k1 = uint32_t(seed >> 32);
-    if constexpr (kLeanKeys) {  // opaque to the compiler: nothing derived from it is hoisted
-        asm volatile("mov.b32 %0, %0;" : "+r"(k0));
-        asm volatile("mov.b32 %0, %0;" : "+r"(k1));
-    }
+// The random bytes of the thread's 8 scores in each of kN 16 x 16 blocks, block i's call
+// being draw(i) (a Philox4, the block's quad). Blocks go in pairs: lane l draws the first
+// block of a pair when its `half` = (l / 4) % 2 is 0, the second otherwise, and the two
+// lanes swap halves.
+template <bool kTransposed, int kN, class Draw>
+__device__ __forceinline__ void quad_bytes(KeepBytes (&out)[kN], int half, Draw draw) {
 #pragma unroll
     for (int i = 0; i + 1 < kN; i += 2) {
-        const int mine = i + half;  // the block this lane draws
-        const Philox4 r = philox4x32<kLeanKeys>(uint32_t(q16 + mine * dq),
-                                                uint32_t(k16 + mine * dk), uint32_t(head_index),
-                                                quad, k0, k1);
+        const Philox4 r = draw(i + half);  // the block this lane draws
         const KeepBytes own = quad_half<kTransposed>(r, half);
         const KeepBytes give = quad_half<kTransposed>(r, half ^ 1);
         KeepBytes got;
@@ -121,13 +106,122 @@ __device__ __forceinline__ void dropout_bytes(KeepBytes (&out)[kN], uint64_t see
             out[i + 1].w[w] = half ? own.w[w] : got.w[w];
         }
     }
-    if constexpr (kN % 2 == 1) {  // an unpaired last block: both lanes draw it
-        const Philox4 r = philox4x32<kLeanKeys>(uint32_t(q16 + (kN - 1) * dq),
-                                                uint32_t(k16 + (kN - 1) * dk),
-                                                uint32_t(head_index), quad, k0, k1);
-        out[kN - 1] = quad_half<kTransposed>(r, half);
-    }
+    if constexpr (kN % 2 == 1)  // an unpaired last block: both lanes draw it
+        out[kN - 1] = quad_half<kTransposed>(draw(kN - 1), half);
 }
+
+// The quad (counter word 3) of this lane: (i % 8 / 2, j % 8 / 2) = (lane/4 / 2, lane%4)
+// forward, (lane%4, lane/4 / 2) transposed.
+template <bool kTransposed>
+__device__ __forceinline__ uint32_t lane_quad(int lane) {
+    return kTransposed ? 4 * (lane & 3) + (lane >> 3) : 4 * (lane >> 3) + (lane & 3);
+}
+
+// The random bytes of the thread's 8 scores in each of kN 16 x 16 blocks, block i at (query
+// block q16 + i * dq, key block k16 + i * dk) (quad_bytes' pairs).
+// kLeanKeys: the key schedule is recomputed in each call (two adds a round) instead of
+// being hoisted out of the kernel's loop by the compiler (two registers a round, held
+// throughout), for kernels with no registers to spare.
+template <bool kTransposed, int kN, bool kLeanKeys = false>
+__device__ __forceinline__ void dropout_bytes(KeepBytes (&out)[kN], uint64_t seed, int q16,
+                                              int k16, int dq, int dk, int head_index,
+                                              int lane) {
+    const int half = (lane >> 2) & 1;
+    const uint32_t quad = lane_quad<kTransposed>(lane);
+    uint32_t k0 = uint32_t(seed), k1 = uint32_t(seed >> 32);
+    if constexpr (kLeanKeys) {  // opaque to the compiler: nothing derived from it is hoisted
+        asm volatile("mov.b32 %0, %0;" : "+r"(k0));
+        asm volatile("mov.b32 %0, %0;" : "+r"(k1));
+    }
+    quad_bytes<kTransposed>(out, half, [&](int i) {
+        return philox4x32<kLeanKeys>(uint32_t(q16 + i * dq), uint32_t(k16 + i * dk),
+                                     uint32_t(head_index), quad, k0, k1);
+    });
+}
+
+// Philox4x32 for calls whose counter words 0, 2 and 3 are fixed and word 1 varies: the
+// forward's calls over one warp's 16 query rows (word 0 the query block, 2 the head, 3 the
+// lane's quad; word 1 the key block). Of the first four rounds' 8 multiplies and 8 XORs,
+// 4 and 3 do not depend on word 1 (round 1's M1 c2, round 2's M1 product, round 3's M0
+// product, and the XORs into them): `PhiloxRow` holds what they leave, computed once per
+// tile, and each call does 22 of the 28 multiplies and XORs, for the same outputs
+// (tests/test_gpu_dropout.py checks the kernels' masks against the host's full Philox).
+struct PhiloxRow {
+    uint32_t f0, f2, f4, f5, f7;
+};
+
+__device__ __forceinline__ PhiloxRow philox_row(uint32_t c0, uint32_t c2, uint32_t c3,
+                                                uint32_t k0, uint32_t k1) {
+    constexpr uint32_t kM0 = kPhiloxM0, kM1 = kPhiloxM1, kW0 = kPhiloxW0, kW1 = kPhiloxW1;
+    static_assert(kPhiloxRounds >= 4, "philox_row folds the first four rounds");
+    PhiloxRow f;
+    // Round 1 (key k): out0 = hi(M1 c2) ^ c1 ^ k0 (f0 ^ c1), out1 = lo(M1 c2),
+    // out2 = hi(M0 c0) ^ c3 ^ k1, out3 = lo(M0 c0): all but out0 fixed.
+    f.f0 = __umulhi(kM1, c2) ^ k0;
+    const uint32_t a1 = kM1 * c2, a2 = __umulhi(kM0, c0) ^ c3 ^ k1, a3 = kM0 * c0;
+    // Round 2 (key k + W): out0 = hi(M1 a2) ^ a1 ^ k0 and out1 = lo(M1 a2) fixed;
+    // out2 = hi(M0 out0') ^ (a3 ^ k1): f2 = a3 ^ k1.
+    k0 += kW0;
+    k1 += kW1;
+    const uint32_t b0 = __umulhi(kM1, a2) ^ a1 ^ k0, b1 = kM1 * a2;
+    f.f2 = a3 ^ k1;
+    // Round 3 (key k + 2W): out0 = hi(M1 b2) ^ (b1 ^ k0): f4; out2 = (hi(M0 b0) ^ k1) ^ b3:
+    // f5; out3 = lo(M0 b0), fixed.
+    k0 += kW0;
+    k1 += kW1;
+    f.f4 = b1 ^ k0;
+    f.f5 = __umulhi(kM0, b0) ^ k1;
+    const uint32_t c3r = kM0 * b0;
+    // Round 4 (key k + 3W): out2 = hi(M0 x0) ^ (c3r ^ k1): f7.
+    k1 += kW1;
+    f.f7 = c3r ^ k1;
+    return f;
+}
+
+// philox4x32(c0, c1, c2, c3, k0, k1) from philox_row(c0, c2, c3, k0, k1) and c1.
+__device__ __forceinline__ Philox4 philox4x32_row(const PhiloxRow& f, uint32_t c1, uint32_t k0,
+                                                  uint32_t k1) {
+    constexpr uint32_t kM0 = kPhiloxM0, kM1 = kPhiloxM1, kW0 = kPhiloxW0, kW1 = kPhiloxW1;
+    const uint32_t a0 = f.f0 ^ c1;                                        // round 1
+    const uint32_t b2 = __umulhi(kM0, a0) ^ f.f2, b3 = kM0 * a0;          // round 2
+    const uint32_t x0 = __umulhi(kM1, b2) ^ f.f4, x1 = kM1 * b2, x2 = f.f5 ^ b3;  // round 3
+    k0 += 3 * kW0;                                                        // round 4
+    k1 += 3 * kW1;
+    uint32_t c0 = __umulhi(kM1, x2) ^ x1 ^ k0, c1o = kM1 * x2;
+    uint32_t c2 = __umulhi(kM0, x0) ^ f.f7, c3 = kM0 * x0;
+#pragma unroll
+    for (int round = 4; round < kPhiloxRounds; ++round) {
+        k0 += kW0;
+        k1 += kW1;
+        const uint32_t hi0 = __umulhi(kM0, c0), lo0 = kM0 * c0;
+        const uint32_t hi1 = __umulhi(kM1, c2), lo1 = kM1 * c2;
+        c0 = hi1 ^ c1o ^ k0;
+        c1o = lo1;
+        c2 = hi0 ^ c3 ^ k1;
+        c3 = lo0;
+    }
+    return {{c0, c1o, c2, c3}};
+}
+
+// The forward layout's draws over one warp's 16 query rows (query block q16) of one head:
+// philox_row's fixed part, made once per tile, and the call's key. dropout_bytes<false>
+// with dq = 0, dk = 1 gives the same bytes.
+struct DropoutRow {
+    PhiloxRow fixed;
+    uint32_t k0, k1;
+    DropoutRow() = default;
+    __device__ __forceinline__ DropoutRow(uint64_t seed, int q16, int head_index, int lane)
+        : fixed(philox_row(uint32_t(q16), uint32_t(head_index), lane_quad<false>(lane),
+                           uint32_t(seed), uint32_t(seed >> 32))),
+          k0(uint32_t(seed)), k1(uint32_t(seed >> 32)) {}
+    // The bytes of key blocks k16, k16 + 1, ..., k16 + kN - 1 (dropout_bytes' layout).
+    template <int kN>
+    __device__ __forceinline__ void bytes(KeepBytes (&out)[kN], int k16, int lane) const {
+        quad_bytes<false>(out, (lane >> 2) & 1, [&](int i) {
+            return philox4x32_row(fixed, uint32_t(k16 + i), k0, k1);
+        });
+    }
+};
 
 // The 8-bit threshold at each byte position of a word, so that a byte's test is one AND and
 // one compare: kept(byte k of w) = (w & (0xFF << 8 k)) >= (threshold << 8 k).
