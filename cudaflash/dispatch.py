@@ -127,10 +127,11 @@ def rules(arch: int) -> Rules:
 def selected_config(device_index: int, dtype: str, d_head: int, causal: bool, seqlen_q: int,
                     seqlen_k: int, n_heads: int = 1, n_heads_k: int = 1,
                     window: tuple[int, int] = (-1, -1), alibi: bool = False,
-                    maps: bool = True, batch: int | None = None) -> tuple[str, str]:
+                    maps: bool = True, batch: int | None = None,
+                    dropout: bool = False) -> tuple[str, str]:
     """The config ``flash_attn_func`` runs on cuda:``device_index`` for such a call (with
-    ``n_heads`` query heads reading ``n_heads_k`` K/V heads, the sliding ``window`` and ALiBi
-    slopes or not), and the rule that chose it. ``maps``: whether the call loads through
+    ``n_heads`` query heads reading ``n_heads_k`` K/V heads, the sliding ``window``, ALiBi
+    slopes or not, dropout or not), and the rule that chose it. ``maps``: whether the call loads through
     tensor maps (a padded batch big enough for them; packed batches, cache addressing and
     small calls do not, and run a persistent config's twin, without_persistence, or with no
     twin built the next rule's config, maps_only). ``batch``:
@@ -139,15 +140,17 @@ def selected_config(device_index: int, dtype: str, d_head: int, causal: bool, se
     ``maps``. Raises LookupError when no built config fits."""
     dk = device_kernels(device_index)
     rows, heads, causal, kernel_window = heuristics.kernel_problem(
-        seqlen_q, n_heads, n_heads_k, seqlen_k, causal, window, alibi)
+        seqlen_q, n_heads, n_heads_k, seqlen_k, causal, window, alibi or dropout)
     if batch is not None:
         maps = rows == seqlen_q and _tma.selects_with_maps(rows, seqlen_k, heads, batch,
                                                            kernel_window)
-    return _select(dk, rules(dk.device.arch), dtype, d_head, causal, rows, seqlen_k, maps)
+    return _select(dk, rules(dk.device.arch), dtype, d_head, causal, rows, seqlen_k, maps,
+                   dropout=dropout)
 
 
 def _select(dk: DeviceKernels, r: Rules, dtype: str, d_head: int, causal: bool,
-            seqlen_q: int, seqlen_k: int, maps: bool) -> tuple[str, str]:
+            seqlen_q: int, seqlen_k: int, maps: bool,
+            dropout: bool = False) -> tuple[str, str]:
     """The built config the rules choose for the problem, and why. A call without tensor
     maps passes over the configs that are for calls with them (maps_only: the next matching
     rule serves it), and takes a persistent config's twin (without_persistence); where no
@@ -157,7 +160,7 @@ def _select(dk: DeviceKernels, r: Rules, dtype: str, d_head: int, causal: bool,
     def select(usable):
         return selection.select(r.rules, usable, arch=dk.device.arch, dtype=dtype,
                                 d_head=d_head, causal=causal, seqlen_q=seqlen_q,
-                                seqlen_k=seqlen_k)
+                                seqlen_k=seqlen_k, dropout=dropout)
 
     if maps:
         return select(dk.usable)
@@ -196,25 +199,29 @@ def device_kernels(index: int) -> DeviceKernels:
 
 
 def auto_kernel(ctx: int, index: int, dtype: torch.dtype, d_head: int, causal: bool,
-                seqlen_q: int, seqlen_k: int, maps: bool = False) -> Kernel:
+                seqlen_q: int, seqlen_k: int, maps: bool = False,
+                dropout: bool = False) -> Kernel:
     """The kernel the selection rules choose for the problem (kernel_problem's rows and
     causal), loaded in context ``ctx``. ``maps``: whether the call will load through tensor
     maps (launch.run: _tma.worth_maps); without them a persistent config gives way to its
-    twin (without_persistence), or with no twin built to the next rule's config (maps_only)."""
+    twin (without_persistence), or with no twin built to the next rule's config (maps_only).
+    ``dropout``: whether the call drops scores (rules may give those another config)."""
     dk = device_kernels(index)
     r = rules(dk.device.arch)
     key = (ctx, dtype, d_head, causal, bisect.bisect_left(r.q_bounds, seqlen_q),
-           bisect.bisect_left(r.k_bounds, seqlen_k), maps)
+           bisect.bisect_left(r.k_bounds, seqlen_k), maps, dropout)
     kernel = _auto_kernels.get(key)
     if kernel is None:
         name = DTYPES[dtype]
         if d_head not in dk.head_dims(name):
             raise ValueError(f"no {name} kernel with head dim {d_head} runs on {dk.describe()}; "
                              f"{name} head dims built for it: {dk.head_dims(name)}")
-        config_name, reason = _select(dk, r, name, d_head, causal, seqlen_q, seqlen_k, maps)
+        config_name, reason = _select(dk, r, name, d_head, causal, seqlen_q, seqlen_k, maps,
+                                      dropout=dropout)
         if dk.debug:
-            log.debug("cuda:%d %s d_head=%d causal=%s seqlen_q=%d seqlen_k=%d -> %s (%s)", index,
-                      name, d_head, causal, seqlen_q, seqlen_k, config_name, reason)
+            log.debug("cuda:%d %s d_head=%d causal=%s seqlen_q=%d seqlen_k=%d%s -> %s (%s)",
+                      index, name, d_head, causal, seqlen_q, seqlen_k,
+                      " dropout" if dropout else "", config_name, reason)
         kernel = _auto_kernels[key] = _make_kernel(dk, dk.usable[config_name], ctx)
     return kernel
 

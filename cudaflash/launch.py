@@ -77,7 +77,7 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
         maps = maps_ok and _tma.selects_with_maps(rows, seqlen_k, heads, batch, kernel_window,
                                                   num_splits)
         kernel = dispatch.auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k,
-                                      maps=maps)
+                                      maps=maps, dropout=dropout is not None)
     else:
         kernel = dispatch.config_kernel(ctx, index, config)
 

@@ -5,8 +5,9 @@ A rule is a mapping of optional conditions plus a ``config`` name template::
     {d_head: 128, arch: [86, 89], config: "fwd_{dtype}_d128_br128_bc32_..."}
 
 Conditions: ``arch`` (list of compute capabilities, 80/86/89/90...), ``dtype`` ("fp16" or
-"bf16"), ``d_head``, ``causal`` (bool), ``max_seqlen_q`` and ``max_seqlen_k`` (the call's
-length must be <= the bound). ``config`` is a canonical config name (``KernelConfig.name``);
+"bf16"), ``d_head``, ``causal`` (bool), ``dropout`` (bool: whether the call drops scores,
+dropout_p > 0), ``max_seqlen_q`` and ``max_seqlen_k`` (the call's length must be <= the
+bound). ``config`` is a canonical config name (``KernelConfig.name``);
 "{dtype}" in it is replaced by the call's dtype. The first rule whose conditions hold and
 whose config is available on the GPU wins.
 
@@ -25,7 +26,8 @@ from typing import Any, Mapping, Optional, Tuple
 from .config import DTYPES, ConfigError, KernelConfig
 from .config_file import read_yaml
 
-CONDITION_KEYS = ("arch", "dtype", "d_head", "causal", "max_seqlen_q", "max_seqlen_k")
+CONDITION_KEYS = ("arch", "dtype", "d_head", "causal", "dropout", "max_seqlen_q",
+                  "max_seqlen_k")
 RULE_KEYS = CONDITION_KEYS + ("config",)
 DTYPE_PLACEHOLDER = "{dtype}"
 MIN_ARCH = 80  # the kernels use sm_80 features (cp.async, ldmatrix, bf16 mma)
@@ -42,6 +44,7 @@ class Rule:
     dtype: Optional[str] = None
     d_head: Optional[int] = None
     causal: Optional[bool] = None
+    dropout: Optional[bool] = None
     max_seqlen_q: Optional[int] = None
     max_seqlen_k: Optional[int] = None
 
@@ -58,7 +61,7 @@ class Rule:
         return (_name_key(self.config)[0],)
 
     def matches(self, *, arch: int, dtype: str, d_head: int, causal: bool, seqlen_q: int,
-                seqlen_k: int) -> bool:
+                seqlen_k: int, dropout: bool = False) -> bool:
         if dtype not in self.dtypes():
             return False
         # The config's own d_head must match too, so that a rule without a d_head condition
@@ -67,6 +70,7 @@ class Rule:
                 and (self.arch is None or arch in self.arch)
                 and (self.d_head is None or d_head == self.d_head)
                 and (self.causal is None or causal == self.causal)
+                and (self.dropout is None or dropout == self.dropout)
                 and (self.max_seqlen_q is None or seqlen_q <= self.max_seqlen_q)
                 and (self.max_seqlen_k is None or seqlen_k <= self.max_seqlen_k))
 
@@ -121,10 +125,11 @@ def _parse_rule(raw: Any, index: int, where: str) -> Rule:
         if not _positive_int(raw["d_head"]):
             raise bad("d_head", "a positive integer")
         values["d_head"] = raw["d_head"]
-    if "causal" in raw:
-        if not isinstance(raw["causal"], bool):
-            raise bad("causal", "true or false")
-        values["causal"] = raw["causal"]
+    for key in ("causal", "dropout"):
+        if key in raw:
+            if not isinstance(raw[key], bool):
+                raise bad(key, "true or false")
+            values[key] = raw[key]
     for key in ("max_seqlen_q", "max_seqlen_k"):
         if key in raw:
             if not _positive_int(raw[key]):
@@ -157,8 +162,10 @@ def parse_rules(raw: list, where: str) -> tuple[Rule, ...]:
 
 
 def select(rules, available: Mapping[str, Any], *, arch: int, dtype: str, d_head: int,
-           causal: bool, seqlen_q: int, seqlen_k: int) -> tuple[str, str]:
-    """Pick a config name for a call; returns (name, reason).
+           causal: bool, seqlen_q: int, seqlen_k: int,
+           dropout: bool = False) -> tuple[str, str]:
+    """Pick a config name for a call (``dropout``: whether it drops scores); returns
+    (name, reason).
 
     ``available`` holds the config names usable on this GPU (a dict keyed by name or any
     ordered collection of names). The first matching rule whose config is available wins;
@@ -166,7 +173,7 @@ def select(rules, available: Mapping[str, Any], *, arch: int, dtype: str, d_head
     """
     for rule in rules:
         if rule.matches(arch=arch, dtype=dtype, d_head=d_head, causal=causal,
-                        seqlen_q=seqlen_q, seqlen_k=seqlen_k):
+                        seqlen_q=seqlen_q, seqlen_k=seqlen_k, dropout=dropout):
             name = rule.config_name(dtype)
             if name in available:
                 return name, f"rule {rule.index} of {rule.where}"

@@ -39,6 +39,7 @@ WS256 = "fwd_{}_d256_br128_bc64_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wg
 WSP = WS + "_pers"  # persistent CTAs where maps are given
 # d64 with three consumer warpgroups (B_r = 192: round-robin turns)
 WS64 = "fwd_{}_d64_br192_bc128_w12_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1_ws"
+V6C1_64 = "fwd_{}_d64_br64_bc128_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1"
 # d64 persistent, two consumer warpgroups (S <= 512 non-causal; no non-persistent twin)
 WSP64 = "fwd_{}_d64_br128_bc128_w8_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1_ws_pers"
 CONFIGS = [(128, WS), (128, WSP), (256, WS256), (64, WS64), (64, WSP64)] + V6
@@ -472,14 +473,30 @@ def test_kvcache_prefill_where_the_rules_pick_the_three_group_config():
     # cannot see (2600 = 13 * 192 + 104: a tail tile where the third has no rows)
     (True, 2600, 1, 0.2, (31, 37)),
 ], ids=["2k", "causal_2600"])
-def test_dropout_on_the_three_group_config(monkeypatch, dtype, causal, seqlen, heads_k, p,
-                                           seeds):
-    """Dropout at d64: with maps the three-warpgroup config runs it, without them a 64-row
-    config; both match the math with the keep mask rebuilt on the host."""
-    # (with maps, the rules' choice at this size is the three-warpgroup config)
+def test_dropout_on_the_three_group_config(monkeypatch, tmp_path, dtype, causal, seqlen,
+                                           heads_k, p, seeds):
+    """Dropout at d64 where a plain call takes the three-warpgroup config: the shipped rules
+    give it the 64-row config (its dropout forward is faster), and a user's rule can give it
+    the three-warpgroup config, whose dropout entry then runs; every path (with maps and
+    without) matches the math with the keep mask rebuilt on the host."""
     assert internals.selected_config(0, dtype, 64, causal, seqlen, seqlen)[0] == \
         WS64.format(dtype)
+    assert internals.selected_config(0, dtype, 64, causal, seqlen, seqlen, dropout=True)[0] == \
+        V6C1_64.format(dtype)
     q, k, v = make_qkv(1, seqlen, seqlen, 2, heads_k, 64, DTYPES[dtype], seed=seeds[0])
     assert_dropout_paths_follow_the_mask(monkeypatch, q, k, v, p, seeds[1],
-                                         ("three warpgroups (maps)", "64-row (no maps)"),
-                                         causal=causal)
+                                         ("64-row (maps)", "64-row (no maps)"), causal=causal)
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("selection:\n  - {d_head: 64, dropout: true, config: "
+                     f'"{WS64.format(dtype)}"}}\n')
+    monkeypatch.setenv("CUDAFLASH_CONFIG", str(rules))
+    internals.clear_caches()
+    try:
+        assert internals.selected_config(0, dtype, 64, causal, seqlen, seqlen,
+                                         dropout=True)[0] == WS64.format(dtype)
+        assert_dropout_paths_follow_the_mask(monkeypatch, q, k, v, p, seeds[1],
+                                             ("three warpgroups (maps, the user's rule)",
+                                              "64-row (no maps)"), causal=causal)
+    finally:
+        monkeypatch.delenv("CUDAFLASH_CONFIG")
+        internals.clear_caches()

@@ -696,18 +696,23 @@ def test_selected_config_sees_the_packed_problem(fake, monkeypatch):
 def test_selected_config_decides_tensor_maps_from_the_batch(fake, monkeypatch):
     """Given the batch, selected_config decides whether the call loads through tensor maps as
     the forward does (_tma.selects_with_maps): a small call without them, a big one with
-    them, GQA decoding's folded rows never; without a batch, ``maps`` as given."""
+    them, GQA decoding's folded rows never; without a batch, ``maps`` as given. ``dropout`` is
+    passed on, and keeps GQA decoding's query heads apart (its random numbers depend on the
+    query head), so those rows are not folded."""
     from cudaflash import _tma, dispatch
     seen = []
     monkeypatch.setattr(dispatch, "_select",
-                        lambda dk, r, dtype, d, causal, rows, keys, maps:
-                        seen.append((rows, maps)) or ("cfg", "r"))
+                        lambda dk, r, dtype, d, causal, rows, keys, maps, dropout=False:
+                        seen.append((rows, maps, dropout)) or ("cfg", "r"))
     internals.selected_config(0, "bf16", 64, False, 128, 128, batch=1)
     internals.selected_config(0, "bf16", 64, False, 8192, 8192, n_heads=32, batch=2)
     internals.selected_config(0, "bf16", 64, False, 1, 8192, n_heads=32, n_heads_k=8, batch=64)
     internals.selected_config(0, "bf16", 64, False, 128, 128)
     internals.selected_config(0, "bf16", 64, False, 8192, 8192, maps=False)
-    assert seen == [(128, False), (8192, True), (4, False), (128, True), (8192, False)]
+    internals.selected_config(0, "bf16", 64, False, 1, 8192, n_heads=32, n_heads_k=8, batch=64,
+                              dropout=True)
+    assert seen == [(128, False, False), (8192, True, False), (4, False, False),
+                    (128, True, False), (8192, False, False), (1, True, True)]
     assert not _tma.selects_with_maps(128, 128, 1, 1, (-1, -1))
     assert _tma.selects_with_maps(8192, 8192, 32, 2, (-1, -1))
 

@@ -43,9 +43,10 @@ RULES = [
 
 
 def call(rules, available=ALL, *, arch=90, dtype="bf16", d_head=128, causal=False,
-         seqlen_q=1024, seqlen_k=1024):
+         seqlen_q=1024, seqlen_k=1024, dropout=False):
     return selection.select(rules, available, arch=arch, dtype=dtype, d_head=d_head,
-                            causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+                            causal=causal, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                            dropout=dropout)
 
 
 def rules(*raw):
@@ -109,6 +110,21 @@ def test_conditions():
                                                  "rule 2 of test.yaml")
 
 
+def test_dropout_condition():
+    """``dropout: true`` serves only calls that drop scores, ``false`` only those that do not;
+    a rule without it serves both."""
+    rs = rules({"dropout": True, "config": D64_B},
+               {"dropout": False, "causal": True, "config": D64_B},
+               {"config": D64})
+    d64 = dict(d_head=64, dtype="bf16")
+    assert call(rs, dropout=True, **d64)[1] == "rule 0 of test.yaml"
+    assert call(rs, dropout=True, causal=True, **d64)[1] == "rule 0 of test.yaml"
+    assert call(rs, causal=True, **d64)[1] == "rule 1 of test.yaml"
+    assert call(rs, **d64)[1] == "rule 2 of test.yaml"
+    assert [r.dropout for r in rs] == [True, False, None]
+    assert [r.to_dict().get("dropout") for r in rs] == [True, False, None]
+
+
 def test_rule_never_serves_another_head_dim():
     # No d_head condition: the rule's config is d64, so a d128 call must skip it.
     rs = rules({"config": D64})
@@ -135,9 +151,11 @@ def test_configs_yaml_rules_serve_every_built_kernel_family():
     """On each arch (and a newer one that JITs the PTX), every (dtype, d_head) that
     configs.yaml builds gets a kernel of that dtype and d_head built for the arch, and every
     rule is chosen somewhere: by calls with tensor maps (every built config available) or
-    by calls without them (dispatch passes over the configs that need maps)."""
+    by calls without them (dispatch passes over the configs that need maps), with dropout or
+    without."""
     chosen = set()
-    for arch, maps in itertools.product((80, 86, 89, 90, 100), (True, False)):
+    for arch, maps, dropout in itertools.product((80, 86, 89, 90, 100), (True, False),
+                                                 (False, True)):
         if arch == 100:  # a newer GPU: every config's compute_90 PTX (smem permitting)
             fits = {c.name: c for c in SPEC.configs}
         else:
@@ -152,7 +170,7 @@ def test_configs_yaml_rules_serve_every_built_kernel_family():
                                            (16384, 16384), (1, 2048), (1, 8192)):
                     name, reason = call(SPEC.rules, fits, arch=arch, dtype=dtype,
                                         d_head=d_head, causal=causal, seqlen_q=seqlen_q,
-                                        seqlen_k=seqlen_k)
+                                        seqlen_k=seqlen_k, dropout=dropout)
                     assert (fits[name].dtype, fits[name].d_head) == (dtype, d_head)
                     chosen.add(reason)
     unused = {f"rule {r.index} of configs.yaml" for r in SPEC.rules} - chosen
@@ -172,6 +190,7 @@ def test_configs_yaml_rules_serve_every_built_kernel_family():
     ({"dtype": "fp32", "config": D64}, "dtype='fp32' is invalid; allowed: one of ['fp16', 'bf16']"),
     ({"d_head": "64", "config": D64}, "d_head='64' is invalid"),
     ({"causal": "yes", "config": D64}, "causal='yes' is invalid; allowed: true or false"),
+    ({"dropout": 0.1, "config": D64}, "dropout=0.1 is invalid; allowed: true or false"),
     ({"max_seqlen_q": 0, "config": D64}, "max_seqlen_q=0 is invalid"),
     ({"max_seqlen_k": 1.5, "config": D64}, "max_seqlen_k=1.5 is invalid"),
     ({"config": 64}, "config=64 is invalid"),
@@ -234,7 +253,8 @@ def select_on_sm90(configs):
     usable = {c.name: SimpleNamespace(name=c.name, config=c) for c in configs}
     dk = SimpleNamespace(device=SimpleNamespace(arch=90), usable=usable)
     r = internals.Rules(SPEC.rules, (), ())
-    return lambda *call, maps: internals.select_for_call(dk, r, *call, maps=maps)
+    return lambda *call, maps, dropout=False: internals.select_for_call(dk, r, *call, maps=maps,
+                                                                      dropout=dropout)
 
 
 def test_calls_without_tensor_maps_pass_over_configs_that_need_them():
@@ -256,6 +276,28 @@ def test_calls_without_tensor_maps_pass_over_configs_that_need_them():
         for seqlen_k, ctas in ((2048, 1), (4096, 1), (8192, 3)):
             name, _ = select("bf16", 64, False, 16, seqlen_k, maps=maps)
             assert name.endswith(f"_ctas{ctas}_wgmma1"), (maps, seqlen_k, name)
+
+
+def test_d64_dropout_calls_take_the_64_row_config_where_plain_ones_take_three_groups():
+    """configs.yaml: a d64 call with dropout that a plain call's rules would give the
+    three-warpgroup config takes the 64-row one-CTA config instead (its dropout forward is
+    faster), with maps or without; every other dropout call takes the plain call's config
+    (d64 below the three-warpgroup sizes, d128)."""
+    built = {c.name: c for c in SPEC.configs if 90 in SPEC.cubin_archs(c)}
+    select = select_on_sm90(built.values())
+    for dtype, causal in itertools.product(("bf16", "fp16"), (False, True)):
+        v6 = f"fwd_{dtype}_d64_br64_bc128_w4_async1_eager1_swz1_q0k0v0_dbuf0_osm1_ctas1_wgmma1"
+        for seqlen in (4096, 16384):
+            assert built[select(dtype, 64, causal, seqlen, seqlen, maps=True)[0]].B_r == 192
+            for maps in (True, False):
+                name, reason = select(dtype, 64, causal, seqlen, seqlen, maps=maps,
+                                      dropout=True)
+                assert name == v6 and reason.startswith("rule "), (maps, name, reason)
+        for d_head, seqlen in ((64, 512), (64, 1024), (128, 4096)):
+            for maps in (True, False):
+                assert select(dtype, d_head, causal, seqlen, seqlen, maps=maps,
+                              dropout=True) == select(dtype, d_head, causal, seqlen, seqlen,
+                                                      maps=maps)
 
 
 def test_d64_short_calls_with_maps_take_the_persistent_config():
