@@ -142,10 +142,11 @@ __device__ __forceinline__ void dropout_bytes(KeepBytes (&out)[kN], uint64_t see
 // Philox4x32 for calls whose counter words 0, 2 and 3 are fixed and word 1 varies: the
 // forward's calls over one warp's 16 query rows (word 0 the query block, 2 the head, 3 the
 // lane's quad; word 1 the key block). Of the first four rounds' 8 multiplies and 8 XORs,
-// 4 and 3 do not depend on word 1 (round 1's M1 c2, round 2's M1 product, round 3's M0
-// product, and the XORs into them): `PhiloxRow` holds what they leave, computed once per
-// tile, and each call does 22 of the 28 multiplies and XORs, for the same outputs
-// (tests/test_gpu_dropout.py checks the kernels' masks against the host's full Philox).
+// 4 multiplies (round 1's two, round 2's M1 product, round 3's M0 product) and 2 XORs
+// (round 1's out2, round 2's out0) do not depend on word 1: `PhiloxRow` holds what they
+// leave, computed once per tile, and each call does 22 of the 28 multiplies and XORs, for
+// the same outputs (tests/test_gpu_dropout.py checks the kernels' masks against the host's
+// full Philox).
 struct PhiloxRow {
     uint32_t f0, f2, f4, f5, f7;
 };

@@ -131,14 +131,16 @@ def selected_config(device_index: int, dtype: str, d_head: int, causal: bool, se
                     dropout: bool = False) -> tuple[str, str]:
     """The config ``flash_attn_func`` runs on cuda:``device_index`` for such a call (with
     ``n_heads`` query heads reading ``n_heads_k`` K/V heads, the sliding ``window``, ALiBi
-    slopes or not, dropout or not), and the rule that chose it. ``maps``: whether the call loads through
-    tensor maps (a padded batch big enough for them; packed batches, cache addressing and
-    small calls do not, and run a persistent config's twin, without_persistence, or with no
-    twin built the next rule's config, maps_only). ``batch``:
-    the padded batch's size; given, a padded call's ``maps`` is decided as flash_attn_func
-    decides it (_tma.selects_with_maps: small calls load without maps), not taken from
-    ``maps``. Raises LookupError when no built config fits."""
+    slopes or not, ``dropout`` or not: a bool, or the dropout_p, > 0 meaning dropout), and
+    the rule that chose it. ``maps``: whether the call loads through tensor maps (a padded
+    batch big enough for them; packed batches, cache addressing and small calls do not, and
+    run a persistent config's twin, without_persistence, or with no twin built the next
+    rule's config, maps_only). ``batch``: the padded batch's size; given, a padded call's
+    ``maps`` is decided as flash_attn_func decides it (_tma.selects_with_maps: small calls
+    load without maps), not taken from ``maps``. Raises LookupError when no built config
+    fits."""
     dk = device_kernels(device_index)
+    dropout = bool(dropout)
     rows, heads, causal, kernel_window = heuristics.kernel_problem(
         seqlen_q, n_heads, n_heads_k, seqlen_k, causal, window, alibi or dropout)
     if batch is not None:

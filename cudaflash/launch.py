@@ -174,7 +174,8 @@ def run_varlen(index: int, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     # As flash-attn, clamped by the longest sequence.
     kernel_window = heuristics.kernel_window(window, max_seqlen_k, causal)
     ctx = _driver.current_context(index)
-    kernel = dispatch.auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k)
+    kernel = dispatch.auto_kernel(ctx, index, q.dtype, d_head, causal, rows, seqlen_k,
+                                  dropout=dropout is not None)
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
     # Batch strides 0: a sequence's place comes from its offsets (paged K/V: page strides,
     # the pages come from the table). lse: (n_heads, total_q).

@@ -479,10 +479,18 @@ def test_dropout_on_the_three_group_config(monkeypatch, tmp_path, dtype, causal,
     give it the 64-row config (its dropout forward is faster), and a user's rule can give it
     the three-warpgroup config, whose dropout entry then runs; every path (with maps and
     without) matches the math with the keep mask rebuilt on the host."""
+    from cudaflash import dispatch
+    ctx = _driver.current_context(0)
+
+    def dropout_kernel_rows():  # the kernel a dropout call with maps loads (B_r)
+        return dispatch.auto_kernel(ctx, 0, DTYPES[dtype], 64, causal, seqlen, seqlen,
+                                    maps=True, dropout=True).block_rows
+
     assert internals.selected_config(0, dtype, 64, causal, seqlen, seqlen)[0] == \
         WS64.format(dtype)
     assert internals.selected_config(0, dtype, 64, causal, seqlen, seqlen, dropout=True)[0] == \
         V6C1_64.format(dtype)
+    assert dropout_kernel_rows() == 64
     q, k, v = make_qkv(1, seqlen, seqlen, 2, heads_k, 64, DTYPES[dtype], seed=seeds[0])
     assert_dropout_paths_follow_the_mask(monkeypatch, q, k, v, p, seeds[1],
                                          ("64-row (maps)", "64-row (no maps)"), causal=causal)
@@ -494,6 +502,7 @@ def test_dropout_on_the_three_group_config(monkeypatch, tmp_path, dtype, causal,
     try:
         assert internals.selected_config(0, dtype, 64, causal, seqlen, seqlen,
                                          dropout=True)[0] == WS64.format(dtype)
+        assert dropout_kernel_rows() == 192
         assert_dropout_paths_follow_the_mask(monkeypatch, q, k, v, p, seeds[1],
                                              ("three warpgroups (maps, the user's rule)",
                                               "64-row (no maps)"), causal=causal)

@@ -693,6 +693,30 @@ def test_selected_config_sees_the_packed_problem(fake, monkeypatch):
     assert [(c["seqlen_q"], c["causal"]) for c in picked] == [(4, False), (1, True)]
 
 
+def test_forwards_tell_the_rules_whether_they_drop_scores(fake, monkeypatch):
+    """launch.run and launch.run_varlen select with dropout=True exactly when the call
+    carries a Dropout (the rules may give dropout calls another config)."""
+    from cudaflash import _dropout, launch
+    seen = []
+
+    def stand_in(*args, dropout=False, **kwargs):
+        seen.append(dropout)
+        raise LookupError("selection seen")
+
+    internals.replace_auto_kernel(monkeypatch, stand_in)
+    drop = _dropout.Dropout(0.1, 26, 1 / 0.9, torch.zeros(1, dtype=torch.int64))
+    q, k, v = qkv(b=1)
+    cu = torch.tensor([0, 100], dtype=torch.int32)
+    cu_k = torch.tensor([0, 300], dtype=torch.int32)
+    for dropout in (None, drop):
+        with pytest.raises(LookupError, match="selection seen"):
+            internals.run(None, 0, q, k, v, None, 0.125, False, True, dropout=dropout)
+        with pytest.raises(LookupError, match="selection seen"):
+            launch.run_varlen(0, q[0], k[0], v[0], cu, cu_k, 100, 300, 0.125, False, True,
+                              dropout=dropout)
+    assert seen == [False, False, True, True]
+
+
 def test_selected_config_decides_tensor_maps_from_the_batch(fake, monkeypatch):
     """Given the batch, selected_config decides whether the call loads through tensor maps as
     the forward does (_tma.selects_with_maps): a small call without them, a big one with
