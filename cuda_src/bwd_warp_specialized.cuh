@@ -86,23 +86,26 @@ __device__ __forceinline__ void step_score_grads_packed(float (&dS)[kQ / 8][4],
         }
 }
 
-// Dropout's dS^T = P^T o (keep o dPd^T / (1 - p) - delta), in place of dPd^T = V dO^T, as
-// kept * (dPd * scale) - P * delta: `a_kept` is dV's operand (P^T o keep, keep_packed's 16-bit
-// fragments, read back here), so the keep mask is already in its zeros and costs nothing per
-// score here (drawn as bits and applied to dPd it cost ~3.5 instructions per score). P^T in
-// the delta term: its float32 values where the step keeps them (kFloatP, 64 query rows), else
-// read back from its fragments `a` (step_score_grads_packed's reason); the kept term always
-// takes the 16-bit P^T, the value dV's GEMM used (at 64 rows the old form took float32 P^T
-// there too: a difference within P's 16-bit rounding). A dropped score gives -P * delta
-// (0 * dPd), NaN only where dPd is not finite, where its column's gradients are NaN anyway.
-// Both fragment arrays are read while dV's wgmma may still read `a_kept` (as
-// step_score_grads_packed reads `a`): read-only, nothing writes them before the step's wait.
+// Dropout's dS^T = P^T o (keep o dPd^T / (1 - p) - delta), in place of dPd^T = V dO^T,
+// computed as (1 - p) dS^T = kept * dPd - P * delta', with delta' = (1 - p) delta (the
+// preprocess kernel writes delta_tiles so for dropout calls) and 1 / (1 - p) applied once to
+// dK (this kernel's epilogue) and dQ (dq_convert): one multiply per score fewer than scaling
+// dPd here. `a_kept` is dV's operand (P^T o keep, keep_packed's 16-bit fragments, read back
+// here), so the keep mask is already in its zeros and costs nothing per score here (drawn as
+// bits and applied to dPd it cost ~3.5 instructions per score). P^T in the delta term: its
+// float32 values where the step keeps them (kFloatP, 64 query rows), else read back from its
+// fragments `a` (step_score_grads_packed's reason); the kept term always takes the 16-bit
+// P^T, the value dV's GEMM used (at 64 rows the old form took float32 P^T there too: a
+// difference within P's 16-bit rounding). A dropped score gives -P * delta' (0 * dPd), NaN
+// only where dPd is not finite, where its column's gradients are NaN anyway. Both fragment
+// arrays are read while dV's wgmma may still read `a_kept` (as step_score_grads_packed reads
+// `a`): read-only, nothing writes them before the step's wait.
 template <int kQ, bool kFloatP>
 __device__ __forceinline__ void step_score_grads_dropped(float (&dS)[kQ / 8][4],
                                                          const float (&P)[kQ / 8][4],
                                                          const uint32_t (&a)[1][kQ / 16][4],
                                                          const uint32_t (&a_kept)[1][kQ / 16][4],
-                                                         const float* delta, float scale) {
+                                                         const float* kept_delta) {
 #pragma unroll
     for (int nj = 0; nj < kQ / 8; ++nj)
 #pragma unroll
@@ -110,7 +113,7 @@ __device__ __forceinline__ void step_score_grads_dropped(float (&dS)[kQ / 8][4],
             const int col = fragment_column(nj, e);
             const float kept_prob = fragment_value(a_kept, nj, e);
             const float prob = kFloatP ? P[nj][e] : fragment_value(a, nj, e);
-            dS[nj][e] = fmaf(kept_prob, dS[nj][e] * scale, -prob * delta[col]);
+            dS[nj][e] = fmaf(kept_prob, dS[nj][e], -prob * kept_delta[col]);
         }
 }
 
@@ -481,8 +484,7 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
         wgmma_wait<1>();  // dP^T (dV may still run)
         wgmma_fence_operands(wg::flat(dS[0]));
         if constexpr (kDropout) {
-            step_score_grads_dropped<kQ, kQ != 128>(dS[0], P[0], a, a_kept, delta,
-                                                    p.dropout_scale);
+            step_score_grads_dropped<kQ, kQ != 128>(dS[0], P[0], a, a_kept, delta);
         } else if constexpr (kQ == 128) {
             step_score_grads_packed<kQ>(dS[0], a, delta);
         } else {
@@ -578,8 +580,11 @@ __device__ __forceinline__ void bwd_dkdv_dq_ws(const BwdParams& p, const MapOrig
     // dK = scale * dS^T Q and dV through shared memory (over K and V) for coalesced stores,
     // once both warpgroups' last GEMMs have read K.
     named_barrier_sync(kBwdEpilogueBarrier, kBwdConsumerThreads);
-    acc_to_tile<kKeys>(sK, dK, p.softmax_scale, row0);
-    acc_to_tile<kKeys>(sV, dV, kDropout ? p.dropout_scale : 1.f, row0);  // (keep_packed)
+    // kDropout: dS^T is (1 - p) times the gradient (step_score_grads_dropped) and dV's operand
+    // the kept P (keep_packed), so both take 1 / (1 - p) here.
+    acc_to_tile<kKeys>(sK, dK, kDropout ? p.softmax_scale * p.dropout_scale : p.softmax_scale,
+                       row0);
+    acc_to_tile<kKeys>(sV, dV, kDropout ? p.dropout_scale : 1.f, row0);
     named_barrier_sync(kBwdEpilogueBarrier, kBwdConsumerThreads);
     const unsigned ctid = threadIdx.x - kBwdProducerThreads;
     store_rows_by<C, kKeys, kBwdConsumerThreads>(

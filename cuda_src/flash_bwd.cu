@@ -15,7 +15,8 @@
 //                             full attention; cudaflash_bwd_dkdv_dq_window with a window,
 //                             cudaflash_bwd_dkdv_dq_dropout with dropout (warp-specialized
 //                             modules).
-//   cudaflash_bwd_dq_convert  dQ = softmax_scale * accumulator, in the input dtype.
+//   cudaflash_bwd_dq_convert  dQ = softmax_scale * accumulator, in the input dtype (times
+//                             1 / (1 - p) with dropout: bwd_params.cuh, delta_tiles).
 //   cudaflash_bwd_{preprocess,dkdv,dq}_varlen  the same kernels, each CTA on its sequence of
 //                             a packed (varlen) batch; cudaflash_bwd_dkdv_dq_varlen and
 //                             cudaflash_bwd_dq_convert_varlen the atomic scheme's, on
@@ -431,7 +432,12 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& p, int stats_row
         p.delta[stats_row] = sum;
         if (tiles) {
             p.lse_log2_tiles[tile_row] = lse_log2_of(p.lse[stats_row], true);
-            p.delta_tiles[tile_row] = sum;
+            // With dropout, (1 - p) delta: the fused kernel's dropout entry folds 1 - p into
+            // delta (bwd_params.cuh, delta_tiles; bwd_warp_specialized.cuh,
+            // step_score_grads_dropped). The fast division (2 ulp; dropout_scale is in [1,
+            // 256]) keeps IEEE division's slow path out of this kernel.
+            p.delta_tiles[tile_row] =
+                p.dropout_threshold != 0 ? __fdividef(sum, p.dropout_scale) : sum;
         }
     }
 }
@@ -453,7 +459,9 @@ __device__ __forceinline__ void bwd_dq_convert(const BwdParams& p) {
     const float4* accum =
         reinterpret_cast<const float4*>(accum_row<kPacked>(p, batch, head, 0) + first);
     const float4 a = accum[0], b = accum[1];
-    const float s = p.softmax_scale;
+    // With dropout the accumulator holds (1 - p) dQ: the fused kernel's dropout entry, the
+    // only one with dropout that accumulates dQ here, folds 1 - p into delta (bwd_params.cuh).
+    const float s = p.dropout_threshold != 0 ? p.softmax_scale * p.dropout_scale : p.softmax_scale;
     if constexpr (!C::kWarpSpecialized) {
         // Row order: row first / kD, columns first % kD .. + 7.
         const int row = int(first / kD);

@@ -179,7 +179,11 @@ __device__ __forceinline__ PhiloxRow philox_row(uint32_t c0, uint32_t c2, uint32
     return f;
 }
 
-// philox4x32(c0, c1, c2, c3, k0, k1) from philox_row(c0, c2, c3, k0, k1) and c1.
+// philox4x32(c0, c1, c2, c3, k0, k1) from philox_row(c0, c2, c3, k0, k1) and c1. Rounds 5 to
+// kPhiloxRounds repeat philox4x32's round on purpose: finishing with a philox4x32 that starts
+// at round 5 (a kFirstRound template argument) gives the same bytes but other machine code
+// in the two-consumer forwards' dropout entries, which ran 2-6% slower at d128 (H200,
+// docs/perf-log.md, thirty-third session).
 __device__ __forceinline__ Philox4 philox4x32_row(const PhiloxRow& f, uint32_t c1, uint32_t k0,
                                                   uint32_t k1) {
     constexpr uint32_t kM0 = kPhiloxM0, kM1 = kPhiloxM1, kW0 = kPhiloxW0, kW1 = kPhiloxW1;

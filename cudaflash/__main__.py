@@ -60,8 +60,13 @@ def cmd_info(args) -> int:
             for causal in (False, True):
                 name, reason = api.selected_config(index, dtype, d_head, causal, args.seqlen,
                                                    args.seqlen)
-                rows.append((dtype, d_head, causal, name, dk.usable[name].kind, reason))
-        print(_table(("dtype", "d_head", "causal", "config", "kind", "chosen by"), rows))
+                # Rules may give dropout calls another config (configs.yaml: d64).
+                dropout_name, _ = api.selected_config(index, dtype, d_head, causal, args.seqlen,
+                                                      args.seqlen, dropout=True)
+                rows.append((dtype, d_head, causal, name, dk.usable[name].kind, reason,
+                             "same" if dropout_name == name else dropout_name))
+        print(_table(("dtype", "d_head", "causal", "config", "kind", "chosen by",
+                      "with dropout"), rows))
     return 0
 
 

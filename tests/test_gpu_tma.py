@@ -466,6 +466,22 @@ def test_kvcache_prefill_where_the_rules_pick_the_three_group_config():
     check_attention(paged, None, q, k, v, False)
 
 
+def test_info_shows_where_dropout_calls_take_another_config(capsys):
+    """`python -m cudaflash info` lists each (dtype, d_head, causal)'s config for dropout calls
+    too: at d64 2k the rules give plain calls the three-warpgroup config and dropout calls the
+    64-row one; at d128 both take the same."""
+    from cudaflash.__main__ import main
+    assert main(["info", "--seqlen", "2048"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["dtype", "d_head", "causal", "config", "kind", "chosen", "by", "with",
+            "dropout"] in rows
+    by_problem = {tuple(row[:3]): row for row in rows if len(row) >= 5}
+    for dtype in DTYPES:
+        d64 = by_problem[(dtype, "64", "False")]
+        assert d64[3] == WS64.format(dtype) and d64[-1] == V6C1_64.format(dtype), d64
+        assert by_problem[(dtype, "128", "False")][-1] == "same"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal,seqlen,heads_k,p,seeds", [
     (False, 2048, 2, 0.25, (13, 17)),

@@ -139,3 +139,14 @@ def test_cli_without_manifest_is_one_line(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith("cudaflash: cudaflash was installed without its kernels")
     assert len(err.strip().splitlines()) == 1
+
+
+def test_cli_info_without_a_gpu(fake_kernel_dir, monkeypatch, capsys):
+    """`info` on a machine without a GPU: versions and the manifest, then says so."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("cudaflash ")
+    assert "kernels: 10 in" in out
+    assert out.rstrip().endswith("GPU: none (torch.cuda.is_available() is False)")
