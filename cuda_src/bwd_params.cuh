@@ -90,9 +90,9 @@ struct BwdParams {
     float dropout_scale;
     int32_t reserved;  // the struct's size a multiple of 8 without implicit padding
 
-    // The warp-specialized kernel's inputs (bwd_warp_specialized.cuh; null and unread for the
-    // other kernels). Its query tiles' row statistics, (batch, n_heads, dq_accum_rows) float32
-    // written by cudaflash_bwd_preprocess: lse in log2 units (+inf past seqlen_q, so those
+    // The warp-specialized kernels' inputs (bwd_warp_specialized.cuh and its d256 form; null
+    // and unread for the other kernels). Their query tiles' row statistics, (batch, n_heads,
+    // dq_accum_rows) float32 written by cudaflash_bwd_preprocess (and _varlen): lse in log2 units (+inf past seqlen_q, so those
     // rows' P is 0) and delta (0 past seqlen_q); padded per head to whole tiles so that a
     // tile's statistics are one aligned bulk copy. With dropout (dropout_threshold != 0)
     // delta_tiles hold (1 - p) delta: the only kernel that reads them with dropout, the fused
