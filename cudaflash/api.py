@@ -230,9 +230,14 @@ def _dropout_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                     deterministic, return_attn_probs, block_table, probs_head_dim=None):
     """flash_attn_varlen_func with dropout, as _dropout_attention (under torch.compile the
     call runs eagerly: a graph break, as varlen calls with gradients do)."""
-    if softcap or block_table is not None:
-        raise NotImplementedError("dropout_p > 0 with softcap or block_table is not "
-                                  "implemented (flash-attn refuses softcap with dropout too)")
+    if softcap:
+        raise NotImplementedError("dropout_p > 0 with softcap is not implemented (flash-attn "
+                                  "refuses it too)")
+    if block_table is not None:
+        raise NotImplementedError("dropout_p > 0 with block_table (paged K/V) is not "
+                                  "implemented: the dropout kernels have no cache-addressing "
+                                  "form (and a paged flash_attn_varlen_func call has no "
+                                  "backward, in flash-attn either)")
     if _is_compiling():
         return _dropout_varlen_eagerly(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, dropout_p, softmax_scale, causal, window,

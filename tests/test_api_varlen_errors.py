@@ -105,6 +105,21 @@ def test_paged_kv_arguments_are_checked():
         call(a, block_table=table)
 
 
+def test_dropout_combinations_not_built_are_named():
+    """dropout_p > 0 with softcap, or with paged K/V: NotImplementedError naming which, before
+    any device work."""
+    with pytest.raises(NotImplementedError, match="dropout_p > 0 with softcap is not "
+                                                  "implemented"):
+        call(args(), dropout_p=0.1, softcap=5.0)
+    a = args()
+    pool = torch.zeros(4, 16, 2, 64, dtype=F16)
+    a[1], a[2] = pool, pool.clone()
+    table = torch.zeros(2, 1, dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match=r"dropout_p > 0 with block_table \(paged "
+                                                  r"K/V\) is not implemented"):
+        call(a, dropout_p=0.1, block_table=table)
+
+
 def test_bad_softcap_is_named():
     with pytest.raises(ValueError, match=r"softcap=-5.0; it must be a finite number >= 0"):
         call(args(), softcap=-5.0)
