@@ -92,12 +92,13 @@ struct BwdParams {
 
     // The warp-specialized kernels' inputs (bwd_warp_specialized.cuh and its d256 form; null
     // and unread for the other kernels). Their query tiles' row statistics, (batch, n_heads,
-    // dq_accum_rows) float32 written by cudaflash_bwd_preprocess (and _varlen): lse in log2 units (+inf past seqlen_q, so those
-    // rows' P is 0) and delta (0 past seqlen_q); padded per head to whole tiles so that a
-    // tile's statistics are one aligned bulk copy. With dropout (dropout_threshold != 0)
-    // delta_tiles hold (1 - p) delta: the only kernel that reads them with dropout, the fused
-    // kernel's dropout entry, computes (1 - p) dS (one multiply per score fewer) and scales
-    // dK by 1 / (1 - p), and dq_convert scales dQ's accumulator by it.
+    // dq_accum_rows) float32 written by cudaflash_bwd_preprocess (and _varlen): lse in log2
+    // units (+inf past seqlen_q, so those rows' P is 0) and delta (0 past seqlen_q); padded
+    // per head to whole tiles so that a tile's statistics are one aligned bulk copy. With
+    // dropout (dropout_threshold != 0) delta_tiles hold (1 - p) delta: the only kernel that
+    // reads them with dropout, the fused kernel's dropout entry, computes (1 - p) dS (one
+    // multiply per score fewer) and scales dK by 1 / (1 - p), and dq_convert scales dQ's
+    // accumulator by it.
     float* lse_log2_tiles;
     float* delta_tiles;
     unsigned char maps_pad[32];  // the maps at a multiple of 64 bytes, as alignas places them
