@@ -39,6 +39,20 @@ constexpr int kPhiloxRounds = 7;
 constexpr uint32_t kPhiloxM0 = 0xD2511F53u, kPhiloxM1 = 0xCD9E8D57u;  // round multipliers
 constexpr uint32_t kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;  // key bumps
 
+// One Philox round on (c0, c1, c2, c3) with round key (k0, k1), where kM0 and kM1 name the
+// round multipliers. Spelled once for philox4x32 and philox4x32_row's last rounds; a macro
+// because an inline function in its place gave every dropout kernel other register
+// allocation (docs/perf-log.md, thirty-third session), and this keeps their machine code.
+#define CUDAFLASH_PHILOX_ROUND(c0, c1, c2, c3, k0, k1)              \
+    {                                                               \
+        const uint32_t hi0 = __umulhi(kM0, c0), lo0 = kM0 * c0;     \
+        const uint32_t hi1 = __umulhi(kM1, c2), lo1 = kM1 * c2;     \
+        c0 = hi1 ^ c1 ^ k0;                                         \
+        c1 = lo1;                                                   \
+        c2 = hi0 ^ c3 ^ k1;                                         \
+        c3 = lo0;                                                   \
+    }
+
 // kRolled: the rounds as a loop (fewer live values for kernels with no registers to spare).
 template <bool kRolled = false>
 __device__ __forceinline__ Philox4 philox4x32(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
@@ -48,12 +62,7 @@ __device__ __forceinline__ Philox4 philox4x32(uint32_t c0, uint32_t c1, uint32_t
     // only between rounds, as Random123's reference and flash-attn's kernels do.
 #pragma unroll (kRolled ? 1 : kPhiloxRounds)
     for (int round = 0; round < kPhiloxRounds; ++round) {
-        const uint32_t hi0 = __umulhi(kM0, c0), lo0 = kM0 * c0;
-        const uint32_t hi1 = __umulhi(kM1, c2), lo1 = kM1 * c2;
-        c0 = hi1 ^ c1 ^ k0;
-        c1 = lo1;
-        c2 = hi0 ^ c3 ^ k1;
-        c3 = lo0;
+        CUDAFLASH_PHILOX_ROUND(c0, c1, c2, c3, k0, k1)
         k0 += kW0;
         k1 += kW1;
     }
@@ -180,10 +189,10 @@ __device__ __forceinline__ PhiloxRow philox_row(uint32_t c0, uint32_t c2, uint32
 }
 
 // philox4x32(c0, c1, c2, c3, k0, k1) from philox_row(c0, c2, c3, k0, k1) and c1. Rounds 5 to
-// kPhiloxRounds repeat philox4x32's round on purpose: finishing with a philox4x32 that starts
-// at round 5 (a kFirstRound template argument) gives the same bytes but other machine code
-// in the two-consumer forwards' dropout entries, which ran 2-6% slower at d128 (H200,
-// docs/perf-log.md, thirty-third session).
+// kPhiloxRounds run here, not as a philox4x32 that starts at round 5 (a kFirstRound template
+// argument): that gave the same bytes but other machine code in the two-consumer forwards'
+// dropout entries, which ran 2-6% slower at d128 (H200, docs/perf-log.md, thirty-third
+// session).
 __device__ __forceinline__ Philox4 philox4x32_row(const PhiloxRow& f, uint32_t c1, uint32_t k0,
                                                   uint32_t k1) {
     constexpr uint32_t kM0 = kPhiloxM0, kM1 = kPhiloxM1, kW0 = kPhiloxW0, kW1 = kPhiloxW1;
@@ -198,15 +207,12 @@ __device__ __forceinline__ Philox4 philox4x32_row(const PhiloxRow& f, uint32_t c
     for (int round = 4; round < kPhiloxRounds; ++round) {
         k0 += kW0;
         k1 += kW1;
-        const uint32_t hi0 = __umulhi(kM0, c0), lo0 = kM0 * c0;
-        const uint32_t hi1 = __umulhi(kM1, c2), lo1 = kM1 * c2;
-        c0 = hi1 ^ c1o ^ k0;
-        c1o = lo1;
-        c2 = hi0 ^ c3 ^ k1;
-        c3 = lo0;
+        CUDAFLASH_PHILOX_ROUND(c0, c1o, c2, c3, k0, k1)
     }
     return {{c0, c1o, c2, c3}};
 }
+
+#undef CUDAFLASH_PHILOX_ROUND
 
 // The forward layout's draws over one warp's 16 query rows (query block q16) of one head:
 // philox_row's fixed part, made once per tile, and the call's key. dropout_bytes<false>
