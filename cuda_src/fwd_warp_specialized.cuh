@@ -35,6 +35,42 @@ namespace cudaflash {
 
 // Dynamic shared memory after the tiles for the mbarriers (KernelConfig.smem_bytes).
 constexpr int kWsBarrierBytes = 128;
+// The ALiBi entries (without softcapping) add ALiBi's column part to S inside the Q K^T GEMM:
+// one more k16 slice whose A holds each row's signed ALiBi coefficient as three 16-bit terms
+// (alibi_column_fragment) and whose B is this table, key column j of the tile in k 0..2 of row
+// j ([j, j, j, 0, 0, 0, 0, 0], exact in 16 bits for j < 256), 16 bytes a row, after the
+// mbarriers (KernelConfig.smem_bytes counts it). So a tile that lies on one side of every row's
+// diagonal needs no op per score: the row part folds into the row's maximum and exponent
+// offset (OnlineSoftmax::alibi_rows). The slice costs 1 / (d_head / 16) more Q K^T.
+template <class C>
+constexpr int kAlibiColumnBytes = C::kBc * 16;
+
+// The A fragment of a warp's rows for ALiBi's column slice: row i's k 0..2 hold the three
+// 16-bit terms of `coefficient` (hi + mid + lo carries it to ~24 bits, the products with the
+// integer columns are exact, and the tensor cores add them in fp32), k 3..15 zero. In the
+// m16k16 A layout lane t of a quad holds k 2t, 2t + 1 of its rows in registers 0 and 1 (rows
+// lane / 4 and + 8; registers 2 and 3 hold k 8..15): this returns register 0 (= register 1).
+template <bool kBf16>
+__device__ __forceinline__ uint32_t alibi_column_fragment(float coefficient, int lane) {
+    float hi, mid, lo;
+    if constexpr (kBf16) {
+        hi = __bfloat162float(__float2bfloat16_rn(coefficient));
+        mid = __bfloat162float(__float2bfloat16_rn(coefficient - hi));
+        lo = coefficient - hi - mid;
+    } else {
+        hi = __half2float(__float2half_rn(coefficient));
+        mid = __half2float(__float2half_rn(coefficient - hi));
+        lo = coefficient - hi - mid;
+    }
+    const int t = lane % 4;
+    return t == 0 ? pack_2<kBf16>(hi, mid) : t == 1 ? pack_2<kBf16>(lo, 0.f) : 0u;
+}
+// Whether the column slice can carry `coefficient`: for fp16, within its range with room for
+// the rounding of the split (bf16 has float's range; a NaN fails the one-sided test first).
+template <bool kBf16>
+__device__ __forceinline__ bool alibi_columns_fit(float coefficient) {
+    return kBf16 || fabsf(coefficient) < 32768.f;
+}
 // Registers per thread after setmaxnreg, by consumer warpgroups: two, 128 * 56 + 256 * 224 =
 // 64512 of the SM's 65536 (at 40 the producer's copy addresses spilled); three, 128 * 32 +
 // 384 * 160 = 65536 (the launch's 128 per thread of 512).
@@ -104,6 +140,13 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     // of the 128 cp.async threads'. The host sets them for whole, unsplit calls only; the
     // split and cache-addressing entries compile without them.
     const bool tma = !kSplit && !kKvcache && p.tma_loads != 0;
+    // ALiBi's column part in the Q K^T GEMM (kAlibiColumnBytes): not with softcapping (the
+    // bias adds to the capped score), nor in the three-consumer dropout entry (160
+    // registers: it spilled 8 bytes).
+    constexpr bool kAlibiColumns = kAlibi && !kSoftcap && !(kDropout && kGroups == 3);
+    // Its table of key columns, after the mbarriers.
+    elem_t* alibi_columns = reinterpret_cast<elem_t*>(reinterpret_cast<unsigned char*>(bars) +
+                                                      kWsBarrierBytes);
     // The CTA's tiles: its own grid place, or with persistent CTAs (only where the host gave
     // tensor maps: a padded batch, so every tile has rows) tiles blockIdx.x, + gridDim.x, ...
     // of the batch's (query block, head, batch entry) tiles, query blocks fastest so that
@@ -165,6 +208,16 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         // The copy engine (the async proxy) completes transactions on the "full" barriers:
         // it must see them initialised (the CUDA guide's TMA pattern).
         if (tma) fence_proxy_async_shared();
+    }
+    if constexpr (kAlibiColumns) {
+        static_assert(C::kBc <= 128 && C::kBc <= 32 * C::kWarps, "a thread per table row");
+        if (threadIdx.x < C::kBc) {
+            const float j = float(threadIdx.x);
+            const uint4 row = {pack_2<C::kBf16>(j, j), pack_2<C::kBf16>(j, 0.f), 0u, 0u};
+            reinterpret_cast<uint4*>(alibi_columns)[threadIdx.x] = row;
+            // The tensor cores read it through the async proxy.
+            fence_proxy_async_shared();
+        }
     }
     __syncthreads();
 
@@ -349,6 +402,13 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         float(&o_acc)[C::kOTiles * 4] = reinterpret_cast<float(&)[C::kOTiles * 4]>(O);
         OnlineSoftmax<C> softmax;
         const float alibi = kAlibi ? alibi_coefficient(p, at.batch, at.head) : 0.f;
+        // ALiBi's one-sided forms serve heads that are not too steep (alibi_one_sided_fits);
+        // kAlibiColumns: this warp's A fragment of the column slice (alibi_column_fragment).
+        // A head either test fails takes the per-score form on every tile.
+        const bool one_sided = kAlibi && OnlineSoftmax<C>::alibi_one_sided_fits(alibi, scale);
+        const bool columns_fit = kAlibiColumns && one_sided && alibi_columns_fit<C::kBf16>(alibi);
+        const uint32_t alibi_a = kAlibiColumns ? alibi_column_fragment<C::kBf16>(alibi, lane) : 0u;
+        const uint32_t alibi_table = kAlibiColumns ? smem_addr(alibi_columns) : 0u;
         // kDropout with two consumer warpgroups (kEarlyKeep, below): the Philox work that
         // every draw of this warp's rows in the tile shares (DropoutRow).
         constexpr bool kEarlyKeep = kGroups == 2;
@@ -384,10 +444,30 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
             mbarrier_wait(&k_full[stage], (gi / kStages) & 1);
             if (!kFirst) mbarrier_wait(&v_full[prev], ((gi - 1) / kStages) & 1);
             if (kTurns) named_barrier_sync(kTurnBarrier + wg, kTurnThreads);
+            // kAlibiColumns: the side of the diagonal this warp's rows see the block on
+            // (OnlineSoftmax::alibi_side), and the column slice's A: the coefficient signed
+            // by the side, or 0 for a block across the diagonal (the slice is issued on every
+            // block: a wgmma under a branch makes ptxas serialize them all).
+            [[maybe_unused]] int alibi_side = 0;
+            [[maybe_unused]] uint32_t column_a[4] = {0u, 0u, 0u, 0u};
+            if constexpr (kAlibiColumns) {
+                // In bit operations, not selects: ptxas compiled the selects of the three-
+                // consumer kernel as branches, and a register operand of a wgmma defined on a
+                // path it cannot prove warp-uniform serializes every wgmma (C7520).
+                alibi_side = OnlineSoftmax<C>::alibi_side(block_of(i) * C::kBc, q_row0 + row0,
+                                                          seq.len_k - seq.len_q,
+                                                          p.window_right == 0) &
+                             -int(columns_fit);
+                const uint32_t negate = uint32_t(alibi_side >> 1) & 0x80008000u;  // side -1
+                const uint32_t keep = uint32_t(-(alibi_side & 1));                // side != 0
+                column_a[0] = column_a[1] = (alibi_a ^ negate) & keep;
+                wgmma_fence_operands(column_a);
+            }
             wgmma_fence_operands(s_acc);
             if (!kFirst) wgmma_fence_operands(o_acc);
             wgmma_fence();
             gemm.qk_issue(s_acc, stage * kStageBytes);
+            if constexpr (kAlibiColumns) gemm.column_issue(s_acc, column_a, alibi_table);
             wgmma_commit();
             if constexpr (!kFirst) {
                 gemm.pv_issue(o_acc, P[0], prev * kStageBytes);
@@ -400,10 +480,14 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
             const int block = block_of(i);
             if constexpr (kSoftcap) OnlineSoftmax<C>::softcap(S, p.softcap_pre);
             float row_terms[1][2];  // ALiBi's row parts (read only with kAlibi)
-            if constexpr (kAlibi) {
+            if constexpr (kAlibiColumns) {
+                OnlineSoftmax<C>::alibi_rows(S, row_terms, alibi, alibi_side, block * C::kBc,
+                                             q_row0 + row0, seq.len_k - seq.len_q, lane);
+            } else if constexpr (kAlibi) {
                 if (!kSoftcap || alibi != 0.f) {  // the *_alibi entries always; softcap's if given
                     OnlineSoftmax<C>::alibi(S, row_terms, alibi, block * C::kBc, q_row0 + row0,
-                                            seq.len_k - seq.len_q, p.window_right == 0, lane);
+                                            seq.len_k - seq.len_q, p.window_right == 0, lane,
+                                            one_sided);
                 } else {
                     OnlineSoftmax<C>::zero_row_terms(row_terms);
                 }

@@ -125,32 +125,24 @@ struct OnlineSoftmax {
     // ALiBi (score_mods.cuh): S += -coefficient * |key - (row + shift)|, shift = len_k - len_q;
     // `row0` is the warp's first query row, `kv0` the tile's first key. After softcap, before
     // the mask (a masked -inf stays -inf). Where every score of the warp's rows that the mask
-    // keeps lies on one side of its row's diagonal (keys_left: the caller knows no visible
-    // key is right of it, e.g. causal), |offset| is a signed offset, so the bias splits into a
-    // column part, one FFMA with an immediate per score, and a row part returned in
-    // row_terms for update() to fold into the row's maximum and exponent offset. Else (a tile
-    // across the diagonal, or a kernel other than the warp-specialized one) two ops per score
-    // and row_terms 0.
+    // keeps lies on one side of its row's diagonal (alibi_side), |offset| is a signed offset,
+    // so the bias splits into a column part, one FFMA with an immediate per score, and a row
+    // part returned in row_terms for update() to fold into the row's maximum and exponent
+    // offset. Else (a tile across the diagonal, a head too steep for that form:
+    // `one_sided` false, alibi_one_sided_fits, or a kernel other than the warp-specialized
+    // one) two ops per score and row_terms 0.
     __device__ __forceinline__ static void alibi(float (&S)[kM][C::kSTiles][4],
                                                  float (&row_terms)[kM][2], float coefficient,
                                                  int kv0, int row0, int shift, bool keys_left,
-                                                 int lane) {
-        // The offsets of the warp's extreme rows from the tile's first and last keys.
-        const int first_diagonal = row0 + shift, last_diagonal = row0 + kM * 16 - 1 + shift;
-        const bool left = keys_left || kv0 + C::kBc - 1 <= first_diagonal;
-        const bool right = kv0 >= last_diagonal;
+                                                 int lane, bool one_sided = true) {
+        const int side = one_sided ? alibi_side(kv0, row0, shift, keys_left) : 0;
         // Only in the warp-specialized kernel (224 registers per consumer thread): the
         // mma.sync configs at 255 registers spilled 4-32 bytes with both forms, and the d64
         // wgmma kernel rose from 167 to 225 registers (3 CTAs per SM to 2) and ran slower
         // (perf log, "ALiBi").
-        if (C::kWarpSpecialized && (left || right)) {
-            const float sided = left ? coefficient : -coefficient;  // -c|x| = c x or -c x
-#pragma unroll
-            for (int mi = 0; mi < kM; ++mi)
-#pragma unroll
-                for (int r = 0; r < 2; ++r)
-                    row_terms[mi][r] =
-                        sided * float(kv0 + 2 * (lane % 4) - (row0 + mi * 16 + lane / 4 + 8 * r + shift));
+        if (C::kWarpSpecialized && side != 0) {
+            const float sided = side > 0 ? coefficient : -coefficient;  // -c|x| = c x or -c x
+            alibi_row_terms(row_terms, sided, kv0, row0, shift, lane, true);
 #pragma unroll
             for (int mi = 0; mi < kM; ++mi)
 #pragma unroll
@@ -160,6 +152,72 @@ struct OnlineSoftmax {
                         S[mi][nj][e] = fmaf(sided, float(nj * 8 + e % 2), S[mi][nj][e]);
             return;
         }
+        alibi_per_score(S, row_terms, coefficient, kv0, row0, shift, lane);
+    }
+
+    // ALiBi where the GEMM already added the column part of a one-sided tile (the warp-
+    // specialized kernel's column slice of Q K^T: S holds q k + sided * j for the tile's key
+    // column j, where side != 0): only the row part remains, in row_terms, and no op per
+    // score. A tile across the diagonal (side 0, where the slice added nothing) takes the two
+    // ops per score.
+    __device__ __forceinline__ static void alibi_rows(float (&S)[kM][C::kSTiles][4],
+                                                      float (&row_terms)[kM][2],
+                                                      float coefficient, int side, int kv0,
+                                                      int row0, int shift, int lane) {
+        if (side != 0) {
+            alibi_row_terms(row_terms, side > 0 ? coefficient : -coefficient, kv0, row0, shift,
+                            lane, false);
+            return;
+        }
+        alibi_per_score(S, row_terms, coefficient, kv0, row0, shift, lane);
+    }
+
+    // Whether the one-sided forms (alibi's FFMA, alibi_rows) may serve a head of ALiBi
+    // coefficient `coefficient` (update's `scale`): they split the bias into a column part and
+    // a row part that cancel near the diagonal, and the row's exponent offset then rounds at
+    // the row part's size, about |bias per key| * B_c in the exponent's units (OnlineSoftmax::
+    // exponentiate: fmaf(-row_terms, scale, ref_max)). Within kAlibiOneSidedSpan = 256 (log2
+    // units: slopes up to 2 / (B_c log2 e), 1.39 at B_c = 128, every slope of the ALiBi paper)
+    // that rounding stays below 2^-16 of a probability; steeper heads, whose rows attend to a
+    // few keys (the error would show in those keys' weights), take the bias per score, exact
+    // at the diagonal.
+    static constexpr float kAlibiOneSidedSpan = 256.f;
+    __device__ __forceinline__ static bool alibi_one_sided_fits(float coefficient, float scale) {
+        return fabsf(coefficient * scale) * C::kBc <= kAlibiOneSidedSpan;
+    }
+
+    // Which side of its row's diagonal each key of the tile that the mask keeps lies on, for
+    // all of the warp's rows: +1 left (keys_left: the caller knows no visible key is right of
+    // it, e.g. causal), -1 right, 0 across (the tile holds keys of both sides for some row).
+    __device__ __forceinline__ static int alibi_side(int kv0, int row0, int shift,
+                                                     bool keys_left) {
+        // The offsets of the warp's extreme rows from the tile's first and last keys.
+        const int first_diagonal = row0 + shift, last_diagonal = row0 + kM * 16 - 1 + shift;
+        const bool left = keys_left || kv0 + C::kBc - 1 <= first_diagonal;
+        const bool right = kv0 >= last_diagonal;
+        return int(left) - int(!left && right);
+    }
+
+    // A one-sided tile's row parts, sided * (kv0 - (row + shift)), plus the thread's first
+    // column (2 (lane % 4)) when the column part added to S leaves it out (alibi's FFMA form).
+    __device__ __forceinline__ static void alibi_row_terms(float (&row_terms)[kM][2],
+                                                           float sided, int kv0, int row0,
+                                                           int shift, int lane,
+                                                           bool lane_column) {
+        const int column = lane_column ? 2 * (lane % 4) : 0;
+#pragma unroll
+        for (int mi = 0; mi < kM; ++mi)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                row_terms[mi][r] =
+                    sided * float(kv0 + column - (row0 + mi * 16 + lane / 4 + 8 * r + shift));
+    }
+
+    // The bias added score by score (a tile across the diagonal): row_terms 0.
+    __device__ __forceinline__ static void alibi_per_score(float (&S)[kM][C::kSTiles][4],
+                                                           float (&row_terms)[kM][2],
+                                                           float coefficient, int kv0,
+                                                           int row0, int shift, int lane) {
 #pragma unroll
         for (int mi = 0; mi < kM; ++mi)
 #pragma unroll

@@ -80,6 +80,17 @@ struct WarpgroupGemm {
                 ks > 0);
         }
     }
+    // One more k16 slice of Q K^T, issued after qk_issue (it accumulates): A from registers
+    // (`a`, each warp's rows), B the (B_c, 8) table of key columns at shared address
+    // `table` (AlibiColumns, fwd_warp_specialized.cuh), K-major without swizzle: row j's 16
+    // bytes hold k 0..7, row groups 128 bytes apart, and k 8..15 read the same core matrix
+    // (leading offset 0), which A's zero columns 8..15 multiply away.
+    static constexpr uint64_t kColumnFields = make_smem_desc_unswizzled(0, 128);
+    __device__ __forceinline__ static void column_issue(float (&s)[C::kSTiles * 4],
+                                                        const uint32_t (&a)[4], uint32_t table) {
+        wgmma_rs_k<C::kBc, C::kBf16>(s, a, smem_desc_at(kColumnFields, table), 1);
+    }
+
     __device__ __forceinline__ void pv_issue(float (&o)[C::kOTiles * 4],
                                              const uint32_t (&p)[C::kKvSlices][4],
                                              uint32_t stage_bytes) const {

@@ -5,7 +5,8 @@
 // wgmma_wait. Accumulators: thread t holds d[4 * i + e] of n8 tile i, in the mma.sync m16n8
 // layout of warp t / 32's 16 rows. B always comes from shared memory through a matrix
 // descriptor (make_smem_desc); A either through a descriptor (ss: both K-major; ss_mn: both
-// MN-major) or from registers (rs, the mma.sync m16n8k16 A-fragment layout per warp).
+// MN-major) or from registers (rs with B MN-major, rs_k with B K-major; the mma.sync m16n8k16
+// A-fragment layout per warp).
 // accumulate = 0 makes D = A * B.
 #pragma once
 #include <cstdint>
@@ -31,6 +32,14 @@ constexpr uint64_t kSmemDescKMajor = make_smem_desc(0, 16, 1024);
 __host__ __device__ constexpr uint64_t smem_desc_mn_major(uint32_t rows) {
     return make_smem_desc(0, rows * 128, 1024);
 }
+// An operand without swizzling (mode 0): 8 x 16-byte core matrices, each 128 contiguous bytes,
+// `leading_bytes` apart along K and `stride_bytes` apart along M or N (PTX ISA, "Matrix
+// Descriptor"). The tile needs only 16-byte alignment.
+__host__ __device__ constexpr uint64_t make_smem_desc_unswizzled(uint32_t leading_bytes,
+                                                                 uint32_t stride_bytes) {
+    return uint64_t((leading_bytes & 0x3FFFF) >> 4) << 16 |
+           uint64_t((stride_bytes & 0x3FFFF) >> 4) << 32;
+}
 // `fields` starting at shared address `addr` (below 256 KiB: addr >> 4 fits the start field).
 __device__ __forceinline__ uint64_t smem_desc_at(uint64_t fields, uint32_t addr) {
     return fields | (addr >> 4);
@@ -53,6 +62,14 @@ template <int kN>
 __device__ __forceinline__ void wgmma_fence_operands(float (&d)[kN]) {
 #pragma unroll
     for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// The same for A fragments computed just before a wgmma that reads them from registers:
+// called before wgmma_fence, it keeps their computation above the fence (else ptxas must
+// insert a warpgroup.arrive of its own after it, C7519).
+template <int kN>
+__device__ __forceinline__ void wgmma_fence_operands(uint32_t (&a)[kN]) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) asm volatile("" : "+r"(a[i])::"memory");
 }
 
 // A and B K-major.
@@ -307,6 +324,66 @@ __device__ __forceinline__ void wgmma_ss_mn_m64n128k16_f16(float (&d)[64], uint6
         : "l"(a_desc), "l"(b_desc), "r"(accumulate));
 }
 
+// A from registers, B K-major.
+__device__ __forceinline__ void wgmma_rs_k_m64n64k16_bf16(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
+}
+
+// A from registers, B K-major.
+__device__ __forceinline__ void wgmma_rs_k_m64n64k16_f16(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
+}
+
+// A from registers, B K-major.
+__device__ __forceinline__ void wgmma_rs_k_m64n128k16_bf16(float (&d)[64], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
+}
+
+// A from registers, B K-major.
+__device__ __forceinline__ void wgmma_rs_k_m64n128k16_f16(float (&d)[64], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
+}
+
 // Dispatch on (N, element type): kBf16 picks bf16 or f16 operands.
 template <int kN, bool kBf16>
 __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], uint64_t a_desc, uint64_t b_desc, int accumulate) {
@@ -350,6 +427,19 @@ __device__ __forceinline__ void wgmma_ss_mn(float (&d)[kN / 2], uint64_t a_desc,
         else wgmma_ss_mn_m64n128k16_f16(d, a_desc, b_desc, accumulate);
     } else {
         static_assert(kN == 64, "no wgmma_ss_mn wrapper for this N");
+    }
+}
+
+template <int kN, bool kBf16>
+__device__ __forceinline__ void wgmma_rs_k(float (&d)[kN / 2], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
+    if constexpr (kN == 64) {
+        if constexpr (kBf16) wgmma_rs_k_m64n64k16_bf16(d, a, b_desc, accumulate);
+        else wgmma_rs_k_m64n64k16_f16(d, a, b_desc, accumulate);
+    } else if constexpr (kN == 128) {
+        if constexpr (kBf16) wgmma_rs_k_m64n128k16_bf16(d, a, b_desc, accumulate);
+        else wgmma_rs_k_m64n128k16_f16(d, a, b_desc, accumulate);
+    } else {
+        static_assert(kN == 64, "no wgmma_rs_k wrapper for this N");
     }
 }
 

@@ -88,6 +88,9 @@ ELEMENT_BYTES = 2  # fp16 and bf16
 # top of the n_warps consumers, and its mbarriers after the tiles (kWsBarrierBytes).
 WS_PRODUCER_THREADS = 128
 WS_BARRIER_BYTES = 128
+# ... and per key of a block, the ALiBi entries' table of key columns after the mbarriers
+# (kAlibiColumnBytes).
+WS_ALIBI_COLUMN_BYTES = 16
 WGMMA_ARCH = 90  # wgmma exists on sm_90a only (Hopper); Blackwell has tcgen05 instead
 
 
@@ -221,11 +224,15 @@ class KernelConfig:
     def smem_bytes(self) -> int:
         """Dynamic shared memory: one Q block (reused for O) plus kv_stages K and V blocks,
         and the mbarriers of the kernels that can load through TMA (the warp-specialized
-        kernel's ring, kWsBarrierBytes; the wgmma kernel's three tiles, in the same room)."""
+        kernel's ring, kWsBarrierBytes; the wgmma kernel's three tiles, in the same room);
+        the warp-specialized kernel's ALiBi entries then read a table of a block's key
+        columns (kAlibiColumnBytes: 16 bytes per key). Every entry of a module launches with
+        the same bytes (the driver's Kernel.smem), so all of them count the table."""
         q_buffers = 2 if self.persistent else 1  # (kQBuffers)
         rows = q_buffers * self.B_r + 2 * self.kv_stages * self.B_c
         tiles = rows * self.d_head * ELEMENT_BYTES
-        return tiles + (WS_BARRIER_BYTES if self.tma_loads else 0)
+        alibi_columns = self.B_c * WS_ALIBI_COLUMN_BYTES if self.warp_specialized else 0
+        return tiles + (WS_BARRIER_BYTES if self.tma_loads else 0) + alibi_columns
 
     @property
     def tma_loads(self) -> bool:

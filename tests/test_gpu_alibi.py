@@ -136,6 +136,10 @@ CONFIG_SHAPES = [
     (2, 113, 300, 3, 3, False, True),  # tails in both sequences
     (1, 300, 17, 2, 1, True, False),  # rows that see no key (out 0, lse -inf), MQA
     (2, 1, 1000, 8, 2, True, True),  # GQA decoding: query heads must keep their own slopes
+    # Blocks wholly left of a row tile's diagonals, wholly right of them and across them:
+    # the warp-specialized kernel adds the column part of the first two inside Q K^T.
+    (1, 700, 650, 2, 2, False, False),
+    (1, 650, 700, 2, 1, True, True),
 ]
 
 
@@ -157,6 +161,45 @@ def test_config(entry):
             except AssertionError as e:
                 raise AssertionError(f"(b={b}, sq={sq}, sk={sk}, h={h}, hk={hk}, causal="
                                      f"{causal}, splits={splits}) {e}") from None
+
+
+def _check_every_config(dtype, causal, slopes, scale=None):
+    """forward on every config built for ``dtype`` (whole and split), on one 400 x 400 head
+    pair per config: check_attention and assert_alibi_matters."""
+    for entry in KERNELS:
+        cfg = entry.config
+        if cfg.dtype != dtype:
+            continue
+        q, k, v = make_qkv(1, 400, 400, 2, 2, cfg.d_head, DTYPES[dtype], seed=5)
+        for splits in (1, 3):
+            out = torch.full_like(q, math.nan)
+            _, lse = forward(cfg, q, k, v, out=out, causal=causal, num_splits=splits,
+                             softmax_scale=scale, alibi_slopes=slopes)
+            try:
+                check_attention(out, lse, q, k, v, causal, scale, alibi_slopes=slopes)
+                assert_alibi_matters(out, q, k, v, causal, scale)
+            except AssertionError as e:
+                raise AssertionError(f"{cfg.name}, splits={splits}: {e}") from None
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_steep_slopes(dtype, causal):
+    """Slopes so steep that each row attends to its nearest key or few: the warp-specialized
+    kernel's one-sided forms (the bias split into a column and a row part) would round each
+    row's exponent offset at the row part's size, far off for such heads, so they take the
+    bias per score (OnlineSoftmax::alibi_one_sided_fits). Before that rule the causal calls
+    missed the math by an output ulp."""
+    _check_every_config(dtype, causal, torch.tensor([5000.0, 30.0], device="cuda"))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_fp16_coefficients_beyond_its_range(causal):
+    """A kernel's ALiBi coefficient is slope / softmax_scale: with a small softmax_scale it
+    leaves fp16's range, which ALiBi's column slice of Q K^T (the warp-specialized kernel)
+    cannot carry in 16 bits: such heads take the per-score bias (the first head here,
+    coefficient 50000), the others the slice (12500)."""
+    _check_every_config("fp16", causal, torch.tensor([1.0, 0.25], device="cuda"), scale=2e-5)
 
 
 # ---- flash_attn_func -----------------------------------------------------------------------------

@@ -9,9 +9,10 @@ from pathlib import Path
 
 # (N, kind): A from shared memory, both operands K-major ("ss": S = Q K^T, and the backward's
 # S^T = K Q^T), A from registers with B MN-major ("rs": O += P V, dV += P^T dO), or both from
-# shared memory MN-major ("ss_mn": the backward's dQ = dS K, dS^T and K stored key-major).
+# shared memory MN-major ("ss_mn": the backward's dQ = dS K, dS^T and K stored key-major), or A
+# from registers with B K-major ("rs_k": the forward's ALiBi column slice of Q K^T).
 SHAPES = [(64, "ss"), (128, "ss"), (64, "rs"), (128, "rs"), (256, "rs"),
-          (32, "ss_mn"), (64, "ss_mn"), (128, "ss_mn")]
+          (32, "ss_mn"), (64, "ss_mn"), (128, "ss_mn"), (64, "rs_k"), (128, "rs_k")]
 TYPES = {"bf16": "bf16", "f16": "f16"}
 
 HEADER = '''\
@@ -22,7 +23,8 @@ HEADER = '''\
 // wgmma_wait. Accumulators: thread t holds d[4 * i + e] of n8 tile i, in the mma.sync m16n8
 // layout of warp t / 32's 16 rows. B always comes from shared memory through a matrix
 // descriptor (make_smem_desc); A either through a descriptor (ss: both K-major; ss_mn: both
-// MN-major) or from registers (rs, the mma.sync m16n8k16 A-fragment layout per warp).
+// MN-major) or from registers (rs with B MN-major, rs_k with B K-major; the mma.sync m16n8k16
+// A-fragment layout per warp).
 // accumulate = 0 makes D = A * B.
 #pragma once
 #include <cstdint>
@@ -48,6 +50,14 @@ constexpr uint64_t kSmemDescKMajor = make_smem_desc(0, 16, 1024);
 __host__ __device__ constexpr uint64_t smem_desc_mn_major(uint32_t rows) {
     return make_smem_desc(0, rows * 128, 1024);
 }
+// An operand without swizzling (mode 0): 8 x 16-byte core matrices, each 128 contiguous bytes,
+// `leading_bytes` apart along K and `stride_bytes` apart along M or N (PTX ISA, "Matrix
+// Descriptor"). The tile needs only 16-byte alignment.
+__host__ __device__ constexpr uint64_t make_smem_desc_unswizzled(uint32_t leading_bytes,
+                                                                 uint32_t stride_bytes) {
+    return uint64_t((leading_bytes & 0x3FFFF) >> 4) << 16 |
+           uint64_t((stride_bytes & 0x3FFFF) >> 4) << 32;
+}
 // `fields` starting at shared address `addr` (below 256 KiB: addr >> 4 fits the start field).
 __device__ __forceinline__ uint64_t smem_desc_at(uint64_t fields, uint32_t addr) {
     return fields | (addr >> 4);
@@ -70,6 +80,14 @@ template <int kN>
 __device__ __forceinline__ void wgmma_fence_operands(float (&d)[kN]) {
 #pragma unroll
     for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// The same for A fragments computed just before a wgmma that reads them from registers:
+// called before wgmma_fence, it keeps their computation above the fence (else ptxas must
+// insert a warpgroup.arrive of its own after it, C7519).
+template <int kN>
+__device__ __forceinline__ void wgmma_fence_operands(uint32_t (&a)[kN]) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) asm volatile("" : "+r"(a[i])::"memory");
 }
 '''
 
@@ -96,9 +114,13 @@ def wrapper(n: int, kind: str, ptype: str) -> str:
         ins = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate)'
         pred = regs + 5
         b_operand = f"%{regs + 4}"
-        tail = "p, 1, 1, 1"  # scale-a, scale-b, B transposed (MN-major: N contiguous)
+        if kind == "rs":
+            tail = "p, 1, 1, 1"  # scale-a, scale-b, B transposed (MN-major: N contiguous)
+            trans_doc = "B MN-major"
+        else:
+            tail = "p, 1, 1, 0"  # scale-a, scale-b, B K-major
+            trans_doc = "A from registers, B K-major"
         args = "const uint32_t (&a)[4], uint64_t b_desc"
-        trans_doc = "B MN-major"
     name = f"wgmma_{kind}_m64n{n}k16_{ptype}"
     return f'''
 // {trans_doc}.
@@ -115,7 +137,7 @@ __device__ __forceinline__ void {name}(float (&d)[{regs}], {args}, int accumulat
 
 # Per A-operand kind: the dispatcher's A parameter(s) and the arguments passed on.
 A_PARAMS = {"ss": ("uint64_t a_desc", "a_desc"), "rs": ("const uint32_t (&a)[4]", "a"),
-            "ss_mn": ("uint64_t a_desc", "a_desc")}
+            "ss_mn": ("uint64_t a_desc", "a_desc"), "rs_k": ("const uint32_t (&a)[4]", "a")}
 
 
 def dispatcher(kind: str) -> str:
