@@ -39,7 +39,7 @@ constexpr int kWsBarrierBytes = 128;
 // one more k16 slice whose A holds each row's signed ALiBi coefficient as three 16-bit terms
 // (alibi_column_fragment) and whose B is this table, key column j of the tile in k 0..2 of row
 // j ([j, j, j, 0, 0, 0, 0, 0], exact in 16 bits for j < 256), 16 bytes a row, after the
-// mbarriers (KernelConfig.smem_bytes counts it). So a tile that lies on one side of every row's
+// mbarriers (KernelConfig.alibi_smem_bytes). So a tile that lies on one side of every row's
 // diagonal needs no op per score: the row part folds into the row's maximum and exponent
 // offset (OnlineSoftmax::alibi_rows). The slice costs 1 / (d_head / 16) more Q K^T.
 template <class C>

@@ -160,8 +160,8 @@ class KernelConfig:
              EntryRole("forward_softcap", "cudaflash_fwd_softcap", "smem_bytes"),
              EntryRole("split_softcap", "cudaflash_fwd_split_softcap", "smem_bytes"),
              # ... and with ALiBi alone (Params.alibi_slopes)
-             EntryRole("forward_alibi", "cudaflash_fwd_alibi", "smem_bytes"),
-             EntryRole("split_alibi", "cudaflash_fwd_split_alibi", "smem_bytes"),
+             EntryRole("forward_alibi", "cudaflash_fwd_alibi", "alibi_smem_bytes"),
+             EntryRole("split_alibi", "cudaflash_fwd_split_alibi", "alibi_smem_bytes"),
              # the six above reading flash_attn_with_kvcache's cache addressing (paged K/V,
              # cache_batch_idx, cache_leftpad: Params.block_table and after)
              EntryRole("forward_kvcache", "cudaflash_fwd_kvcache", "smem_bytes"),
@@ -169,14 +169,16 @@ class KernelConfig:
              EntryRole("forward_softcap_kvcache", "cudaflash_fwd_softcap_kvcache", "smem_bytes"),
              EntryRole("split_softcap_kvcache", "cudaflash_fwd_split_softcap_kvcache",
                        "smem_bytes"),
-             EntryRole("forward_alibi_kvcache", "cudaflash_fwd_alibi_kvcache", "smem_bytes"),
+             EntryRole("forward_alibi_kvcache", "cudaflash_fwd_alibi_kvcache",
+                       "alibi_smem_bytes"),
              EntryRole("split_alibi_kvcache", "cudaflash_fwd_split_alibi_kvcache",
-                       "smem_bytes"),
+                       "alibi_smem_bytes"),
              # flash_attn_with_kvcache's append of new keys and values (AppendParams)
              EntryRole("append_kv", "cudaflash_append_kv"),
              # with dropout (Params.dropout_*): whole, plain scores or ALiBi
              EntryRole("forward_dropout", "cudaflash_fwd_dropout", "smem_bytes"),
-             EntryRole("forward_dropout_alibi", "cudaflash_fwd_dropout_alibi", "smem_bytes"))
+             EntryRole("forward_dropout_alibi", "cudaflash_fwd_dropout_alibi",
+                       "alibi_smem_bytes"))
     ENTRIES = tuple(role.symbol for role in ROLES)
 
     # ---- derived quantities ---------------------------------------------------------------
@@ -224,15 +226,20 @@ class KernelConfig:
     def smem_bytes(self) -> int:
         """Dynamic shared memory: one Q block (reused for O) plus kv_stages K and V blocks,
         and the mbarriers of the kernels that can load through TMA (the warp-specialized
-        kernel's ring, kWsBarrierBytes; the wgmma kernel's three tiles, in the same room);
-        the warp-specialized kernel's ALiBi entries then read a table of a block's key
-        columns (kAlibiColumnBytes: 16 bytes per key). Every entry of a module launches with
-        the same bytes (the driver's Kernel.smem), so all of them count the table."""
+        kernel's ring, kWsBarrierBytes; the wgmma kernel's three tiles, in the same room)."""
         q_buffers = 2 if self.persistent else 1  # (kQBuffers)
         rows = q_buffers * self.B_r + 2 * self.kv_stages * self.B_c
         tiles = rows * self.d_head * ELEMENT_BYTES
-        alibi_columns = self.B_c * WS_ALIBI_COLUMN_BYTES if self.warp_specialized else 0
-        return tiles + (WS_BARRIER_BYTES if self.tma_loads else 0) + alibi_columns
+        return tiles + (WS_BARRIER_BYTES if self.tma_loads else 0)
+
+    @property
+    def alibi_smem_bytes(self) -> int:
+        """smem_bytes of the entries with ALiBi alone (and dropout's with ALiBi): the
+        warp-specialized kernel's add ALiBi's column part inside Q K^T and read a table of a
+        block's key columns after the mbarriers (kAlibiColumnBytes, 16 bytes per key). Only
+        they launch with it (each entry launches with its own bytes: dispatch.Kernel)."""
+        return self.smem_bytes + (self.B_c * WS_ALIBI_COLUMN_BYTES if self.warp_specialized
+                                  else 0)
 
     @property
     def tma_loads(self) -> bool:

@@ -33,7 +33,9 @@ class Kernel:
     block_rows: int  # B_r: query rows per CTA
     block_cols: int  # B_c: keys per KV block
     threads: int
-    smem: int
+    # Each entry's dynamic shared memory, as (role, bytes) pairs (the manifest's: the
+    # warp-specialized ALiBi entries hold a table the others do not, config.KernelConfig).
+    smem: tuple
     synchronize: bool  # CUDAFLASH_DEBUG
     # How many CTAs of each split entry fit on one SM (the driver's count), as (role, count)
     # pairs: the score-modifier and kvcache entries of some configs are built for fewer CTAs
@@ -48,6 +50,9 @@ class Kernel:
 
     def split_ctas_per_sm(self, role: str) -> int:
         return next(count for name, count in self.split_ctas if name == role)
+
+    def smem_of(self, role: str) -> int:
+        return next(size for name, size in self.smem if name == role)
 
 
 @dataclass(frozen=True)
@@ -280,7 +285,8 @@ def _make_kernel(dk: DeviceKernels, entry: KernelEntry, ctx: int) -> Kernel:
                                               entry.entries[role].smem_bytes, entry.name)))
         for role in fns._fields if role.startswith("split"))
     return Kernel(fns=fns, label=f"cuLaunchKernel({entry.name})", block_rows=entry.config.B_r,
-                  block_cols=entry.config.B_c, threads=entry.threads, smem=entry.smem_bytes,
+                  block_cols=entry.config.B_c, threads=entry.threads,
+                  smem=tuple((role, e.smem_bytes) for role, e in entry.entries.items()),
                   synchronize=dk.debug, split_ctas=split_ctas,
                   tma_loads=entry.config.tma_loads, persistent=entry.config.persistent)
 

@@ -239,9 +239,8 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
                     + (NO_CACHE_ADDRESSING if cache is None else cache.params())
                     + alibi_params(alibi) + dropout_params(dropout) + (int(maps is not None),))
     if num_splits == 1:
-        function = ((kernel.fns.forward_dropout if alibi is None
-                     else kernel.fns.forward_dropout_alibi) if dropout is not None
-                    else _entry(kernel, "forward", mods, cache))
+        role = (("forward_dropout" if alibi is None else "forward_dropout_alibi")
+                if dropout is not None else _role("forward", mods, cache))
         grid = (q_blocks, heads, batch)
         if maps is not None and kernel.persistent:
             # One CTA per SM (1 per SM fits: warp-specialized) walks the q_blocks x heads x
@@ -249,9 +248,9 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
             sm_count = dispatch.device_kernels(index).device.sm_count
             grid = (min(q_blocks * heads * batch, sm_count), 1, 1)
         launcher = _driver.Launcher(
-            function, kernel.label,
+            getattr(kernel.fns, role), kernel.label,
             grid=grid,
-            threads=kernel.threads, smem=kernel.smem, synchronize=kernel.synchronize,
+            threads=kernel.threads, smem=kernel.smem_of(role), synchronize=kernel.synchronize,
             fixed_params=fixed_params, device_index=index, maps=maps)
         if maps is not None and kernel.persistent:
             return _persistent_launch(launcher, device, tile_counter=window[1] == 0)
@@ -261,12 +260,12 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
                          mods=mods, cache=cache)
 
 
-def _entry(kernel: dispatch.Kernel, role: str, mods: str, cache):
-    """The function of ``role`` (forward or split) for a call with the score modifiers
+def _role(kind: str, mods: str, cache) -> str:
+    """The entry role of ``kind`` (forward or split) for a call with the score modifiers
     ``mods`` ("": none; "_softcap": softcapping, with or without ALiBi; "_alibi": ALiBi
     alone) and with or without cache addressing: the role names of
     config.KernelConfig.ROLES."""
-    return getattr(kernel.fns, role + mods + ("" if cache is None else "_kvcache"))
+    return kind + mods + ("" if cache is None else "_kvcache")
 
 
 def _persistent_launch(launcher: "_driver.Launcher", device: torch.device, *,
@@ -299,9 +298,11 @@ def _split_launch(kernel: dispatch.Kernel, index: int, device: torch.device,
     """The launch function of a split-KV call: allocate the float32 workspace (one tensor
     from torch's allocator, on the current stream: released once both kernels have run), run
     the split forward, then the combine kernel."""
+    role = _role("split", mods, cache)
     forward = _driver.Launcher(
-        _entry(kernel, "split", mods, cache), kernel.label.replace("(", "(split ", 1),
-        grid=(q_blocks, heads, batch * num_splits), threads=kernel.threads, smem=kernel.smem,
+        getattr(kernel.fns, role), kernel.label.replace("(", "(split ", 1),
+        grid=(q_blocks, heads, batch * num_splits), threads=kernel.threads,
+        smem=kernel.smem_of(role),
         synchronize=kernel.synchronize, fixed_params=fixed_params, device_index=index)
     combine = _driver.Launcher(
         kernel.fns.combine, kernel.label.replace("(", "(combine ", 1),

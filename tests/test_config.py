@@ -201,14 +201,20 @@ def test_smem_and_threads():
 
 
 def test_warp_specialized_config():
-    """A producer warpgroup on top of n_warps, a three-stage K/V ring, 128 bytes of mbarriers
-    and ALiBi's table of key columns (16 bytes per key of a block) in the dynamic shared
-    memory, which still fits sm_90's 227 KiB; named by the _ws suffix; sm_90a only."""
+    """A producer warpgroup on top of n_warps, a three-stage K/V ring and 128 bytes of mbarriers
+    in the dynamic shared memory, and for the ALiBi entries alone a table of key columns (16
+    bytes per key of a block), which still fits sm_90's 227 KiB; named by the _ws suffix;
+    sm_90a only."""
     cfg = KernelConfig(**{**BASE, **WGMMA, "B_r": 128, "B_c": 128, "n_warps": 8,
                           "warp_specialized": True}).validate()
     assert cfg.threads == 32 * 8 + 128 and cfg.copy_threads == 128 and cfg.kv_stages == 3
-    assert cfg.smem_bytes == (128 + 2 * 3 * 128) * 128 * 2 + 128 + 128 * 16
-    assert cfg.smem_bytes <= config.ARCH_SMEM_LIMIT[90]
+    assert cfg.smem_bytes == (128 + 2 * 3 * 128) * 128 * 2 + 128
+    assert cfg.alibi_smem_bytes == cfg.smem_bytes + 128 * 16 <= config.ARCH_SMEM_LIMIT[90]
+    smem = {role.name: role.smem_bytes(cfg) for role in KernelConfig.ROLES}
+    assert {r for r, b in smem.items() if b == cfg.alibi_smem_bytes} == {
+        "forward_alibi", "split_alibi", "forward_alibi_kvcache", "split_alibi_kvcache",
+        "forward_dropout_alibi"}
+    assert smem["forward"] == smem["forward_softcap"] == smem["forward_dropout"] == cfg.smem_bytes
     assert cfg.name.endswith("_wgmma1_ws") and KernelConfig.from_name(cfg.name) == cfg
     assert cfg.nvcc_defines()["CF_WARP_SPECIALIZED"] == 1
     assert [a for a in (80, 86, 89, 90) if cfg.builds_for(a)] == [90]

@@ -746,14 +746,13 @@ def test_selected_config_decides_tensor_maps_from_the_batch(fake, monkeypatch):
 @pytest.mark.parametrize("cache", [None, "addressing"])
 def test_each_call_kind_launches_its_own_entry(role, mods, cache):
     """Softcapping, ALiBi and flash_attn_with_kvcache's cache addressing each pick the
-    entries built for them (config.KernelConfig.ROLES); a plain call never runs a *_softcap,
-    *_alibi or *_kvcache entry."""
+    entries built for them (config.KernelConfig.ROLES), and launch with those entries' own
+    shared memory; a plain call never runs a *_softcap, *_alibi or *_kvcache entry."""
     from cudaflash.config import KernelConfig
 
     symbols = {r.name: r.symbol for r in KernelConfig.ROLES}
-    kernel = SimpleNamespace(fns=SimpleNamespace(**symbols))
-    symbol = internals.entry_function(kernel, role, mods, cache)
-    assert symbol == {(r, m, c): f"cudaflash_fwd{'_split' if r == 'split' else ''}"
+    picked = internals.entry_role(role, mods, cache)
+    assert symbols[picked] == {(r, m, c): f"cudaflash_fwd{'_split' if r == 'split' else ''}"
                       f"{m}{'' if c is None else '_kvcache'}"
                       for r in ("forward", "split") for m in ("", "_softcap", "_alibi")
                       for c in (None, "addressing")}[(role, mods, cache)]
