@@ -280,8 +280,8 @@ def _check_rules_built(spec: Spec, where: str) -> None:
             for arch in rule.arch or ():
                 if arch in config.ARCH_SMEM_LIMIT and not cfg.fits_arch(arch):
                     raise ConfigError(
-                        f"{where}: rule {rule.index}: config {name!r} needs {cfg.smem_bytes} "
-                        f"bytes of shared memory, more than sm_{arch}'s "
+                        f"{where}: rule {rule.index}: config {name!r} needs "
+                        f"{cfg.module_smem_bytes} bytes of shared memory, more than sm_{arch}'s "
                         f"{config.ARCH_SMEM_LIMIT[arch]}, so it can never run there")
                 # What the runtime will find for this arch: the same rule it uses.
                 if not any(job.cfg.runs_on(job.kind, job.arch, arch) for job in jobs[cfg]):

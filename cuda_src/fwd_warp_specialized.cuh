@@ -210,7 +210,7 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         if (tma) fence_proxy_async_shared();
     }
     if constexpr (kAlibiColumns) {
-        static_assert(C::kBc <= 128 && C::kBc <= 32 * C::kWarps, "a thread per table row");
+        static_assert(C::kBc <= 128, "a thread per table row (threads 0..B_c - 1: the producer)");
         if (threadIdx.x < C::kBc) {
             const float j = float(threadIdx.x);
             const uint4 row = {pack_2<C::kBf16>(j, j), pack_2<C::kBf16>(j, 0.f), 0u, 0u};
@@ -408,7 +408,21 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         const bool one_sided = kAlibi && OnlineSoftmax<C>::alibi_one_sided_fits(alibi, scale);
         const bool columns_fit = kAlibiColumns && one_sided && alibi_columns_fit<C::kBf16>(alibi);
         const uint32_t alibi_a = kAlibiColumns ? alibi_column_fragment<C::kBf16>(alibi, lane) : 0u;
+        const uint32_t alibi_a_negated = alibi_a ^ 0x80008000u;
         const uint32_t alibi_table = kAlibiColumns ? smem_addr(alibi_columns) : 0u;
+        // kAlibiColumns: the blocks this warp's rows see wholly left of their diagonals are
+        // those below alibi_left_end, wholly right those from alibi_right_begin
+        // (OnlineSoftmax::alibi_side's test, made once per tile: per step it cost ~15
+        // instructions); none where the slice cannot serve the head.
+        int alibi_left_end = 0, alibi_right_begin = INT_MAX;
+        if (kAlibiColumns && columns_fit) {
+            const int first_diagonal = q_row0 + row0 + seq.len_k - seq.len_q;
+            const int last_diagonal = first_diagonal + C::kRowsPerWarp - 1;
+            const bool keys_left = p.window_right == 0;  // (no visible key right of a diagonal)
+            alibi_left_end = keys_left ? INT_MAX : max(first_diagonal + 1, 0) / C::kBc;
+            alibi_right_begin =
+                keys_left ? INT_MAX : (max(last_diagonal, 0) + C::kBc - 1) / C::kBc;
+        }
         // kDropout with two consumer warpgroups (kEarlyKeep, below): the Philox work that
         // every draw of this warp's rows in the tile shares (DropoutRow).
         constexpr bool kEarlyKeep = kGroups == 2;
@@ -444,23 +458,22 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
             mbarrier_wait(&k_full[stage], (gi / kStages) & 1);
             if (!kFirst) mbarrier_wait(&v_full[prev], ((gi - 1) / kStages) & 1);
             if (kTurns) named_barrier_sync(kTurnBarrier + wg, kTurnThreads);
-            // kAlibiColumns: the side of the diagonal this warp's rows see the block on
-            // (OnlineSoftmax::alibi_side), and the column slice's A: the coefficient signed
-            // by the side, or 0 for a block across the diagonal (the slice is issued on every
-            // block: a wgmma under a branch makes ptxas serialize them all).
+            // kAlibiColumns: the side of the diagonal this warp's rows see the block on (+1
+            // left, -1 right, 0 across: OnlineSoftmax::alibi_side), and the column slice's A:
+            // the coefficient signed by the side, or 0 for a block across the diagonal (the
+            // slice is issued on every block: a wgmma under a branch makes ptxas serialize
+            // them all).
             [[maybe_unused]] int alibi_side = 0;
             [[maybe_unused]] uint32_t column_a[4] = {0u, 0u, 0u, 0u};
             if constexpr (kAlibiColumns) {
                 // In bit operations, not selects: ptxas compiled the selects of the three-
                 // consumer kernel as branches, and a register operand of a wgmma defined on a
                 // path it cannot prove warp-uniform serializes every wgmma (C7520).
-                alibi_side = OnlineSoftmax<C>::alibi_side(block_of(i) * C::kBc, q_row0 + row0,
-                                                          seq.len_k - seq.len_q,
-                                                          p.window_right == 0) &
-                             -int(columns_fit);
-                const uint32_t negate = uint32_t(alibi_side >> 1) & 0x80008000u;  // side -1
-                const uint32_t keep = uint32_t(-(alibi_side & 1));                // side != 0
-                column_a[0] = column_a[1] = (alibi_a ^ negate) & keep;
+                const int b = block_of(i);
+                const uint32_t left = b < alibi_left_end, right = b >= alibi_right_begin;
+                alibi_side = int(left) - int(right);  // (never both: alibi_right_begin)
+                column_a[0] = column_a[1] =
+                    (alibi_a & (0u - left)) | (alibi_a_negated & (0u - right));
                 wgmma_fence_operands(column_a);
             }
             wgmma_fence_operands(s_acc);

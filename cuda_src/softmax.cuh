@@ -164,7 +164,9 @@ struct OnlineSoftmax {
                                                       float (&row_terms)[kM][2],
                                                       float coefficient, int side, int kv0,
                                                       int row0, int shift, int lane) {
-        if (side != 0) {
+        // `side` is the warp's (its rows' diagonals): the vote tells ptxas so, which spares
+        // the step a divergent branch's reconvergence (BSSY/BSYNC).
+        if (__all_sync(0xffffffffu, side != 0)) {
             alibi_row_terms(row_terms, side > 0 ? coefficient : -coefficient, kv0, row0, shift,
                             lane, false);
             return;

@@ -259,8 +259,14 @@ class KernelConfig:
         batches is compiled and tested (test_gpu_tma), not tuned."""
         return self.warp_specialized and self.n_warps == 12
 
+    @property
+    def module_smem_bytes(self) -> int:
+        """The most any of its entries launches with: what must fit an arch (the runtime's
+        test of a module, manifest.KernelEntry.smem_bytes, takes the same maximum)."""
+        return max(role.smem_bytes(self) for role in self.ROLES)
+
     def fits_arch(self, arch: int) -> bool:
-        return self.smem_bytes <= ARCH_SMEM_LIMIT[arch]
+        return self.module_smem_bytes <= ARCH_SMEM_LIMIT[arch]
 
     @property
     def arch_specific(self) -> bool:
@@ -401,7 +407,8 @@ class KernelConfig:
                 bad("d_head_tiled", "must be True with wgmma (its descriptors address "
                                     "(rows, 64) slabs of 128-byte rows)")
         if not any(self.fits_arch(a) for a in ARCH_SMEM_LIMIT):
-            bad("B_r", f"shared memory {self.smem_bytes} bytes exceeds every arch's limit")
+            bad("B_r", f"shared memory {self.module_smem_bytes} bytes exceeds every arch's "
+                       "limit")
         return errs
 
     def validate(self) -> "KernelConfig":

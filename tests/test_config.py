@@ -215,6 +215,7 @@ def test_warp_specialized_config():
         "forward_alibi", "split_alibi", "forward_alibi_kvcache", "split_alibi_kvcache",
         "forward_dropout_alibi"}
     assert smem["forward"] == smem["forward_softcap"] == smem["forward_dropout"] == cfg.smem_bytes
+    assert cfg.module_smem_bytes == cfg.alibi_smem_bytes  # what must fit an arch
     assert cfg.name.endswith("_wgmma1_ws") and KernelConfig.from_name(cfg.name) == cfg
     assert cfg.nvcc_defines()["CF_WARP_SPECIALIZED"] == 1
     assert [a for a in (80, 86, 89, 90) if cfg.builds_for(a)] == [90]
