@@ -784,3 +784,38 @@ def test_backward_reads_out_only_kernel_ready():
         assert copy.data_ptr() % 16 == 0 and not any(s % 8 for s in copy.stride()[:-1])
         assert torch.equal(copy, t)
     assert _kernel_layout(ready) is ready
+
+
+def test_warp_specialized_alibi_entries_get_their_own_smem(fake, tmp_path, monkeypatch):
+    """A warp-specialized module's ALiBi entries opt into, and launch with, B_c * 16 bytes more
+    dynamic smem than its other entries (the key-column table of ALiBi's slice of Q K^T,
+    KernelConfig.alibi_smem_bytes); every other entry keeps smem_bytes, and the module fits an
+    arch by its largest entry."""
+    from conftest import write_fake_kernel_dir
+    from cudaflash import dispatch
+    from cudaflash.config import KernelConfig
+
+    # configs.yaml's d128 warp-specialized config
+    ws = KernelConfig.from_name("fwd_bf16_d128_br128_bc128_w8_async1_eager1_swz1_q0k0v0_dbuf0"
+                                "_osm1_ctas1_wgmma1_ws").validate()
+    root = write_fake_kernel_dir(tmp_path / "ws", kernels=[(ws, "cubin", 90)],
+                                 selection=[{"d_head": 128, "config": ws.name}])
+    monkeypatch.setenv("CUDAFLASH_KERNEL_DIR", str(root))
+    api.clear_caches()
+    entry = manifest.load_manifest().usable(90, 232448)[ws.name]
+    assert entry.smem_bytes == ws.alibi_smem_bytes == ws.module_smem_bytes
+    assert manifest.load_manifest().usable(90, ws.alibi_smem_bytes - 1) == {}
+
+    _driver.get_functions(entry, 0, CTX)
+    smem = {fn[1].decode(): value for fn, _, value in fake.attributes}
+    alibi = {"cudaflash_fwd_alibi", "cudaflash_fwd_split_alibi", "cudaflash_fwd_alibi_kvcache",
+             "cudaflash_fwd_split_alibi_kvcache", "cudaflash_fwd_dropout_alibi"}
+    assert {s for s, v in smem.items() if v == ws.alibi_smem_bytes} == alibi
+    assert {s for s, v in smem.items() if v == ws.smem_bytes} == set(smem) - alibi
+    assert ws.alibi_smem_bytes == ws.smem_bytes + ws.B_c * 16
+
+    monkeypatch.setattr(_driver, "device",
+                        lambda index: _driver.Device(index, "Fake H100", 90, 232448, 1))
+    kernel = dispatch._make_kernel(dispatch.device_kernels(0), entry, CTX)
+    assert kernel.smem_of("forward_alibi") == kernel.smem_of("split_alibi") == ws.alibi_smem_bytes
+    assert kernel.smem_of("forward") == kernel.smem_of("forward_dropout") == ws.smem_bytes
