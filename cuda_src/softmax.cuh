@@ -191,6 +191,8 @@ struct OnlineSoftmax {
     // Which side of its row's diagonal each key of the tile that the mask keeps lies on, for
     // all of the warp's rows: +1 left (keys_left: the caller knows no visible key is right of
     // it, e.g. causal), -1 right, 0 across (the tile holds keys of both sides for some row).
+    // (The warp-specialized kernel's column slice makes the same test as per-tile block
+    // bounds: fwd_warp_specialized.cuh, alibi_left_end and alibi_right_begin.)
     __device__ __forceinline__ static int alibi_side(int kv0, int row0, int shift,
                                                      bool keys_left) {
         // The offsets of the warp's extreme rows from the tile's first and last keys.
