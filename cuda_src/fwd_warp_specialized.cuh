@@ -42,8 +42,6 @@ constexpr int kWsBarrierBytes = 128;
 // mbarriers (KernelConfig.alibi_smem_bytes). So a tile that lies on one side of every row's
 // diagonal needs no op per score: the row part folds into the row's maximum and exponent
 // offset (OnlineSoftmax::alibi_rows). The slice costs 1 / (d_head / 16) more Q K^T.
-template <class C>
-constexpr int kAlibiColumnBytes = C::kBc * 16;
 
 // The A fragment of a warp's rows for ALiBi's column slice: row i's k 0..2 hold the three
 // 16-bit terms of `coefficient` (hi + mid + lo carries it to ~24 bits, the products with the
@@ -52,16 +50,15 @@ constexpr int kAlibiColumnBytes = C::kBc * 16;
 // lane / 4 and + 8; registers 2 and 3 hold k 8..15): this returns register 0 (= register 1).
 template <bool kBf16>
 __device__ __forceinline__ uint32_t alibi_column_fragment(float coefficient, int lane) {
-    float hi, mid, lo;
-    if constexpr (kBf16) {
-        hi = __bfloat162float(__float2bfloat16_rn(coefficient));
-        mid = __bfloat162float(__float2bfloat16_rn(coefficient - hi));
-        lo = coefficient - hi - mid;
-    } else {
-        hi = __half2float(__float2half_rn(coefficient));
-        mid = __half2float(__float2half_rn(coefficient - hi));
-        lo = coefficient - hi - mid;
-    }
+    auto rounded = [](float x) {  // x rounded to the 16-bit type
+        if constexpr (kBf16) {
+            return __bfloat162float(__float2bfloat16_rn(x));
+        } else {
+            return __half2float(__float2half_rn(x));
+        }
+    };
+    const float hi = rounded(coefficient), mid = rounded(coefficient - hi);
+    const float lo = coefficient - hi - mid;
     const int t = lane % 4;
     return t == 0 ? pack_2<kBf16>(hi, mid) : t == 1 ? pack_2<kBf16>(lo, 0.f) : 0u;
 }
@@ -140,7 +137,7 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
     // of the 128 cp.async threads'. The host sets them for whole, unsplit calls only; the
     // split and cache-addressing entries compile without them.
     const bool tma = !kSplit && !kKvcache && p.tma_loads != 0;
-    // ALiBi's column part in the Q K^T GEMM (kAlibiColumnBytes): not with softcapping (the
+    // ALiBi's column part in the Q K^T GEMM (the table above): not with softcapping (the
     // bias adds to the capped score), nor in the three-consumer dropout entry (160
     // registers: it spilled 8 bytes).
     constexpr bool kAlibiColumns = kAlibi && !kSoftcap && !(kDropout && kGroups == 3);

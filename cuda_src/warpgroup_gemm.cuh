@@ -82,7 +82,7 @@ struct WarpgroupGemm {
     }
     // One more k16 slice of Q K^T, issued after qk_issue (it accumulates): A from registers
     // (`a`, each warp's rows), B the (B_c, 8) table of key columns at shared address
-    // `table` (kAlibiColumnBytes, fwd_warp_specialized.cuh), K-major without swizzle: row j's 16
+    // `table` (fwd_warp_specialized.cuh's ALiBi table), K-major without swizzle: row j's 16
     // bytes hold k 0..7, row groups 128 bytes apart, and k 8..15 read the same core matrix
     // (leading offset 0), which A's zero columns 8..15 multiply away.
     static constexpr uint64_t kColumnFields = make_smem_desc_unswizzled(0, 128);

@@ -89,7 +89,7 @@ ELEMENT_BYTES = 2  # fp16 and bf16
 WS_PRODUCER_THREADS = 128
 WS_BARRIER_BYTES = 128
 # ... and per key of a block, the ALiBi entries' table of key columns after the mbarriers
-# (kAlibiColumnBytes).
+# (fwd_warp_specialized.cuh: 16 bytes a row).
 WS_ALIBI_COLUMN_BYTES = 16
 WGMMA_ARCH = 90  # wgmma exists on sm_90a only (Hopper); Blackwell has tcgen05 instead
 
@@ -236,7 +236,7 @@ class KernelConfig:
     def alibi_smem_bytes(self) -> int:
         """smem_bytes of the entries with ALiBi alone (and dropout's with ALiBi): the
         warp-specialized kernel's add ALiBi's column part inside Q K^T and read a table of a
-        block's key columns after the mbarriers (kAlibiColumnBytes, 16 bytes per key). Only
+        block's key columns after the mbarriers (WS_ALIBI_COLUMN_BYTES per key). Only
         they launch with it (each entry launches with its own bytes: dispatch.Kernel)."""
         return self.smem_bytes + (self.B_c * WS_ALIBI_COLUMN_BYTES if self.warp_specialized
                                   else 0)
