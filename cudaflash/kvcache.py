@@ -155,8 +155,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             _check_index_vector("cache_seqlens", cache_seqlens, q, q.shape[0])
             _check_values(cache_seqlens, cache, seqlen_new, k is not None, debug)
             if rotary is not None:
-                q, k = rotary_embedding.apply(rotary, q, k, cache_seqlens, cache_leftpad,
-                                              bool(causal) or window != (-1, -1))
+                q, k = rotary_embedding.apply(
+                    rotary, q, k, cache_seqlens,
+                    rotary_embedding.queries_per_token(causal, window, seqlen_cache))
             seqused = cache_seqlens
             if k is not None:
                 launch.append_kv(kernel, index, _vector_rows(k), _vector_rows(v), k_cache,

@@ -65,16 +65,25 @@ def _rotate(x, rotary: Rotary, positions):
     return torch.cat((turned.to(x.dtype), x[..., 2 * half:]), dim=-1)
 
 
-def apply(rotary: Rotary, q, k, cache_seqlens, cache_leftpad, per_token_q: bool):
+def apply(rotary: Rotary, q, k, cache_seqlens, per_token_q: bool):
     """q and the new k rotated at each sequence's positions, as flash-attn does: the new
-    keys at cache_seqlens[b] (minus cache_leftpad[b]) + i; the queries at those positions
-    when causal or windowed, else all at cache_seqlens[b] (they come after the cache)."""
-    offsets = cache_seqlens.long()
-    if cache_leftpad is not None:
-        offsets = offsets - cache_leftpad.long()
-    offsets = offsets[:, None]
+    keys at cache_seqlens[b] + i; the queries at those positions when per_token_q (causal or
+    windowed: queries_per_token), else all at cache_seqlens[b] (they come after the cache).
+    Positions count cache rows from the start of the sequence's cache, left padding
+    (cache_leftpad) included: flash-attn's kernel reads the tables at the keys' rows in the
+    cache, not at their index among the sequence's own keys."""
+    offsets = cache_seqlens.long()[:, None]
     q_steps = torch.arange(q.shape[1], device=q.device)[None, :]
     q = _rotate(q, rotary, offsets + q_steps if per_token_q else offsets.expand(-1, q.shape[1]))
     if k is not None:
         k = _rotate(k, rotary, offsets + torch.arange(k.shape[1], device=k.device)[None, :])
     return q, k
+
+
+def queries_per_token(causal: bool, window: tuple[int, int], seqlen_cache: int) -> bool:
+    """Whether each query row takes its own position (flash-attn: a causal or local call)
+    rather than all of them cache_seqlens[b]. flash-attn decides on the window after
+    treating a side of at least the caches' length (seqlen_cache: a paged cache's
+    max_blocks_per_seq * page_block_size) as unbounded."""
+    left, right = (-1 if w >= seqlen_cache else w for w in window)
+    return bool(causal) or left >= 0 or right >= 0

@@ -207,8 +207,9 @@ def test_cache_leftpad_skips_the_padding(combo, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 @pytest.mark.parametrize("combo", COMBOS, ids=_combo_id)
 def test_rotary_on_queries_and_new_keys(combo, causal, interleaved, leftpad):
-    """flash-attn's rule: new keys at position cache_seqlens[b] (- cache_leftpad[b]) + i;
-    queries likewise when causal (or windowed), else all at cache_seqlens[b] (- pad)."""
+    """flash-attn's rule: new keys at position cache_seqlens[b] + i, their rows in the cache
+    (left padding counts); queries likewise when causal (or windowed), else all at
+    cache_seqlens[b]."""
     dtype, d = combo
     dtype = DTYPES[dtype]
     g = torch.Generator(device="cuda").manual_seed(4)
@@ -224,7 +225,7 @@ def test_rotary_on_queries_and_new_keys(combo, causal, interleaved, leftpad):
         cache_seqlens=torch.tensor(lens, dtype=I32, device="cuda"),
         cache_leftpad=torch.tensor(pads, dtype=I32, device="cuda") if leftpad else None,
         causal=causal, rotary_interleaved=interleaved, return_softmax_lse=True)
-    start = torch.tensor([n - p for n, p in zip(lens, pads)], device="cuda")[:, None]
+    start = torch.tensor(lens, device="cuda")[:, None]
     k_ro = rotated(k, cos, sin, start + torch.arange(new, device="cuda"), interleaved)
     steps = torch.arange(sq, device="cuda") if causal else torch.zeros(sq, dtype=torch.long,
                                                                        device="cuda")

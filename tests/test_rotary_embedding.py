@@ -45,17 +45,35 @@ def test_rotation_matches_complex_multiplication(interleaved, rotary_dim):
 
 
 @pytest.mark.parametrize("per_token_q", [True, False])
-def test_positions_follow_the_cache_lengths_and_left_padding(per_token_q):
+def test_positions_are_the_cache_rows(per_token_q):
+    """flash-attn's positions: the new keys at cache_seqlens[b] + i, the rows they take in
+    the cache; left padding counts (flash-attn's kernel reads its tables at the cache row,
+    cache_leftpad + the key's index in the sequence, and its test rotates at
+    seqlen_offsets=cache_seqlens with and without cache_leftpad)."""
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(2, 3, 4, 32, generator=g), torch.randn(2, 2, 1, 32, generator=g)
     cos, sin = tables(40, 32)
     rotary = rotary_embedding.Rotary(cos, sin, False)
-    seqlens, pad = torch.tensor([5, 12], dtype=torch.int32), torch.tensor([1, 4], dtype=torch.int32)
-    q_ro, k_ro = rotary_embedding.apply(rotary, q, k, seqlens, pad, per_token_q)
-    start = torch.tensor([4, 8])[:, None]
+    seqlens = torch.tensor([5, 12], dtype=torch.int32)
+    q_ro, k_ro = rotary_embedding.apply(rotary, q, k, seqlens, per_token_q)
+    start = torch.tensor([5, 12])[:, None]
     assert torch.allclose(k_ro, by_complex(k, cos, sin, start + torch.arange(2), False), atol=1e-5)
     q_pos = start + torch.arange(3) if per_token_q else start.expand(-1, 3)
     assert torch.allclose(q_ro, by_complex(q, cos, sin, q_pos, False), atol=1e-5)
+
+
+@pytest.mark.parametrize("causal, window, per_token", [
+    (False, (-1, -1), False),
+    (True, (-1, -1), True),
+    (False, (10, -1), True),
+    (False, (-1, 0), True),
+    (False, (64, -1), False),   # a side as long as the caches is unbounded (flash-attn)
+    (False, (63, 64), True),
+    (False, (100, 200), False),
+    (True, (100, -1), True),
+])
+def test_queries_take_their_own_positions_when_causal_or_local(causal, window, per_token):
+    assert rotary_embedding.queries_per_token(causal, window, 64) is per_token
 
 
 def test_low_precision_rounds_once():
