@@ -72,6 +72,24 @@ class FlashAttnFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
+class ForwardOnly(torch.autograd.Function):
+    """An output whose inputs record gradients but whose call has no backward (a paged
+    flash_attn_varlen_func, as in flash-attn): the forward passes ``out`` through, the
+    backward raises. flash-attn returns such an out with a grad_fn too (its tests run the
+    paged call in grad mode without a backward); an out without one would silently drop the
+    gradient of a loss that reached it."""
+
+    @staticmethod
+    def forward(ctx, out, what, *inputs):
+        ctx.what = what
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        raise NotImplementedError(f"{ctx.what} has no backward (as in flash-attn); its output "
+                                  "cannot take part in a gradient")
+
+
 def run_backward(dout, q, k, v, out, lse, scale: float, causal: bool, deterministic: bool,
                  kernel_window: tuple[int, int], softcap: float = 0.0, alibi_slopes=None,
                  dropout=None):

@@ -76,14 +76,24 @@ def _window_side(w) -> int | None:
         return None                    # elements (torch raises RuntimeError for those)
 
 
+def _is_pair(window_size) -> bool:
+    """A tuple or list of two, or a 1-D tensor or array of two elements: what flash-attn reads
+    as window_size[0] and window_size[1] (its tests pass torch.randint(0, n, (2,)))."""
+    if isinstance(window_size, (tuple, list)):
+        return len(window_size) == 2
+    shape = getattr(window_size, "shape", None)  # torch.Tensor, numpy.ndarray
+    return (isinstance(window_size, torch.Tensor) or type(window_size).__module__ == "numpy") \
+        and shape is not None and tuple(shape) == (2,)
+
+
 def check_window(window_size) -> tuple[int, int]:
     """flash-attn's window_size as (left, right): each integer-like and >= -1, -1 meaning
     unbounded."""
-    sides = ([_window_side(w) for w in window_size]
-             if isinstance(window_size, (tuple, list)) and len(window_size) == 2 else [None])
+    sides = [_window_side(w) for w in window_size] if _is_pair(window_size) else [None]
     if not all(w is not None and -1 <= w <= INT32_MAX for w in sides):
         raise ValueError(f"window_size={window_size!r}; it must be (left, right): two integers "
-                         "(ints, numpy integers or 1-element integer tensors) in [-1, 2**31) "
+                         "(a tuple or list of ints, numpy integers or 1-element integer "
+                         "tensors, or a 2-element integer tensor or array) in [-1, 2**31) "
                          "(-1: unbounded on that side; query i sees keys i + seqlen_k - "
                          "seqlen_q - left to i + seqlen_k - seqlen_q + right)")
     return sides[0], sides[1]

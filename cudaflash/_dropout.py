@@ -196,19 +196,17 @@ def varlen_attention_probs(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
     return probs
 
 
-def block_size_n(head_dim: int, device) -> int:
-    """The key block size flash-attn 2's tests assume for a dropout call
-    (their _get_block_size_n with is_dropout=True): S_dmask's rows are scaled per block."""
+def block_size_n(head_dim: int) -> int:
+    """The key block size flash-attn 2.8.3's tests assume for a dropout call
+    (flash_attn_interface._get_block_size_n with is_dropout=True, the same on every GPU):
+    S_dmask's rows are scaled per block. (Before 2.8, head dims 129-160 took 32 on sm80 and
+    sm90; 2.8 runs them on the hdim-192 kernel, 64.)"""
     if head_dim <= 32:
         return 128
     if head_dim <= 96:
         return 64
     if head_dim <= 128:
         return 32
-    if head_dim <= 160:  # (the only size that depends on the GPU: asked only here)
-        major, minor = (torch.cuda.get_device_capability(device) if device.type == "cuda"
-                        else (9, 0))
-        return 64 if major == 8 and minor > 0 else 32
     return 64
 
 
@@ -231,7 +229,7 @@ def attention_matrix(q, k, softmax_scale: float, allowed: torch.Tensor, dropout:
     if bias is not None:
         scores = scores + bias
     scores = scores.masked_fill(~allowed, float("-inf"))
-    block = block_size_n(block_head_dim or q.shape[-1], q.device)
+    block = block_size_n(block_head_dim or q.shape[-1])
     blocks = scores.split(block, dim=-1)
     block_max = torch.stack([b.amax(-1) for b in blocks], -1)
     running = torch.cummax(block_max.flip(-1), -1).values.flip(-1)

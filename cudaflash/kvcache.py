@@ -6,7 +6,8 @@ import numbers
 
 import torch
 
-from . import _checks, _driver, _padding, _plans, dispatch, heuristics, launch, rotary_embedding
+from . import (_autograd, _checks, _driver, _padding, _plans, dispatch, heuristics, launch,
+               rotary_embedding)
 
 
 @torch.compiler.disable  # mutates the cache and reads tensors on the host: runs eagerly
@@ -140,7 +141,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             out, lse = launch.run(None, index, q, k_cache, v_cache, None, scale, bool(causal),
                                   want_lse, num_splits=splits, window=window, softcap=softcap,
                                   alibi=alibi_slopes)
-        elif isinstance(cache_seqlens, torch.Tensor) or not plain:
+        elif (isinstance(cache_seqlens, torch.Tensor) or not plain
+              or _window_needs_the_capacity(window, cache_seqlens, seqlen_new, seqlen_cache)):
             if cache_seqlens is None:  # every position of every sequence
                 cache_seqlens = torch.full((q.shape[0],), seqlen_cache, dtype=torch.int32,
                                            device=q.device)
@@ -205,6 +207,19 @@ def _vector_rows(t):
             and all(s % 8 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)):
         return t
     return t.clone(memory_format=torch.contiguous_format)
+
+
+def _window_needs_the_capacity(window, cache_seqlens, seqlen_new: int,
+                               seqlen_cache: int) -> bool:
+    """Whether an int cache_seqlens call must take the per-sequence path for its window:
+    flash-attn counts a window side as unbounded only from the caches' length (seqlen_cache)
+    on, while the int path runs the used prefix as a plain batch, whose rule would count a
+    side from the used length on as unbounded (which changes the mask where seqlen_q exceeds
+    the used keys)."""
+    if not isinstance(cache_seqlens, int) or isinstance(cache_seqlens, bool):
+        return False  # (the int path's own checks explain anything else)
+    used = cache_seqlens + seqlen_new
+    return any(used <= w < seqlen_cache for w in window)
 
 
 def _check_int_seqlens(cache_seqlens, seqlen_cache: int, seqlen_new: int) -> None:
@@ -350,11 +365,16 @@ def paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_se
     headdim) as usual, the keys and values in pools of pages (num_blocks, page_block_size,
     nheads_k, headdim); sequence b has cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys, key j in
     page block_table[b, j // page_block_size] (flash-attn's semantics). Forward only.
-    ``window``, ``softcap``: checked by the caller."""
+    ``window``, ``softcap``: checked by the caller. In grad mode with inputs that require
+    grad, ``out`` has a grad_fn whose backward raises (_autograd.ForwardOnly)."""
     if _checks.wants_grad(q, k_cache, v_cache):
-        raise NotImplementedError("flash_attn_varlen_func with block_table has no backward (as "
-                                  "in flash-attn); call it under torch.no_grad() or "
-                                  "torch.inference_mode()")
+        with torch.no_grad():
+            out, lse = paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k,
+                                            max_seqlen_q, max_seqlen_k, block_table,
+                                            softmax_scale, causal, window, softcap, want_lse,
+                                            alibi_slopes)
+        return _autograd.ForwardOnly.apply(out, "flash_attn_varlen_func with block_table", q,
+                                           k_cache, v_cache), lse
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q has shape {tuple(getattr(q, 'shape', ()))}; expected 3 dims "
                          "(total_q, nheads, headdim)")

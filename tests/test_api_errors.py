@@ -295,26 +295,35 @@ def test_valid_alibi_slopes_reach_the_device_check():
 @pytest.mark.parametrize("window", [None, (128,), (1, 2, 3), (-2, 0), (1.5, 0), (True, 0),
                                     "ab", (2**31, 0), (torch.tensor(1.0), 0),
                                     (torch.tensor(True), 0), (torch.tensor([1, 2]), 0),
-                                    (torch.tensor(-2), 0), torch.tensor([4, 0])])
+                                    (torch.tensor(-2), 0), torch.tensor([4, -2]),
+                                    torch.tensor([1.0, 2.0]), torch.tensor([[4, 0]]),
+                                    torch.tensor([True, False]), np.array([1, 2, 3]),
+                                    torch.tensor(3)])
 def test_bad_window_size(window):
     with pytest.raises(ValueError, match=r"window_size=.*; it must be \(left, right\): two "
-                                         r"integers \(ints, numpy integers or 1-element integer "
-                                         r"tensors\) in \[-1, 2\*\*31\)"):
+                                         r"integers \(a tuple or list of ints, numpy integers "
+                                         r"or 1-element integer tensors, or a 2-element integer "
+                                         r"tensor or array\) in \[-1, 2\*\*31\)"):
         flash_attn_func(*qkv(), window_size=window)
 
 
 @pytest.mark.parametrize("window", [(128, 0), [3, -1], (-1, 5), (torch.tensor(128), 0),
                                     (torch.tensor([3]), torch.tensor(-1, dtype=torch.int32)),
-                                    (np.int64(16), np.int32(0)), (np.array(8), -1)])
+                                    (np.int64(16), np.int32(0)), (np.array(8), -1),
+                                    torch.tensor([4, 0]), np.array([3, -1])])
 def test_valid_window_reaches_the_device_check(window):
-    """Integer-like sides, as flash-attn takes them (its local=True tests pass tensors)."""
+    """Integer-like sides, as flash-attn takes them; its local=True tests pass the pair as one
+    tensor, torch.randint(0, seqlen_k, (2,))."""
     with pytest.raises(ValueError, match=CPU_ERROR):
         flash_attn_func(*qkv(), window_size=window)
 
 
 @pytest.mark.parametrize("window, expected", [((torch.tensor(128), 0), (128, 0)),
                                               ((np.int64(16), torch.tensor([-1])), (16, -1)),
-                                              ([np.array(3), 7], (3, 7))])
+                                              ([np.array(3), 7], (3, 7)),
+                                              (torch.tensor([6, 2]), (6, 2)),
+                                              (torch.tensor([5, -1], dtype=torch.int32), (5, -1)),
+                                              (np.array([0, 9]), (0, 9))])
 def test_integer_like_window_sides_become_ints(window, expected):
     got = internals.check_window(window)
     assert got == expected and all(type(w) is int for w in got)

@@ -224,12 +224,17 @@ def test_varlen_forward_and_gradients_per_sequence():
                             (qb, kb, vb))
 
 
+# (head dim, the key block flash-attn 2.8.3's _get_block_size_n gives a dropout call)
+S_DMASK_BLOCKS = [(64, 64), (128, 32), (160, 64)]
+
+
+@pytest.mark.parametrize("d, block", S_DMASK_BLOCKS, ids=[f"d{d}" for d, _ in S_DMASK_BLOCKS])
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
-def test_return_attn_probs_gives_flash_attns_s_dmask(causal):
+def test_return_attn_probs_gives_flash_attns_s_dmask(causal, d, block):
     """(out, lse, S_dmask) as flash-attn returns them with dropout: S_dmask's signs are the
-    keep mask, and its blocks scaled by exp(M_n - lse) (flash-attn's tests' normalization)
-    are the softmax probabilities."""
-    q, k, v = make_qkv(2, 96, 200, 4, 4, 64, torch.float16, seed=1)
+    keep mask, and its blocks of flash-attn 2.8.3's size scaled by exp(M_n - lse) (its tests'
+    normalization) are the softmax probabilities."""
+    q, k, v = make_qkv(2, 96, 200, 4, 4, d, torch.float16, seed=1)
     seed = seed_after(2, q.device)
     torch.manual_seed(2)
     with torch.no_grad():
@@ -239,16 +244,16 @@ def test_return_attn_probs_gives_flash_attns_s_dmask(causal):
     assert s_dmask.shape == (2, 4, 96, 200)
     visible = s_dmask != 0
     assert torch.equal((s_dmask > 0)[visible], mask[visible])
-    scores = (q.float().transpose(1, 2) @ k.float().transpose(1, 2).transpose(-1, -2)) / 8.0
+    scores = (q.float().transpose(1, 2) @ k.float().transpose(1, 2).transpose(-1, -2)) / d**0.5
     if causal:
         row = torch.arange(96, device=q.device)[:, None] + 200 - 96
         scores = scores.masked_fill(torch.arange(200, device=q.device)[None, :] > row,
                                     float("-inf"))
-    blocks = scores.split(64, -1)
+    blocks = scores.split(block, -1)
     block_max = torch.stack([b.amax(-1) for b in blocks], -1)
     running = torch.cummax(block_max.flip(-1), -1).values.flip(-1)
     probs = torch.cat([p * torch.exp(running[..., n, None] - lse[..., None])
-                       for n, p in enumerate(s_dmask.abs().split(64, -1))], -1)
+                       for n, p in enumerate(s_dmask.abs().split(block, -1))], -1)
     assert torch.allclose(probs, scores.softmax(-1), atol=1e-4)
     ref = dropout_reference(q, k, v, mask.cpu(), 0.2, causal)
     low = dropout_reference(q, k, v, mask.cpu(), 0.2, causal, upcast=False)

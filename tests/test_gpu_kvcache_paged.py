@@ -240,6 +240,30 @@ def test_rotary_on_queries_and_new_keys(combo, causal, interleaved, leftpad):
                     [vc[b, p:n + new] for b, (n, p) in enumerate(zip(lens, pads))], causal)
 
 
+def test_varlen_with_block_table_in_grad_mode():
+    """flash-attn's tests call the paged flash_attn_varlen_func with a q that requires grad
+    (and run no backward): the forward runs as without gradients, and its out's backward
+    raises, since the call has none."""
+    dtype, d = COMBOS[0]
+    dtype = DTYPES[dtype]
+    g = torch.Generator(device="cuda").manual_seed(21)
+    kc, vc = randn(g, dtype, 2, 256, 2, d), randn(g, dtype, 2, 256, 2, d)
+    k_pool, table = to_pages(kc, 16, seed=3)
+    v_pool, _ = to_pages(vc, 16, seed=3)
+    q = randn(g, dtype, 7, 4, d)
+    cu_q = torch.tensor([0, 3, 7], dtype=I32, device="cuda")
+    cu_k = torch.tensor([0, 200, 256], dtype=I32, device="cuda")
+    with torch.no_grad():
+        want = flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, 4, 200, causal=True,
+                                      block_table=table)
+    got, lse, _ = flash_attn_varlen_func(q.clone().requires_grad_(), k_pool, v_pool, cu_q,
+                                         cu_k, 4, 200, causal=True, block_table=table,
+                                         return_attn_probs=True)
+    assert torch.equal(got, want) and got.requires_grad and not lse.requires_grad
+    with pytest.raises(NotImplementedError, match="with block_table has no backward"):
+        got.float().sum().backward()
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 @pytest.mark.parametrize("page", [16, 128])
 @pytest.mark.parametrize("combo", COMBOS, ids=_combo_id)

@@ -163,6 +163,52 @@ def test_a_side_as_long_as_the_keys_is_unbounded():
                        flash_attn_func(q, k, v))
 
 
+def test_window_pair_as_one_tensor():
+    """flash-attn's tests pass window_size as torch.randint(0, seqlen_k, (2,)): the same
+    windows as the tuple in every function."""
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    q, k, v = make_qkv(2, 300, 300, 2, 2, d, DTYPES[dtype], seed=13)
+    for pair in (torch.tensor([40, 7]), torch.tensor([40, 7], device="cuda"),
+                 torch.tensor([40, 7]).numpy()):
+        assert torch.equal(flash_attn_func(q, k, v, window_size=pair),
+                           flash_attn_func(q, k, v, window_size=(40, 7)))
+    lens = [100, 200]
+    qp, kp, vp, cu_q, cu_k = packed(lens, lens, 2, 2, d, DTYPES[dtype], seed=14)
+    assert torch.equal(
+        flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, 200, 200, window_size=torch.tensor([9, 3])),
+        flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, 200, 200, window_size=(9, 3)))
+    lengths = torch.tensor([300, 120], dtype=torch.int32, device="cuda")
+    assert torch.equal(
+        flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=lengths,
+                                window_size=torch.tensor([64, 0])),
+        flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=lengths, window_size=(64, 0)))
+
+
+def test_kvcache_window_sides_count_from_the_capacity():
+    """flash_attn_with_kvcache treats a window side as unbounded only from the caches'
+    length on (flash-attn's rule there), with an int cache_seqlens too: 10 query rows, 4 used
+    keys of 64, window (-1, 5): row i sees keys up to i + 4 - 10 + 5 = i - 1, so row 0 sees
+    none (a side counted from the used length would have shown every row all 4 keys)."""
+    dtype, d = _pick_combo(("bf16", 128), *COMBOS)
+    g = torch.Generator(device="cuda").manual_seed(15)
+    q = torch.randn(1, 10, 2, d, generator=g, device="cuda", dtype=DTYPES[dtype])
+    kc = torch.randn(1, 64, 2, d, generator=g, device="cuda", dtype=DTYPES[dtype])
+    vc = torch.randn_like(kc)
+    out_int, lse_int = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=4, window_size=(-1, 5),
+                                               return_softmax_lse=True)
+    out_t, lse_t = flash_attn_with_kvcache(
+        q, kc, vc, cache_seqlens=torch.tensor([4], dtype=torch.int32, device="cuda"),
+        window_size=(-1, 5), return_softmax_lse=True)
+    assert torch.equal(out_int[0, 0], torch.zeros_like(out_int[0, 0]))
+    assert torch.isneginf(lse_int[0, :, 0]).all()
+    assert (out_int.float() - out_t.float()).abs().max().item() < 1e-2
+    # Rows 1..9 against the math: keys 0..i-1 (all 4 from row 5 on).
+    for i in range(1, 10):
+        sees = min(i, 4)
+        ref, _ = window_ref(q[:, i:i + 1], kc[:, :sees], vc[:, :sees], -1, -1, False, True)
+        assert (out_int[:, i:i + 1].float() - ref.float()).abs().max().item() < 2e-2
+
+
 # ---- gradients ---------------------------------------------------------------------------------
 
 
