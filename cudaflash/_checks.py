@@ -26,6 +26,15 @@ def attention_options(dropout_p, window_size,
     return check_window(window_size), check_softcap(softcap), _dropout.check_dropout_p(dropout_p)
 
 
+def with_unit_last_stride(*tensors) -> tuple:
+    """The tensors, each copied (.contiguous()) where its last (head dim) stride is not 1, as
+    flash-attn's maybe_contiguous does for q, k and v (never for caches, which are written in
+    place); anything that is not a tensor of at least one dim passes through for the checks
+    to explain. The copy is differentiable: gradients reach the caller's tensors."""
+    return tuple(t.contiguous() if isinstance(t, torch.Tensor) and t.dim() >= 1
+                 and t.stride(-1) != 1 else t for t in tensors)
+
+
 def check_alibi_slopes(alibi_slopes, batch: int, n_heads: int, device: torch.device):
     """flash-attn's alibi_slopes: None, or float32 slopes of shape (nheads,) or (batch,
     nheads) with a unit last stride on q's ``device`` (the kernels read them there, at
@@ -163,7 +172,7 @@ def check_qkv(q, k, v, varlen=False, names=("q", "k", "v"), same_batch=True):
                          "must be on the same device")
     for name, t in ((qn, q), (kn, k), (vn, v)):
         s = t.stride()
-        if s[-1] != 1:
+        if s[-1] != 1:  # (the public functions copy q, k, v first: with_unit_last_stride)
             raise ValueError(f"{name} has strides {s}; its last (head dim) stride must be 1. "
                              f"{name}.contiguous() gives such a copy")
         check_aligned(name, t, s)

@@ -159,6 +159,7 @@ def _attention_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, s
     for S_dmask); torch.compile's custom op, a sliding window, gradients or a plain forward
     (which records a plan for the next call)."""
     window, softcap, dropout_p = _checks.attention_options(dropout_p, window_size, softcap)
+    q, k, v = _checks.with_unit_last_stride(q, k, v)
     padded = _padding.padded_head_dim(q, k, v)
     if padded is not None:
         return _padding.with_padded_head_dim(
@@ -343,6 +344,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             out, lse = done
             return (out, lse, None) if want_lse else out
 
+    q, k, v = _checks.with_unit_last_stride(q, k, v)
     padded = _padding.padded_head_dim(q, k, v)
     if padded is not None:
         return _padding.with_padded_head_dim(

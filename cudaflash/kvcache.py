@@ -84,6 +84,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 return done if return_softmax_lse else done[0]
 
     window, softcap, _ = _checks.attention_options(0.0, window_size, softcap)
+    q, k, v = _checks.with_unit_last_stride(q, k, v)  # (not the caches: written in place)
     padded = _padding.padded_head_dim(q, k_cache, v_cache)
     if padded is not None:
         return _padding.with_padded_head_dim(

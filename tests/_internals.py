@@ -38,6 +38,7 @@ kernel_window = heuristics.kernel_window
 kernel_problem = heuristics.kernel_problem
 internal_overlap = _checks.internal_overlap
 check_window = _checks.check_window  # window_size -> (left, right) ints, or ValueError
+with_unit_last_stride = _checks.with_unit_last_stride  # q, k, v copied where stride(-1) != 1
 padded_head_dim = _padding.padded_head_dim
 FlashAttnFunction = _autograd.FlashAttnFunction
 find_backward_entry = dispatch.find_backward_entry

@@ -168,13 +168,22 @@ def test_stride_of_a_size_one_dim_is_ignored():
 
 
 @pytest.mark.parametrize("name", ["q", "k", "v"])
-def test_non_unit_last_stride_is_refused(name):
+def test_non_unit_last_stride_is_copied(name):
+    """flash-attn copies a q, k or v whose head dim is strided (maybe_contiguous): such a call
+    goes on (here to the device check) instead of being refused."""
     tensors = dict(zip("qkv", qkv()))
     t = tensors[name]
     tensors[name] = t.transpose(-1, -2).contiguous().transpose(-1, -2)  # stride(-1) == 4
-    with pytest.raises(ValueError, match=rf"{name} has strides \(.*\); its last \(head dim\) "
-                                         rf"stride must be 1. {name}.contiguous\(\)"):
+    with pytest.raises(ValueError, match=CPU_ERROR):
         flash_attn_func(**tensors)
+
+
+def test_with_unit_last_stride_copies_only_strided_tensors():
+    q, k, _ = qkv()
+    strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)
+    got = internals.with_unit_last_stride(strided, k, None)
+    assert got[0].stride(-1) == 1 and torch.equal(got[0], strided)
+    assert got[1] is k and got[2] is None
 
 
 @pytest.mark.parametrize("p", [1.0, -0.1, float("nan"), "0.1", True])

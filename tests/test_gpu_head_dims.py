@@ -64,6 +64,29 @@ def test_non_unit_last_stride_is_fine_when_padded():
     check_attention(flash_attn_func(qt, k, v), None, q, k, v, False)
 
 
+def test_non_unit_last_stride_is_copied_at_kernel_head_dims():
+    """flash-attn copies a q, k or v with a strided head dim (maybe_contiguous); so does
+    cudaflash, in every function, and the gradients reach the caller's tensors."""
+    dtype = DTYPES[COMBOS[0][0]]
+    q, k, v = make_qkv(2, 100, 130, 2, 2, 64, dtype, seed=7)
+    strided = [t.transpose(1, 3).contiguous().transpose(1, 3) for t in (q, k, v)]
+    assert all(t.stride(-1) != 1 for t in strided)
+    assert torch.equal(flash_attn_func(*strided, causal=True), flash_attn_func(q, k, v, causal=True))
+    dout = torch.randn_like(q)
+    out, grads = run_with_grad(*strided, dout, causal=True)  # (its clones keep the strides)
+    check_attention(out, None, q, k, v, True)
+    check_grads(grads, q, k, v, dout, True)
+    cu = torch.tensor([0, 100, 200], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 130, 260], dtype=torch.int32, device="cuda")
+    flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
+    flat_strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in flat]
+    assert torch.equal(flash_attn_varlen_func(*flat_strided, cu, cu_k, 100, 130),
+                       flash_attn_varlen_func(*flat, cu, cu_k, 100, 130))
+    lengths = torch.tensor([130, 64], dtype=torch.int32, device="cuda")
+    assert torch.equal(flash_attn_with_kvcache(strided[0][:, :1], k, v, cache_seqlens=lengths),
+                       flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=lengths))
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 @pytest.mark.parametrize("d", [32, 80, 96])
 def test_gradients(d, causal):
