@@ -62,7 +62,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     Repeat calls with a tensor cache_seqlens and no append (a decoding loop's steps) take a
     cached plan, as flash_attn_func's do; the other forms run the full checks every call.
+    In grad mode with a q, k or v that requires grad (an evaluation loop without
+    torch.no_grad(), say) the call runs as without gradients and out's backward raises:
+    flash-attn returns that out without a grad_fn, which would drop the gradient silently.
     """
+    if _checks.wants_grad(q, k, v):
+        with torch.no_grad():
+            result = flash_attn_with_kvcache(
+                q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,
+                softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
+        out, lse = result if return_softmax_lse else (result, None)
+        out = _autograd.ForwardOnly.apply(out, "flash_attn_with_kvcache", q, k, v)
+        return (out, lse) if return_softmax_lse else out
     # The decoding step: a signature seen before, lengths in a tensor, nothing to append.
     # (A window in the key only as a tuple of two ints: an equal value of another type, such
     # as True for 1, must meet the checks.)

@@ -187,9 +187,12 @@ def test_new_keys_must_not_alias_the_cache():
         flash_attn_with_kvcache(q, kc, vc, kc[:, :3], vc[:, :3].clone(), cache_seqlens=4)
 
 
-def test_grad_is_refused():
-    q, kc, vc, _, _ = tensors()
-    q.requires_grad_(True)
-    with pytest.raises(NotImplementedError,
-                       match="only flash_attn_func and flash_attn_varlen_func have a backward"):
-        flash_attn_with_kvcache(q, kc, vc)
+def test_grad_mode_runs_the_call():
+    """A q or new k/v that requires grad: the call runs as without gradients (its out's
+    backward raises: GPU test), here on to the device check; the caches may not require grad
+    (an append writes them)."""
+    q, kc, vc, k, v = tensors()
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        flash_attn_with_kvcache(q.clone().requires_grad_(True), kc, vc)
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        flash_attn_with_kvcache(q, kc, vc, k.clone().requires_grad_(True), v, cache_seqlens=4)

@@ -264,6 +264,29 @@ def test_varlen_with_block_table_in_grad_mode():
         got.float().sum().backward()
 
 
+def test_kvcache_in_grad_mode():
+    """flash_attn_with_kvcache with a q and new keys that require grad (an evaluation loop
+    without torch.no_grad()): the same out and cache writes as without gradients, and out's
+    backward raises (flash-attn would return an out without a grad_fn)."""
+    dtype, d = COMBOS[0]
+    dtype = DTYPES[dtype]
+    g = torch.Generator(device="cuda").manual_seed(22)
+    q = randn(g, dtype, 2, 3, 4, d)
+    kc, vc = randn(g, dtype, 2, 64, 2, d), randn(g, dtype, 2, 64, 2, d)
+    k, v = randn(g, dtype, 2, 3, 2, d), randn(g, dtype, 2, 3, 2, d)
+    lens = torch.tensor([10, 40], dtype=I32, device="cuda")
+    kc2, vc2 = kc.clone(), vc.clone()
+    with torch.no_grad():
+        want = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, causal=True)
+    got, lse = flash_attn_with_kvcache(q.clone().requires_grad_(), kc2, vc2,
+                                       k.clone().requires_grad_(), v, cache_seqlens=lens,
+                                       causal=True, return_softmax_lse=True)
+    assert torch.equal(got, want) and torch.equal(kc2, kc) and torch.equal(vc2, vc)
+    assert got.requires_grad and not lse.requires_grad
+    with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache has no backward"):
+        got.float().sum().backward()
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 @pytest.mark.parametrize("page", [16, 128])
 @pytest.mark.parametrize("combo", COMBOS, ids=_combo_id)
