@@ -82,7 +82,10 @@ class ForwardOnly(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, what, *inputs):
         ctx.what = what
-        return out
+        # A copy: an input returned as-is would come back as a view, which a caller could not
+        # modify in place (flash-attn's out has no grad_fn, so code may). Only calls made in
+        # grad mode with inputs that require grad pay it.
+        return out.clone()
 
     @staticmethod
     def backward(ctx, dout):

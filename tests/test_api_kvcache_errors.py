@@ -196,3 +196,17 @@ def test_grad_mode_runs_the_call():
         flash_attn_with_kvcache(q.clone().requires_grad_(True), kc, vc)
     with pytest.raises(ValueError, match=CPU_ERROR):
         flash_attn_with_kvcache(q, kc, vc, k.clone().requires_grad_(True), v, cache_seqlens=4)
+
+
+def test_forward_only_output():
+    """_autograd.ForwardOnly, the out of a call without a backward made in grad mode: it
+    requires grad, takes in-place changes (flash-attn's out, without a grad_fn, would), and
+    its backward raises naming the call."""
+    from cudaflash import _autograd
+    q = torch.randn(2, 3, requires_grad=True)
+    out = torch.randn(2, 3, 8)[..., :5]  # a view, as a padded head dim's out is
+    got = _autograd.ForwardOnly.apply(out, "flash_attn_with_kvcache", q, None, None)
+    assert got.requires_grad and torch.equal(got, out)
+    got.mul_(2)
+    with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache has no backward"):
+        got.sum().backward()
