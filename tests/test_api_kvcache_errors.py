@@ -210,3 +210,21 @@ def test_forward_only_output():
     got.mul_(2)
     with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache has no backward"):
         got.sum().backward()
+
+
+@pytest.mark.parametrize("window, lengths, new, routed", [
+    ((-1, 5), 4, 0, True),     # a side between the used keys (4) and the capacity (64)
+    ((5, -1), 2, 2, True),
+    ((-1, 3), 4, 0, False),    # within the used keys: the plain batch counts it alike
+    ((-1, 64), 4, 0, False),   # the capacity on: unbounded for both
+    ((-1, -1), 4, 0, False),
+    ((-1, 5), torch.tensor([4]), 0, False),  # tensors take the per-sequence path anyway
+    ((-1, 5), True, 0, False),
+])
+def test_int_lengths_route_windows_counted_from_the_capacity(window, lengths, new, routed):
+    """flash-attn counts a window side as unbounded from the caches' length on; an int
+    cache_seqlens call whose side lies between the used length and that takes the
+    per-sequence path, whose kernel counts from the capacity (the GPU test checks the
+    outputs)."""
+    from cudaflash import kvcache
+    assert kvcache._window_needs_the_capacity(window, lengths, new, 64) is routed
