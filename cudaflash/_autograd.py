@@ -74,10 +74,10 @@ class FlashAttnFunction(torch.autograd.Function):
 
 class ForwardOnly(torch.autograd.Function):
     """An output whose inputs record gradients but whose call has no backward (a paged
-    flash_attn_varlen_func, as in flash-attn): the forward passes ``out`` through, the
-    backward raises. flash-attn returns such an out with a grad_fn too (its tests run the
-    paged call in grad mode without a backward); an out without one would silently drop the
-    gradient of a loss that reached it."""
+    flash_attn_varlen_func, flash_attn_with_kvcache; neither has one in flash-attn): the
+    forward passes a copy of ``out`` through, the backward raises. flash-attn's tests run the
+    paged varlen call in grad mode without a backward; an out without a grad_fn (flash-attn's
+    kvcache) would silently drop the gradient of a loss that reached it."""
 
     @staticmethod
     def forward(ctx, out, what, *inputs):

@@ -63,8 +63,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             multiple of nheads_k (GQA/MQA: query head h reads K/V head h // (nheads // nheads_k)).
             Any strides whose last one is 1 (a (batch, nheads, seqlen, headdim) tensor viewed
             with .transpose(1, 2) runs in place); data pointers 16-byte aligned; other strides
-            multiples of 8 elements. Unlike flash-attn, a non-unit last stride is an error,
-            not a silent copy: .contiguous() makes the copy visible where it is paid for.
+            multiples of 8 elements. As in flash-attn, a q, k or v whose last stride is not 1
+            is copied first (.contiguous()).
         softmax_scale: scale of q @ k^T before the softmax; default headdim ** -0.5.
         causal: mask aligned to the bottom-right corner (query i sees keys
             j <= i + seqlen_k - seqlen_q); query rows that see no key give out = 0.
@@ -317,7 +317,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         block_table: None, or (batch, max_blocks_per_seq) int32 for paged K/V: k and v are
             then pools of pages (num_blocks, page_block_size, nheads_k, headdim), page sizes
             powers of two from 16, and sequence b's cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys
-            are in its pages (flash_attn_with_kvcache's layout). Forward only.
+            are in its pages (flash_attn_with_kvcache's layout). Forward only, as in
+            flash-attn (in grad mode out's backward raises).
         alibi_slopes: as in ``flash_attn_func``; (batch, nheads) gives each sequence its own,
             and each sequence's bias uses its own lengths.
         Other arguments (softcap included) as in ``flash_attn_func``.

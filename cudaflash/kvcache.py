@@ -62,11 +62,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     Repeat calls with a tensor cache_seqlens and no append (a decoding loop's steps) take a
     cached plan, as flash_attn_func's do; the other forms run the full checks every call.
-    In grad mode with a q, k or v that requires grad (an evaluation loop without
+    In grad mode with a q, k, v or cache that requires grad (an evaluation loop without
     torch.no_grad(), say) the call runs as without gradients and out's backward raises:
     flash-attn returns that out without a grad_fn, which would drop the gradient silently.
     """
-    if _checks.wants_grad(q, k, v):
+    if _checks.wants_grad(q, k, v) or _checks.wants_grad(k_cache, v_cache, None):
         with torch.no_grad():
             result = flash_attn_with_kvcache(
                 q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
@@ -229,7 +229,7 @@ def _window_needs_the_capacity(window, cache_seqlens, seqlen_new: int,
     on, while the int path runs the used prefix as a plain batch, whose rule would count a
     side from the used length on as unbounded (which changes the mask where seqlen_q exceeds
     the used keys)."""
-    if not isinstance(cache_seqlens, int) or isinstance(cache_seqlens, bool):
+    if not isinstance(cache_seqlens, numbers.Integral) or isinstance(cache_seqlens, bool):
         return False  # (the int path's own checks explain anything else)
     used = cache_seqlens + seqlen_new
     return any(used <= w < seqlen_cache for w in window)

@@ -188,14 +188,15 @@ def test_new_keys_must_not_alias_the_cache():
 
 
 def test_grad_mode_runs_the_call():
-    """A q or new k/v that requires grad: the call runs as without gradients (its out's
-    backward raises: GPU test), here on to the device check; the caches may not require grad
-    (an append writes them)."""
+    """A q, new k/v or cache that requires grad: the call runs as without gradients (its out's
+    backward raises: GPU test), here on to the device check."""
     q, kc, vc, k, v = tensors()
     with pytest.raises(ValueError, match=CPU_ERROR):
         flash_attn_with_kvcache(q.clone().requires_grad_(True), kc, vc)
     with pytest.raises(ValueError, match=CPU_ERROR):
         flash_attn_with_kvcache(q, kc, vc, k.clone().requires_grad_(True), v, cache_seqlens=4)
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        flash_attn_with_kvcache(q, kc.clone().requires_grad_(True), vc)
 
 
 def test_forward_only_output():
@@ -228,3 +229,9 @@ def test_int_lengths_route_windows_counted_from_the_capacity(window, lengths, ne
     outputs)."""
     from cudaflash import kvcache
     assert kvcache._window_needs_the_capacity(window, lengths, new, 64) is routed
+
+
+def test_numpy_int_lengths_route_like_ints():
+    import numpy as np
+    from cudaflash import kvcache
+    assert kvcache._window_needs_the_capacity((-1, 5), np.int64(4), 0, 64)

@@ -197,10 +197,13 @@ def test_repeat_calls_take_new_lengths_and_tensors():
                                            return_softmax_lse=True)
         check_each_sequence(out, lse, q, kc, vc, lens, False)
     assert internals.kvcache_plans, "the decoding step should have recorded a plan"
-    q.requires_grad_(True)
-    with pytest.raises(NotImplementedError,
-                       match="only flash_attn_func and flash_attn_varlen_func have a backward"):
-        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, return_softmax_lse=True)
+    # A q that requires grad (grad mode): not served by the plan as an out without a
+    # grad_fn; the call runs as without gradients and its out's backward raises.
+    out, _ = flash_attn_with_kvcache(q.clone().requires_grad_(True), kc, vc,
+                                     cache_seqlens=seqlens, return_softmax_lse=True)
+    assert out.requires_grad
+    with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache has no backward"):
+        out.float().sum().backward()
 
 
 def test_append_with_tensor_lengths_is_captured_in_a_graph():
