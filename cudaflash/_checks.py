@@ -90,9 +90,7 @@ def _is_pair(window_size) -> bool:
     as window_size[0] and window_size[1] (its tests pass torch.randint(0, n, (2,)))."""
     if isinstance(window_size, (tuple, list)):
         return len(window_size) == 2
-    shape = getattr(window_size, "shape", None)  # torch.Tensor, numpy.ndarray
-    return (isinstance(window_size, torch.Tensor) or type(window_size).__module__ == "numpy") \
-        and shape is not None and tuple(shape) == (2,)
+    return getattr(window_size, "ndim", None) == 1 and len(window_size) == 2  # tensor, ndarray
 
 
 def check_window(window_size) -> tuple[int, int]:

@@ -8,6 +8,7 @@ import torch
 
 from . import (_autograd, _checks, _driver, _padding, _plans, dispatch, heuristics, launch,
                rotary_embedding)
+from ._torch import is_grad_enabled
 
 
 @torch.compiler.disable  # mutates the cache and reads tensors on the host: runs eagerly
@@ -66,7 +67,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     torch.no_grad(), say) the call runs as without gradients and out's backward raises:
     flash-attn returns that out without a grad_fn, which would drop the gradient silently.
     """
-    if _checks.wants_grad(q, k, v) or _checks.wants_grad(k_cache, v_cache, None):
+    if is_grad_enabled() and (getattr(q, "requires_grad", False)  # (getattr: not yet checked)
+                              or getattr(k, "requires_grad", False)
+                              or getattr(v, "requires_grad", False)
+                              or getattr(k_cache, "requires_grad", False)
+                              or getattr(v_cache, "requires_grad", False)):
         with torch.no_grad():
             result = flash_attn_with_kvcache(
                 q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,

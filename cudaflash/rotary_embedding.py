@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from . import heuristics
+
 
 class Rotary(NamedTuple):
     """Checked rotary tables: cos and sin (seqlen_ro, rotary_dim / 2), and the pairing."""
@@ -82,8 +84,8 @@ def apply(rotary: Rotary, q, k, cache_seqlens, per_token_q: bool):
 
 def queries_per_token(causal: bool, window: tuple[int, int], seqlen_cache: int) -> bool:
     """Whether each query row takes its own position (flash-attn: a causal or local call)
-    rather than all of them cache_seqlens[b]. flash-attn decides on the window after
-    treating a side of at least the caches' length (seqlen_cache: a paged cache's
-    max_blocks_per_seq * page_block_size) as unbounded."""
-    left, right = (-1 if w >= seqlen_cache else w for w in window)
+    rather than all of them cache_seqlens[b]. flash-attn decides on the window as its kernel
+    takes it, a side of at least the caches' length (seqlen_cache: a paged cache's
+    max_blocks_per_seq * page_block_size) unbounded: heuristics.kernel_window's rule."""
+    left, right = heuristics.kernel_window(window, seqlen_cache, False)
     return bool(causal) or left >= 0 or right >= 0

@@ -763,23 +763,31 @@ def func_inputs(case: dict, device) -> SimpleNamespace:
         else:
             ins.laid["k"] = src.laid_out((b, sk, hk, d), case["layout_kv"])
             ins.laid["v"] = src.laid_out((b, sk, hk, d), case["layout_kv"])
-    ins.slopes = make_slopes(src, case, b)
-    ins.dout = make_dout(src, case, (b, sq, h, d)) if case["backward"] else None
+    return finish_inputs(ins, src, case, b, (b, sq, h, d))
+
+
+def finish_inputs(ins: SimpleNamespace, src, case: dict, batch: int,
+                  q_shape: tuple) -> SimpleNamespace:
+    """The slopes, dout and leaves' requires_grad every training call's inputs share."""
+    ins.slopes = make_slopes(src, case, batch)
+    ins.dout = make_dout(src, case, q_shape) if case["backward"] else None
     if case["backward"]:
         for laid in ins.laid.values():
             laid.base.requires_grad_()
     return ins
 
 
-def func_tensors(case: dict, laid: dict, grads: bool = False) -> tuple:
-    """(q, k, v) of the call: its arguments' views, or with ``grads`` their gradients."""
+def call_tensors(case: dict, laid: dict, grads: bool = False) -> tuple:
+    """(q, k, v) of a flash_attn_func or flash_attn_varlen_func call (packed forms included):
+    its arguments' views, or with ``grads`` their gradients."""
     def of(name):
         return laid[name].grad(f"d{name}: ") if grads else laid[name].view
 
-    if case["fn"] == "qkvpacked":
-        return tuple(of("qkv").unbind(2))
-    if case["fn"] == "kvpacked":
-        return (of("q"), *of("kv").unbind(2))
+    pack_dim = 1 if case["fn"].startswith("varlen") else 2  # (the 3 or 2 of q, k, v)
+    if case["fn"].endswith("qkvpacked"):
+        return tuple(of("qkv").unbind(pack_dim))
+    if case["fn"].endswith("kvpacked"):
+        return (of("q"), *of("kv").unbind(pack_dim))
     return of("q"), of("k"), of("v")
 
 
@@ -800,7 +808,7 @@ def func_call(api, case: dict, ins: SimpleNamespace):
 def func_run(api, case: dict, device) -> tuple:
     """One call with gradients if the case asks: (out, lse, dq, dk, dv), checked."""
     ins = func_inputs(case, device)
-    q, k, v = (t.detach().contiguous() for t in func_tensors(case, ins.laid))
+    q, k, v = (t.detach().contiguous() for t in call_tensors(case, ins.laid))
     seed = dropout_seed_after(case["manual_seed"], device) if case["dropout_p"] else None
     out, lse, probs = split_result(func_call(api, case, ins), case["return_probs"], 3)
     b, sq, sk, h = (case[x] for x in ("b", "sq", "sk", "h"))
@@ -820,7 +828,7 @@ def func_run(api, case: dict, device) -> tuple:
     if case["backward"]:
         fail_unless(out.grad_fn is not None, "inputs require grad but out has no grad_fn")
         out.backward(ins.dout)
-        grads = func_tensors(case, ins.laid, grads=True)
+        grads = call_tensors(case, ins.laid, grads=True)
         check_gradients("", grads, q, k, v, ins.dout, sem, keep)
     return (out.detach(), lse, *grads)
 
@@ -869,23 +877,7 @@ def varlen_inputs(case: dict, device) -> SimpleNamespace:
         else:
             ins.laid["k"] = src.laid_out((total_k, hk, d), case["layout_kv"])
             ins.laid["v"] = src.laid_out((total_k, hk, d), case["layout_kv"])
-    ins.slopes = make_slopes(src, case, len(case["lens_q"]))
-    ins.dout = make_dout(src, case, (total_q, h, d)) if case["backward"] else None
-    if case["backward"]:
-        for laid in ins.laid.values():
-            laid.base.requires_grad_()
-    return ins
-
-
-def varlen_tensors(case: dict, laid: dict, grads: bool = False) -> tuple:
-    def of(name):
-        return laid[name].grad(f"d{name}: ") if grads else laid[name].view
-
-    if case["fn"] == "varlen_qkvpacked":
-        return tuple(of("qkv").unbind(1))
-    if case["fn"] == "varlen_kvpacked":
-        return (of("q"), *of("kv").unbind(1))
-    return of("q"), of("k"), of("v")
+    return finish_inputs(ins, src, case, len(case["lens_q"]), (total_q, h, d))
 
 
 def varlen_maxima(case: dict) -> tuple[int, int]:
@@ -921,7 +913,7 @@ def paged_keys(pool, table, b: int, length: int) -> torch.Tensor:
 
 def varlen_run(api, case: dict, device) -> tuple:
     ins = varlen_inputs(case, device)
-    q, k, v = (t.detach() for t in varlen_tensors(case, ins.laid))
+    q, k, v = (t.detach() for t in call_tensors(case, ins.laid))
     seed = dropout_seed_after(case["manual_seed"], device) if case["dropout_p"] else None
     out, lse, probs = split_result(varlen_call(api, case, ins), case["return_probs"], 3)
     nseq, h = len(case["lens_q"]), case["h"]
@@ -939,7 +931,7 @@ def varlen_run(api, case: dict, device) -> tuple:
     if case["backward"]:
         fail_unless(out.grad_fn is not None, "inputs require grad but out has no grad_fn")
         out.backward(ins.dout)
-        grads = varlen_tensors(case, ins.laid, grads=True)
+        grads = call_tensors(case, ins.laid, grads=True)
     else:
         grads = (None, None, None)
     for b in range(nseq):
