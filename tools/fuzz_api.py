@@ -1131,13 +1131,17 @@ class CpuStandIn:
     refusals are mirrored so that the rejection tally runs too."""
 
     @staticmethod
-    def _refuse(q, k, v, dropout_p=0.0, softcap=0.0):
+    def _refuse(q, k, v, dropout_p=0.0, softcap=0.0, copied=("q", "k", "v")):
+        """cudaflash's layout refusals; ``copied``: the arguments it copies when their last
+        stride is not 1 (as flash-attn does: q, k, v, never a cache)."""
         if dropout_p and softcap:
             raise NotImplementedError("dropout_p > 0 with softcap is not implemented")
         if q.shape[-1] not in BUILT_HEAD_DIMS:
             return  # cudaflash pads such head dims: a copy, whatever the layout
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.stride(-1) != 1:
+                if name in copied:
+                    continue  # a fresh, aligned copy
                 raise ValueError(f"{name} has strides {t.stride()}; its last stride must be 1")
             if t.storage_offset() * t.element_size() % 16:
                 raise ValueError(f"{name} is not 16-byte aligned")
@@ -1244,7 +1248,7 @@ class CpuStandIn:
                                 return_softmax_lse=False):
         from cudaflash import rotary_embedding  # cudaflash's torch rotation (no GPU needed)
 
-        self._refuse(q, k_cache, v_cache)
+        self._refuse(q, k_cache, v_cache, copied=("q",))
         b, sq, h, _ = q.shape
         page = k_cache.shape[1]
         capacity = block_table.shape[1] * page if block_table is not None else k_cache.shape[1]
