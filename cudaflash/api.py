@@ -326,6 +326,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns:
         out: (total_q, nheads, headdim), q's dtype. With return_attn_probs,
         ``(out, softmax_lse, None)``: softmax_lse float32 (nheads, total_q), flash-attn's layout.
+        Rows outside ``cu_seqlens_q[0]:cu_seqlens_q[-1]`` belong to no sequence: neither is
+        written there, as in flash-attn.
     """
     window = (-1, -1)
     if not (dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
