@@ -81,3 +81,28 @@ def test_stored_out_error_is_what_the_rounded_out_moves(seqlen_q, seqlen_k, head
     if seqlen_k == 1 and dropout_p:
         assert math.isfinite(model[0].abs().max().item())
         assert model[0].abs().max().item() > 0  # the rule without the allowance would fail
+
+
+@pytest.mark.parametrize("d, softcap, seqlen_k", [(1, 2.0, 99), (64, 5.0, 300), (128, 30.0, 50)])
+def test_approx_tanh_error_bounds_a_perturbed_cap(d, softcap, seqlen_k):
+    """The kernels cap scores with tanh.approx.f32 (as flash-attn, through cutlass::fast_tanh),
+    whose relative error the fuzz tool allows for: every capped score moved by that error with
+    random signs must move out by no more than approx_tanh_error's bound, and the bound must
+    not be zero."""
+    gen = torch.Generator().manual_seed(d)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+    q, k, v = randn(1, 4, 2, d), randn(1, seqlen_k, 2, d), randn(1, seqlen_k, 2, d)
+    sem = fuzz_api.Semantics(scale=d ** -0.5, window=(-1, -1), softcap=softcap, slopes=None,
+                             dropout_p=0.0)
+    exact, _ = fuzz_api.attention_reference(q, k, v, sem, None, upcast=True)
+    capped = fuzz_api.masked_scores(q, k, sem, torch.float32)
+    allowed, lse_allowed = fuzz_api.approx_tanh_error(q, k, v, sem, None)
+    assert allowed.abs().max().item() > 0 and lse_allowed.abs().max().item() > 0
+    for _ in range(20):
+        sign = torch.randint(0, 2, capped.shape, generator=gen).float() * 2 - 1
+        probs = torch.softmax(capped * (1 + sign * fuzz_api.TANH_APPROX_ERROR), dim=-1)
+        out = torch.einsum("bhqk,bkhd->bqhd", probs, v.float())
+        assert ((out - exact).abs() <= allowed + 1e-7).all()
