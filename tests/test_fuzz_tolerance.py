@@ -99,7 +99,7 @@ def test_approx_tanh_error_bounds_a_perturbed_cap(d, softcap, seqlen_k):
                              dropout_p=0.0)
     exact, _ = fuzz_api.attention_reference(q, k, v, sem, None, upcast=True)
     capped = fuzz_api.masked_scores(q, k, sem, torch.float32)
-    allowed, lse_allowed = fuzz_api.approx_tanh_error(q, k, v, sem, None)
+    allowed, lse_allowed = fuzz_api.approx_tanh_error(q, k, v, exact, sem, None)
     assert allowed.abs().max().item() > 0 and lse_allowed.abs().max().item() > 0
     for _ in range(20):
         sign = torch.randint(0, 2, capped.shape, generator=gen).float() * 2 - 1

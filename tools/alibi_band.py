@@ -16,19 +16,20 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from cudaflash.cli.suite_calls import paper_alibi_slopes  # noqa: E402 (the alibi suite's)
 
 BLOCK = 128
 
 
-def slope(head: int, heads: int) -> float:
-    return 2.0 ** (-8.0 * (head + 1) / heads)
-
-
-def half_width(score_bound: float, head: int, heads: int, margin: float) -> int:
+def half_width(score_bound: float, slope: float, margin: float) -> int:
     """Keys farther than this from the diagonal weigh under e^-margin of the row's largest."""
-    return math.ceil((2.0 * score_bound + margin) / slope(head, heads))
+    return math.ceil((2.0 * score_bound + margin) / slope)
 
 
 def kept_fraction(seqlen: int, heads: int, score_bound: float, margin: float,
@@ -37,8 +38,8 @@ def kept_fraction(seqlen: int, heads: int, score_bound: float, margin: float,
     visits today (all, or up to the diagonal when causal); seqlen_q = seqlen_k."""
     tiles = seqlen // BLOCK
     total = 0.0
-    for head in range(heads):
-        width = half_width(score_bound, head, heads, margin)
+    for slope in paper_alibi_slopes(heads, "cpu").tolist():
+        width = half_width(score_bound, slope, margin)
         kept = full = 0
         for tile in range(tiles):
             first, last = tile * BLOCK, (tile + 1) * BLOCK - 1
@@ -60,11 +61,11 @@ def banded_equals_full(seqlen: int = 2048, heads: int = 8, d: int = 64,
     scale = d ** -0.5
     distance = (torch.arange(seqlen)[:, None] - torch.arange(seqlen)[None, :]).abs()
     worst = 0.0
-    for head in range(heads):
+    for head, slope in enumerate(paper_alibi_slopes(heads, "cpu").tolist()):
         bound = scale * q[:, head].norm(dim=-1).max().item() * k[:, head].norm(dim=-1).max().item()
-        scores = q[:, head] @ k[:, head].T * scale - slope(head, heads) * distance
+        scores = q[:, head] @ k[:, head].T * scale - slope * distance
         full = torch.softmax(scores, dim=-1) @ v[:, head]
-        outside = distance > half_width(bound, head, heads, margin)
+        outside = distance > half_width(bound, slope, margin)
         banded = torch.softmax(scores.masked_fill(outside, -math.inf), dim=-1) @ v[:, head]
         worst = max(worst, (full - banded).abs().max().item())
     return worst

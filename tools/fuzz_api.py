@@ -532,22 +532,36 @@ def visible_keys(seqlen_q: int, seqlen_k: int, window: tuple, device) -> torch.T
     return seen
 
 
-def masked_scores(q, k, sem: Semantics, compute) -> torch.Tensor:
-    """(batch, nheads, seqlen_q, seqlen_k) in ``compute``: the scores softmax takes (scaled,
-    capped, ALiBi's bias added in float32 after the cap as flash-attn's tests add it, -inf
-    where hidden). Differentiable."""
-    batch, seqlen_q, heads, _ = q.shape
-    groups = heads // k.shape[2]
+def capped_scores(q, k, sem: Semantics, compute) -> torch.Tensor:
+    """(batch, nheads, seqlen_q, seqlen_k) in ``compute``: q k^T scaled, then capped
+    (softcap * tanh(s / softcap)) if the call caps. Differentiable."""
+    groups = q.shape[2] // k.shape[2]  # GQA: query head h reads K/V head h // groups
     kc = k.to(compute).repeat_interleave(groups, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q.to(compute), kc) * sem.scale
     if sem.softcap:
         scores = sem.softcap * torch.tanh(scores / sem.softcap)
+    return scores
+
+
+def masked_scores(q, k, sem: Semantics, compute, capped=None) -> torch.Tensor:
+    """The scores softmax takes: ``capped`` (default capped_scores'), ALiBi's bias added in
+    float32 after the cap as flash-attn's tests add it, -inf where hidden. Differentiable."""
+    scores = capped_scores(q, k, sem, compute) if capped is None else capped
+    batch, seqlen_q, heads, _ = q.shape
     if sem.slopes is not None:
         flash_reference.check_alibi_slopes(sem.slopes, batch, heads)
         scores = scores + flash_reference.alibi_bias(sem.slopes, batch, heads, seqlen_q,
                                                      k.shape[1]).to(scores.device)
     seen = visible_keys(seqlen_q, k.shape[1], sem.window, q.device)
     return scores.masked_fill(~seen, -math.inf)
+
+
+def reference_probs(scores) -> torch.Tensor:
+    """softmax over the last dim of masked float32 scores, 0 on rows that see no key (not
+    NaN), without gradients: the weights the allowances below scale by."""
+    with torch.no_grad():
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        return torch.where(torch.isneginf(lse), 0.0, torch.exp(scores - lse))
 
 
 def attention_reference(q, k, v, sem: Semantics, keep=None, upcast=True):
@@ -558,8 +572,7 @@ def attention_reference(q, k, v, sem: Semantics, keep=None, upcast=True):
     q's dtype; lse float32 (batch, nheads, seqlen_q), -inf on rows that see no key, whose out
     is 0. Differentiable."""
     compute = torch.float32 if upcast else q.dtype
-    groups = q.shape[2] // k.shape[2]  # GQA: query head h reads K/V head h // groups
-    vc = v.to(compute).repeat_interleave(groups, dim=2)
+    vc = v.to(compute).repeat_interleave(q.shape[2] // k.shape[2], dim=2)
     scores = masked_scores(q, k, sem, compute)
     lse = torch.logsumexp(scores.float(), dim=-1)
     probs = torch.softmax(scores, dim=-1)
@@ -653,7 +666,7 @@ def check_attention(what: str, out, lse, q, k, v, sem: Semantics, keep=None) -> 
                 f"{tuple(q.shape)}")
     bad = (~torch.isfinite(out)).sum().item()
     fail_unless(bad == 0, f"{what}out has {bad} NaN/Inf elements (finite inputs)")
-    tanh_out, tanh_lse = approx_tanh_error(q, k, v, sem, keep)
+    tanh_out, tanh_lse = approx_tanh_error(q, k, v, ref, sem, keep)
     assert_within(f"{what}out", out, ref, low, 1e-3 if keep is not None else 1e-5,
                   extra=tanh_out, extra_name="tanh.approx")
     no_key = torch.isneginf(ref_lse)  # (batch, nheads, seqlen_q)
@@ -676,28 +689,20 @@ def check_attention(what: str, out, lse, q, k, v, sem: Semantics, keep=None) -> 
 TANH_APPROX_ERROR = 2.0 ** -10.9
 
 
-def approx_tanh_error(q, k, v, sem: Semantics, keep):
+def approx_tanh_error(q, k, v, out, sem: Semantics, keep):
     """(out's, lse's) bound on what an approximate tanh in the cap moves them by, or (None,
     None) without a cap: each capped score c_ij may be off by |c_ij| TANH_APPROX_ERROR, which
     moves out_i by sum_j P_ij d_ij (Z_ij v_j - out_i) (Z: dropout's keep / (1 - p)) and lse_i by
-    sum_j P_ij d_ij. Neither reference has it: both take torch's exact tanh."""
+    sum_j P_ij d_ij. Neither reference has it: both take torch's exact tanh. ``out``: the
+    float32 reference's."""
     if not sem.softcap:
         return None, None
     with torch.no_grad():
-        scores = masked_scores(q, k, sem, torch.float32)
-        lse = torch.logsumexp(scores, dim=-1)
-        seen = ~torch.isneginf(lse)
-        probs = torch.where(seen[..., None], torch.exp(scores - lse[..., None]), 0.0)
-        capped = scores
-        if sem.slopes is not None:  # the bias is added after the cap: take it back out
-            capped = scores - flash_reference.alibi_bias(
-                sem.slopes, q.shape[0], q.shape[2], q.shape[1], k.shape[1]).to(scores.device)
-        moved = torch.where(torch.isfinite(capped), capped.abs(), 0.0) * TANH_APPROX_ERROR
-        weights = probs * moved  # (b, h, sq, sk)
-        groups = q.shape[2] // k.shape[2]
-        vf = v.float().repeat_interleave(groups, dim=2)  # (b, sk, h, d)
+        capped = capped_scores(q, k, sem, torch.float32)
+        probs = reference_probs(masked_scores(q, k, sem, torch.float32, capped))
+        weights = probs * capped.abs() * TANH_APPROX_ERROR  # (b, h, sq, sk)
+        vf = v.float().repeat_interleave(q.shape[2] // k.shape[2], dim=2)  # (b, sk, h, d)
         drop = keep / (1.0 - sem.dropout_p) if keep is not None else 1.0
-        out = torch.einsum("bhqk,bkhd->bqhd", probs * drop, vf)
         # sum_j w_ij |Z_ij v_jd - out_id| <= sum_j w_ij Z_ij |v_jd| + |out_id| sum_j w_ij
         spread = (torch.einsum("bhqk,bkhd->bqhd", weights * drop, vf.abs())
                   + out.abs() * weights.sum(-1).transpose(1, 2)[..., None])
@@ -725,8 +730,7 @@ def stored_out_error(q, k, v, dout, sem: Semantics, keep) -> list:
     # 1 / (1 - p)), summed in quadrature over the keys (dq) or rows (dk), four times over.
     groups = q.shape[2] // k.shape[2]
     with torch.no_grad():
-        probs = torch.exp(torch.where(seen[..., None], masked_scores(q, k, sem, torch.float32) - lse[..., None],
-                                      -math.inf))
+        probs = reference_probs(masked_scores(q, k, sem, torch.float32))
         grow = 1.0 + (1.0 / (1.0 - sem.dropout_p) if keep is not None else 1.0)
         row = (2.0 ** -24 * math.sqrt(q.shape[-1]) * grow
                * (dout.float() * out.detach()).norm(dim=-1).transpose(1, 2))  # (b, h, sq)
