@@ -83,9 +83,25 @@ struct KvRange {
     int begin, end, mask_from, below_keys;
 };
 
+// ALiBi's band (the *_alibi entries, where the host gives alibi_score_bound): with every
+// scaled score within +-B (B = *alibi_score_bound, softmax_scale max|q| max|k|, a bound by
+// Cauchy-Schwarz), a key more than (2 B + kAlibiBandMargin) / slope keys from a row's
+// diagonal weighs under e^-kAlibiBandMargin of the row's largest weight, so skipping it
+// moves out and lse by under seqlen_k e^-40 relative, below float32's resolution. The band's
+// half-width in keys, or INT_MAX for none (no bound, a slope that is not > 0, a NaN, or a
+// band wider than any sequence).
+constexpr float kAlibiBandMargin = 40.f;
+
+__device__ __forceinline__ int alibi_band(const Params& p, int batch, int head) {
+    if (p.alibi_score_bound == nullptr || p.alibi_slopes == nullptr) return INT_MAX;
+    const float slope = p.alibi_slopes[int64_t(batch) * p.alibi_batch_stride + head];
+    const float width = (2.f * *p.alibi_score_bound + kAlibiBandMargin) / slope;
+    return width > 0.f && width < 1e9f ? int(ceilf(width)) : INT_MAX;
+}
+
 template <class C, bool kSplit>
 __device__ __forceinline__ KvRange kv_range(const Params& p, const Sequence& seq, int q_row0,
-                                            int q_rows, int split) {
+                                            int q_rows, int split, int band = INT_MAX) {
     // Blocks [kv_lo, n_blocks) are visible to some row of this CTA.
     const int causal_shift = seq.len_k - seq.len_q;
     const int n_kv = (seq.len_k + C::kBc - 1) / C::kBc;
@@ -104,6 +120,16 @@ __device__ __forceinline__ KvRange kv_range(const Params& p, const Sequence& seq
         const int first_key = q_row0 + causal_shift - p.window_left;  // the first row's first
         kv_lo = max(first_key, 0) / C::kBc;
         below_keys = first_key + q_rows - 1;
+    }
+    // ALiBi's band (alibi_band) around the first and the last row's diagonals, each clamped
+    // into the keys: a row whose diagonal lies outside them weighs its nearest key most. No
+    // mask changes: the keys outside are skipped, the blocks the band's edges cut computed
+    // whole.
+    if (band != INT_MAX && seq.len_k > 0) {
+        const int first = min(max(q_row0 + causal_shift, 0), seq.len_k - 1);
+        const int last = min(max(q_row0 + q_rows - 1 + causal_shift, 0), seq.len_k - 1);
+        kv_lo = max(kv_lo, max(first - band, 0) / C::kBc);
+        n_blocks = min(n_blocks, int((int64_t(last) + band) / C::kBc) + 1);
     }
     // This CTA's KV blocks: [kv_begin, n_blocks). A split past the causal diagonal (or the
     // end of a short sequence, or before the window) gets none and writes O = 0, lse = -inf,

@@ -101,6 +101,9 @@ struct Params {
     // (after softcapping). Read by the *_alibi and *_softcap entries only.
     const float* alibi_slopes;
     int32_t alibi_batch_stride;
+    // ALiBi's band (fwd_range.cuh, alibi_band; the forward's *_alibi entries only), else
+    // null: a float32 device scalar bounding every scaled score's magnitude.
+    const float* alibi_score_bound;
 
     // Dropout (the *_dropout entries): a score is kept when its random byte (philox.cuh,
     // from the 64-bit seed at dropout_seed, a device tensor drawn per call by torch) is at
@@ -122,7 +125,7 @@ struct Params {
     // atomicAdd) once its first (blockIdx.x) is loaded, so that CTAs given short tiles take
     // more of them. Null: the CTAs walk blockIdx.x + k gridDim.x (every tile equally long).
     int32_t* tile_counter;
-    unsigned char maps_pad[56];  // the maps at a multiple of 64 bytes, as alignas places them
+    unsigned char maps_pad[40];  // the maps at a multiple of 64 bytes, as alignas places them
 
     // The tensor maps (CUtensorMap, 128 opaque bytes each, encoded by the driver on the host
     // per call: cudaflash/_tma.py) of q, k and v when tma_loads is 1, else not read. Each

@@ -52,10 +52,10 @@ def checked_forward(config: Optional[KernelConfig], q, k, v, out, softmax_scale,
         with torch.cuda.device(index):
             return launch.run(config, index, q, k, v, out, scale, bool(causal), want_lse,
                               plan_key, num_splits, window=window, softcap=softcap,
-                              alibi=alibi_slopes, dropout=dropout)
+                              alibi=alibi_slopes, dropout=dropout, alibi_band=True)
     return launch.run(config, index, q, k, v, out, scale, bool(causal), want_lse, plan_key,
                       num_splits, window=window, softcap=softcap, alibi=alibi_slopes,
-                      dropout=dropout)
+                      dropout=dropout, alibi_band=True)
 
 
 def planned_forward(q, k, v, softmax_scale, causal, want_lse, window=(-1, -1), softcap=0.0,

@@ -73,6 +73,9 @@ class Params(ctypes.Structure):
         # with the fixed fields
         ("alibi_slopes", ctypes.c_void_p),
         ("alibi_batch_stride", ctypes.c_int32),  # 0: one slope per head for every batch entry
+        # ALiBi's band (fwd_range.cuh): a float32 device scalar bounding every scaled score's
+        # magnitude, 0 for none (launch.alibi_score_bound)
+        ("alibi_score_bound", ctypes.c_void_p),
         # dropout (the *_dropout entries): threshold round(p * 256), 0 when unused; the
         # seed tensor's pointer; 1 / (1 - p)
         ("dropout_threshold", ctypes.c_uint32),
@@ -85,7 +88,7 @@ class Params(ctypes.Structure):
         # persistent causal calls: the zeroed int32 the CTAs take their tiles from, else 0
         ("tile_counter", ctypes.c_void_p),
         # the maps at a multiple of 64 bytes, as alignas places them in the C struct
-        ("maps_pad", ctypes.c_ubyte * 56),
+        ("maps_pad", ctypes.c_ubyte * 40),
         # the tensor maps of q, k and v (CUtensorMap, 64-byte aligned in the CUDA struct:
         # the fields before them end at a multiple of 64); written per call by _tma.py, never
         # packed through the struct formats below

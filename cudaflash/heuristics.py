@@ -126,3 +126,9 @@ def effective_scheme(asked: str, seqlen_q: int, group: int, causal: bool,
     if asked == "atomic" and rows <= limit:
         return "deterministic"
     return asked
+
+
+# ALiBi's band (fwd_range.cuh, launch.alibi_score_bound) from this many keys on: the bound
+# is a pass over q and k, about 6% of a d64 forward at 4k and 18% at 1k, while the band
+# keeps 0.57 of the blocks at 4k and 0.84 at 1k with the bench's slopes (tools/alibi_band.py).
+ALIBI_BAND_MIN_KEYS = 2048

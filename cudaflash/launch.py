@@ -50,7 +50,8 @@ class CacheAddressing(NamedTuple):
 
 def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: bool,
         plan_key=None, num_splits=None, seqused_k=None, plans=None, window=(-1, -1),
-        softcap=0.0, cache: Optional[CacheAddressing] = None, alibi=None, dropout=None):
+        softcap=0.0, cache: Optional[CacheAddressing] = None, alibi=None, dropout=None,
+        alibi_band: bool = False):
     """One forward over a padded batch. ``seqused_k``: None, or a (batch,) int32 tensor of
     each entry's key count (flash_attn_with_kvcache; the kernel clamps it into [0,
     seqlen_k]). With a ``plan_key`` the launch is recorded in ``plans`` (default
@@ -58,7 +59,10 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
     sliding window (left, right), -1 unbounded; ``softcap``: the checked cap, 0.0 for none.
     ``cache``: flash_attn_with_kvcache's cache addressing; its tensors' pointers are packed
     with the fixed fields (a plan key must hold them: _plans.address_key). ``alibi``: the
-    checked ALiBi slopes or None; their pointer is packed with the fixed fields too."""
+    checked ALiBi slopes or None; their pointer is packed with the fixed fields too.
+    ``alibi_band``: with ALiBi, skip the keys beyond each head's band (fwd_range.cuh) from
+    heuristics.ALIBI_BAND_MIN_KEYS keys on (flash_attn_func and forward; not the kvcache
+    paths, where the bound would read whole caches every step)."""
     batch, seqlen_q, n_heads, d_head = q.shape
     n_heads_k = k.shape[2]
     # A cache's positions per sequence (paged: the table's, not a page's).
@@ -91,6 +95,12 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
                 lse.fill_(-math.inf)
         return out, lse
 
+    # ALiBi's band (fwd_range.cuh): the bound is this call's tensors', so no plan replays it.
+    band_bound = None
+    if (alibi_band and alibi is not None and cache is None and seqused_k is None
+            and not softcap and seqlen_k >= heuristics.ALIBI_BAND_MIN_KEYS):
+        band_bound = alibi_score_bound(q, k, scale)
+        plan_key = None
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
     q_seq, q_head, o_seq, o_head = qs[1], qs[2], os_[1], os_[2]
     if rows != seqlen_q:  # GQA decoding: row r of head h is query head h * rows + r
@@ -104,7 +114,7 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
     launch = launch_function(kernel, index, q.device, fixed_params, num_splits, rows=rows,
                              heads=heads, batch=batch, seqlen_k=seqlen_k, d_head=d_head,
                              window=kernel_window, softcap=bool(softcap), cache=cache,
-                             alibi=alibi, dropout=dropout,
+                             alibi=alibi, alibi_bound=band_bound, dropout=dropout,
                              tma_tensors=(q, k, v) if maps_ok else None)
     # lse 0: writes no lse; cu_seqlens_q 0: not packed; cu_seqlens_k: the key counts, if any
     launch(current_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
@@ -114,6 +124,20 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
         _plans.record(_plans.plans if plans is None else plans, plan_key, index, launch,
                       (batch, n_heads, seqlen_q), out, lse)
     return out, lse
+
+
+def alibi_score_bound(q, k, scale: float) -> torch.Tensor:
+    """A float32 device scalar no scaled score exceeds in magnitude: softmax_scale max|q_i|
+    max|k_j| (Cauchy-Schwarz; norms over the head dim). Torch ops on the current stream, no
+    host copy: a CUDA graph captures them. The norms come out in q's dtype (torch sums the
+    squares in float32, then rounds: relative error under 2^-8), so the product is raised by
+    2^-6 to stay a bound; asking torch for float32 norms instead would first copy q and k to
+    float32, which cost a third of a 2k forward (thirty-seventh session). NaN or inf
+    inputs, or norms past fp16's range, give a NaN or inf bound: the kernels then keep
+    every key."""
+    q_most = torch.linalg.vector_norm(q, dim=-1).amax().float()
+    k_most = torch.linalg.vector_norm(k, dim=-1).amax().float()
+    return q_most * k_most * (scale * (1.0 + 2.0 ** -6))
 
 
 def append_kv(kernel: dispatch.Kernel, index: int, k_new, v_new, k_cache, v_cache,
@@ -201,7 +225,7 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
                     fixed_params: tuple, num_splits: Optional[int], *, rows: int, heads: int,
                     batch: int, seqlen_k: int, d_head: int, window=(-1, -1),
                     softcap: bool = False, cache: Optional[CacheAddressing] = None,
-                    alibi=None, dropout=None, tma_tensors=None):
+                    alibi=None, alibi_bound=None, dropout=None, tma_tensors=None):
     """The launch of a call: ``fixed_params`` (every Params field between the pointers and
     the split counts) plus the split counts, the cache addressing and ALiBi's fields, as one
     Launcher, or a split-KV pair (the *_softcap entries with ``softcap``, the *_alibi ones
@@ -237,7 +261,8 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
         maps = _tma.tensor_maps(*tma_tensors, kernel.block_rows, kernel.block_cols)
     fixed_params = (fixed_params + (num_splits, per_split)
                     + (NO_CACHE_ADDRESSING if cache is None else cache.params())
-                    + alibi_params(alibi) + dropout_params(dropout) + (int(maps is not None),))
+                    + alibi_params(alibi) + (0 if alibi_bound is None else alibi_bound.data_ptr(),)
+                    + dropout_params(dropout) + (int(maps is not None),))
     if num_splits == 1:
         role = (("forward_dropout" if alibi is None else "forward_dropout_alibi")
                 if dropout is not None else _role("forward", mods, cache))

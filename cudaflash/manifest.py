@@ -62,7 +62,9 @@ from .selection import Rule, parse_rules
 # packed batch).
 # 19: backward modules carry dkdv_dq_dropout (the atomic scheme with dropout; a trap unless
 # BackwardConfig.fused_dropout).
-SCHEMA = 19
+# 20: Params carries alibi_score_bound after alibi_batch_stride (768 bytes: maps_pad 56 -> 40);
+# the forward's *_alibi entries skip the keys outside ALiBi's band when it is set.
+SCHEMA = 20
 KINDS = ("cubin", "ptx")
 MANIFEST_NAME = "manifest.json"
 

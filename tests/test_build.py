@@ -521,7 +521,7 @@ def check_entries(k: dict, cfg, symbols: list) -> None:
 
 def check_manifest(m: dict, out_dir: Path) -> None:
     assert set(m) == TOP_KEYS
-    assert m["schema"] == build_cubins.manifest.SCHEMA == 19
+    assert m["schema"] == build_cubins.manifest.SCHEMA == 20
     assert re.fullmatch(r"\d+\.\d+\.\d+", m["nvcc_version"])
     assert re.fullmatch(r"\d+\.\d+\.\d+", m["ptxas_version"])
     # Every file's driver floor is what its own header / .version line says.

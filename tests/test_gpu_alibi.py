@@ -202,7 +202,58 @@ def test_fp16_coefficients_beyond_its_range(causal):
     _check_every_config("fp16", causal, torch.tensor([1.0, 0.25], device="cuda"), scale=2e-5)
 
 
+@pytest.mark.parametrize("entry", KERNELS, ids=lambda e: e.name)
+def test_band_reads_no_key_beyond_it(entry):
+    """A detector for ALiBi's band on each config, whole and split: NaN in v's last key
+    block, over 1400 keys from the first 512 rows' bands (slopes of at least 0.4 per batch
+    entry and head: bands of at most (2 B + 40) / 0.4, about 240 keys at d256). Without the
+    band every row reads those values (0 * NaN = NaN in P V); with it the first rows must be
+    finite and meet the rule against the math with those values zeroed (their weights are
+    under e^-40 of each row's largest)."""
+    cfg = entry.config
+    b, s, h, hk = 2, 2048, 4, 2
+    q, k, v = make_qkv(b, s, s, h, hk, cfg.d_head, DTYPES[cfg.dtype], seed=7)
+    slopes = random_slopes(b, h, seed=7) * 4
+    poisoned, zeroed = v.clone(), v.clone()
+    poisoned[:, -128:] = math.nan
+    zeroed[:, -128:] = 0
+    rows = slice(0, 512)
+    for splits in (1, 3):
+        out = torch.full_like(q, math.nan)
+        _, lse = forward(cfg, q, k, poisoned, out=out, num_splits=splits, alibi_slopes=slopes)
+        try:
+            check_attention(out[:, rows], lse[:, :, rows], q[:, rows], k, zeroed, False,
+                            seqlen_q=s, alibi_slopes=slopes)
+        except AssertionError as e:
+            raise AssertionError(f"splits={splits}: {e}") from None
+
+
 # ---- flash_attn_func -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("sq, sk", [(2048, 2048), (2500, 2100), (600, 3000)])
+def test_band_skips_only_keys_that_weigh_nothing(causal, sq, sk, monkeypatch):
+    """From heuristics.ALIBI_BAND_MIN_KEYS keys on, flash_attn_func's ALiBi calls skip each
+    head's keys beyond its band, (2 B + 40) / slope from a row's diagonal clamped into the
+    keys (B bounds the scaled scores: launch.alibi_score_bound; fwd_range.cuh): with the
+    paper's slopes for 8 heads (bands of a few hundred keys to beyond the sequence), one
+    steep random head set, more queries than keys (rows whose diagonal lies before key 0:
+    the clamp keeps their nearest keys) and fewer. out and lse must meet the full math's
+    rule as every call does; every call took the band (its bound was computed)."""
+    from cudaflash import launch
+    bounds = []
+    compute = launch.alibi_score_bound
+    monkeypatch.setattr(launch, "alibi_score_bound",
+                        lambda *a: bounds.append(compute(*a)) or bounds[-1])
+    for slopes in (standard_slopes(8), random_slopes(8, seed=3) * 4):
+        q, k, v = make_qkv(1, sq, sk, 8, 2, 64, torch.bfloat16, seed=sq + sk)
+        out, lse, _ = flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes,
+                                      return_attn_probs=True)
+        check_attention(out, lse, q, k, v, causal, alibi_slopes=slopes)
+        assert_alibi_matters(out, q, k, v, causal)
+    assert len(bounds) == 2 and all(torch.isfinite(b).item() and b.item() > 0 for b in bounds)
+
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])

@@ -819,3 +819,33 @@ def test_warp_specialized_alibi_entries_get_their_own_smem(fake, tmp_path, monke
     kernel = dispatch._make_kernel(dispatch.device_kernels(0), entry, CTX)
     assert kernel.smem_of("forward_alibi") == kernel.smem_of("split_alibi") == ws.alibi_smem_bytes
     assert kernel.smem_of("forward") == kernel.smem_of("forward_dropout") == ws.smem_bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_alibi_score_bound_holds_every_score(dtype):
+    """ALiBi's band (fwd_range.cuh) skips keys by launch.alibi_score_bound: it must be a float32
+    device scalar at least every scaled score's magnitude, for every query head against every
+    key head (a superset of GQA's pairs), though its norms round to q's dtype, and not loose
+    (the band's width grows with it). Inputs past the dtype's range give a bound that is not
+    finite, which the kernels read as no band."""
+    from cudaflash import launch
+
+    g = torch.Generator().manual_seed(5)
+    q = (torch.randn(2, 300, 4, 64, generator=g) * 3).to(dtype)
+    k = torch.randn(2, 280, 2, 64, generator=g).to(dtype)
+    q[1, 17, 3] *= 40  # one row far above the rest decides the bound
+    k[0, 5, 1] = k[0, 5, 1].abs() + 2  # and a key aligned with nothing in particular
+    scale = 0.125
+    bound = launch.alibi_score_bound(q, k, scale)
+    assert bound.dtype == torch.float32 and bound.dim() == 0
+    qd, kd = q.double(), k.double()
+    scores = scale * torch.einsum("bihd,bjgd->bhgij", qd, kd)
+    most = scale * (torch.linalg.vector_norm(qd, dim=-1).amax()
+                    * torch.linalg.vector_norm(kd, dim=-1).amax())
+    assert scores.abs().max() <= most <= bound.double() <= most * 1.05
+
+    q[0, 0, 0, 0] = math.inf
+    assert not math.isfinite(launch.alibi_score_bound(q, k, scale).item())
+    if dtype == torch.float16:  # norms past fp16's 65504
+        big = torch.full((1, 4, 1, 64), 20000.0, dtype=dtype)
+        assert not math.isfinite(launch.alibi_score_bound(big, big, scale).item())

@@ -65,9 +65,9 @@ def test_pointers_fixed_fields_and_workspace_split_the_struct():
     assert PARAMS_WORKSPACE_OFFSET + struct.calcsize(PARAMS_WORKSPACE_FORMAT) == \
         PARAMS_MAPS_OFFSET == Params.tma_q.offset
     assert PARAMS_MAPS_OFFSET + 3 * 128 == PARAMS_BYTES
-    assert PARAMS_WORKSPACE_FORMAT == "=3Q56x"  # o_accum, lse_accum, tile_counter; the pad
+    assert PARAMS_WORKSPACE_FORMAT == "=3Q40x"  # o_accum, lse_accum, tile_counter; the pad
     assert PARAMS_STRUCT_FORMAT == (PARAMS_POINTERS_FORMAT + PARAMS_FIXED_FORMAT[1:]
-                                    + "3Q440x")  # the pad and the maps: one run of padding
+                                    + "3Q424x")  # the pad and the maps: one run of padding
 
 
 def test_struct_format_writes_c_padding_out():
