@@ -128,7 +128,35 @@ def effective_scheme(asked: str, seqlen_q: int, group: int, causal: bool,
     return asked
 
 
-# ALiBi's band (fwd_range.cuh, launch.alibi_score_bound) from this many keys on: the bound
-# is a pass over q and k, about 6% of a d64 forward at 4k and 18% at 1k, while the band
-# keeps 0.57 of the blocks at 4k and 0.84 at 1k with the bench's slopes (tools/alibi_band.py).
-ALIBI_BAND_MIN_KEYS = 2048
+# ALiBi's band (fwd_range.cuh, launch.alibi_score_bound): the bound is a pass over q and k
+# (about 290 us for 2 x 64 MB on the H100: torch's row norms over a short last dim run far
+# below the memory's speed), paid back by the key blocks the band skips. Measured on the H100
+# (perf log, thirty-seventh session): at 1024 scores per norm row (non-causal 2k, causal 4k)
+# the banded forward was slower than the full one, at 2048 (non-causal 4k, causal 8k) 1.13-1.5x
+# faster, at 16k 1.9-2.3x.
+ALIBI_BAND_MIN_SCORES_PER_ROW = 2048
+
+
+def visible_keys_per_row(seqlen_q: int, seqlen_k: int, window: tuple[int, int]) -> float:
+    """About how many keys a query row sees under the kernel ``window`` (kernel_window's:
+    causal is a right side of 0), bottom-right aligned as flash-attn aligns them: the count is
+    piecewise linear in the row, so the first, middle and last rows' counts weighted 1:2:1."""
+    left, right = window
+    shift = seqlen_k - seqlen_q
+
+    def count(row: int) -> int:
+        diagonal = row + shift
+        lo = 0 if left < 0 else max(0, diagonal - left)
+        hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, diagonal + right)
+        return max(0, hi - lo + 1)
+
+    return (count(0) + 2 * count(seqlen_q // 2) + count(seqlen_q - 1)) / 4
+
+
+def alibi_band_pays(seqlen_q: int, seqlen_k: int, n_heads: int, n_heads_k: int,
+                    window: tuple[int, int]) -> bool:
+    """Whether an ALiBi forward should take the band: the scores it computes (rows times
+    visible keys) per row the bound's pass reads (of q and of k) reach
+    ALIBI_BAND_MIN_SCORES_PER_ROW."""
+    scores = seqlen_q * n_heads * visible_keys_per_row(seqlen_q, seqlen_k, window)
+    return scores >= ALIBI_BAND_MIN_SCORES_PER_ROW * (seqlen_q * n_heads + seqlen_k * n_heads_k)

@@ -60,9 +60,9 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
     ``cache``: flash_attn_with_kvcache's cache addressing; its tensors' pointers are packed
     with the fixed fields (a plan key must hold them: _plans.address_key). ``alibi``: the
     checked ALiBi slopes or None; their pointer is packed with the fixed fields too.
-    ``alibi_band``: with ALiBi, skip the keys beyond each head's band (fwd_range.cuh) from
-    heuristics.ALIBI_BAND_MIN_KEYS keys on (flash_attn_func and forward; not the kvcache
-    paths, where the bound would read whole caches every step)."""
+    ``alibi_band``: with ALiBi, skip the keys beyond each head's band (fwd_range.cuh) where
+    heuristics.alibi_band_pays (flash_attn_func and forward; not the kvcache paths, where
+    the bound would read whole caches every step)."""
     batch, seqlen_q, n_heads, d_head = q.shape
     n_heads_k = k.shape[2]
     # A cache's positions per sequence (paged: the table's, not a page's).
@@ -98,7 +98,8 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
     # ALiBi's band (fwd_range.cuh): the bound is this call's tensors', so no plan replays it.
     band_bound = None
     if (alibi_band and alibi is not None and cache is None and seqused_k is None
-            and not softcap and seqlen_k >= heuristics.ALIBI_BAND_MIN_KEYS):
+            and not softcap
+            and heuristics.alibi_band_pays(seqlen_q, seqlen_k, n_heads, n_heads_k, kernel_window)):
         band_bound = alibi_score_bound(q, k, scale)
         plan_key = None
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
@@ -128,16 +129,14 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
 
 def alibi_score_bound(q, k, scale: float) -> torch.Tensor:
     """A float32 device scalar no scaled score exceeds in magnitude: softmax_scale max|q_i|
-    max|k_j| (Cauchy-Schwarz; norms over the head dim). Torch ops on the current stream, no
-    host copy: a CUDA graph captures them. The norms come out in q's dtype (torch sums the
-    squares in float32, then rounds: relative error under 2^-8), so the product is raised by
-    2^-6 to stay a bound; asking torch for float32 norms instead would first copy q and k to
-    float32, which cost a third of a 2k forward (thirty-seventh session). NaN or inf
-    inputs, or norms past fp16's range, give a NaN or inf bound: the kernels then keep
-    every key."""
-    q_most = torch.linalg.vector_norm(q, dim=-1).amax().float()
-    k_most = torch.linalg.vector_norm(k, dim=-1).amax().float()
-    return q_most * k_most * (scale * (1.0 + 2.0 ** -6))
+    max|k_j| (Cauchy-Schwarz; norms over the head dim, in float32, raised by 2^-10 for their
+    rounding). Torch ops on the current stream, no host copy: a CUDA graph captures them.
+    NaN or inf inputs give a NaN or inf bound, for which the kernels keep every key. Its
+    cost (about 290 us for a 64 MB q and k on the H100, the same with norms in q's dtype)
+    decides where the band pays: heuristics.alibi_band_pays."""
+    q_most = torch.linalg.vector_norm(q, dim=-1, dtype=torch.float32).amax()
+    k_most = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax()
+    return q_most * k_most * (scale * (1.0 + 2.0 ** -10))
 
 
 def append_kv(kernel: dispatch.Kernel, index: int, k_new, v_new, k_cache, v_cache,

@@ -202,8 +202,16 @@ def test_fp16_coefficients_beyond_its_range(causal):
     _check_every_config("fp16", causal, torch.tensor([1.0, 0.25], device="cuda"), scale=2e-5)
 
 
+@pytest.fixture
+def every_call_banded(monkeypatch):
+    """Every ALiBi call that can take the band takes it, whatever its size
+    (heuristics.alibi_band_pays otherwise leaves it to calls of 4k keys and more)."""
+    from cudaflash import heuristics
+    monkeypatch.setattr(heuristics, "ALIBI_BAND_MIN_SCORES_PER_ROW", 0)
+
+
 @pytest.mark.parametrize("entry", KERNELS, ids=lambda e: e.name)
-def test_band_reads_no_key_beyond_it(entry):
+def test_band_reads_no_key_beyond_it(entry, every_call_banded):
     """A detector for ALiBi's band on each config, whole and split: NaN in v's last key
     block, over 1400 keys from the first 512 rows' bands (slopes of at least 0.4 per batch
     entry and head: bands of at most (2 B + 40) / 0.4, about 240 keys at d256). Without the
@@ -233,8 +241,9 @@ def test_band_reads_no_key_beyond_it(entry):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 @pytest.mark.parametrize("sq, sk", [(2048, 2048), (2500, 2100), (600, 3000)])
-def test_band_skips_only_keys_that_weigh_nothing(causal, sq, sk, monkeypatch):
-    """From heuristics.ALIBI_BAND_MIN_KEYS keys on, flash_attn_func's ALiBi calls skip each
+def test_band_skips_only_keys_that_weigh_nothing(causal, sq, sk, monkeypatch,
+                                                 every_call_banded):
+    """Where heuristics.alibi_band_pays (here: always), flash_attn_func's ALiBi calls skip each
     head's keys beyond its band, (2 B + 40) / slope from a row's diagonal clamped into the
     keys (B bounds the scaled scores: launch.alibi_score_bound; fwd_range.cuh): with the
     paper's slopes for 8 heads (bands of a few hundred keys to beyond the sequence), one
@@ -253,7 +262,6 @@ def test_band_skips_only_keys_that_weigh_nothing(causal, sq, sk, monkeypatch):
         check_attention(out, lse, q, k, v, causal, alibi_slopes=slopes)
         assert_alibi_matters(out, q, k, v, causal)
     assert len(bounds) == 2 and all(torch.isfinite(b).item() and b.item() > 0 for b in bounds)
-
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
@@ -702,6 +710,27 @@ def test_kvcache_decoding_step_in_a_cuda_graph():
     torch.cuda.synchronize()
     check_each(batch_pieces(out, None, q, [kc[i, :n] for i, n in enumerate(lens)],
                             [vc[i, :n] for i, n in enumerate(lens)]), False, slopes)
+
+
+def test_band_in_a_cuda_graph(every_call_banded):
+    """A banded flash_attn_func call captured once: the bound is torch ops
+    on the stream, so each replay takes it from q and k as they are then. q scaled up 8x
+    before the replay widens every band (a bound kept from the capture would cut keys that
+    now weigh); the replay must meet the math on the new inputs."""
+    q, k, v = make_qkv(1, 2048, 2048, 8, 2, 64, torch.bfloat16, seed=11)
+    slopes = random_slopes(8, seed=11) * 2
+    flash_attn_func(q, k, v, alibi_slopes=slopes)  # load
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse, _ = flash_attn_func(q, k, v, alibi_slopes=slopes, return_attn_probs=True)
+    q.mul_(8)
+    graph.replay()
+    torch.cuda.synchronize()
+    check_attention(out, lse, q, k, v, False, alibi_slopes=slopes)
+    eager_out, eager_lse, _ = flash_attn_func(q, k, v, alibi_slopes=slopes,
+                                              return_attn_probs=True)
+    assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
 
 
 # ---- torch.compile ----------------------------------------------------------------------------

@@ -825,9 +825,8 @@ def test_warp_specialized_alibi_entries_get_their_own_smem(fake, tmp_path, monke
 def test_alibi_score_bound_holds_every_score(dtype):
     """ALiBi's band (fwd_range.cuh) skips keys by launch.alibi_score_bound: it must be a float32
     device scalar at least every scaled score's magnitude, for every query head against every
-    key head (a superset of GQA's pairs), though its norms round to q's dtype, and not loose
-    (the band's width grows with it). Inputs past the dtype's range give a bound that is not
-    finite, which the kernels read as no band."""
+    key head (a superset of GQA's pairs), and not loose (the band's width grows with it).
+    A non-finite input gives a bound that is not finite, which the kernels read as no band."""
     from cudaflash import launch
 
     g = torch.Generator().manual_seed(5)
@@ -846,6 +845,26 @@ def test_alibi_score_bound_holds_every_score(dtype):
 
     q[0, 0, 0, 0] = math.inf
     assert not math.isfinite(launch.alibi_score_bound(q, k, scale).item())
-    if dtype == torch.float16:  # norms past fp16's 65504
+    if dtype == torch.float16:  # norms past fp16's 65504 (float32 norms: still a bound)
         big = torch.full((1, 4, 1, 64), 20000.0, dtype=dtype)
-        assert not math.isfinite(launch.alibi_score_bound(big, big, scale).item())
+        assert launch.alibi_score_bound(big, big, scale).item() >= scale * 64 * 20000.0**2
+
+
+def test_alibi_band_where_the_h100_measured_it_pays():
+    """heuristics.alibi_band_pays against the thirty-seventh session's H100 A/B (perf log):
+    the band (with its pass over q and k) was slower at non-causal 2k and causal 4k, faster
+    at non-causal 4k and causal 8k and beyond; GQA's smaller k makes the pass cheaper; a
+    narrow window leaves too few scores to pay for it."""
+    from cudaflash import heuristics
+
+    def pays(s, causal, heads_k=32, window=(-1, -1), seqlen_q=None):
+        kernel_window = heuristics.kernel_window(window, s, causal)
+        return heuristics.alibi_band_pays(seqlen_q or s, s, 32, heads_k, kernel_window)
+
+    assert not pays(1024, False) and not pays(2048, False) and not pays(4096, True)
+    assert pays(4096, False) and pays(8192, True) and pays(16384, True) and pays(16384, False)
+    assert pays(3072, False, heads_k=4) and not pays(3072, False)
+    assert not pays(16384, True, window=(512, 0))
+    assert heuristics.visible_keys_per_row(4096, 4096, (-1, 0)) == pytest.approx(2048, rel=1e-3)
+    assert heuristics.visible_keys_per_row(100, 1000, (-1, -1)) == 1000
+    assert heuristics.visible_keys_per_row(1000, 100, (-1, 0)) == 25  # (0 + 2 * 0 + 100) / 4
