@@ -70,8 +70,8 @@ __device__ __forceinline__ void flash_fwd(const Params& p) {
     const int q_rows = min(C::kBr, seq.len_q - q_row0);
     const HeadTiles<C> tiles = head_tiles<C, kKvcache>(p, at, seq, q_row0);
     const elem_t *q = tiles.q, *k = tiles.k, *v = tiles.v;
-    const KvRange range = kv_range<C, kSplit>(p, seq, q_row0, q_rows, at.split,
-                                              kAlibi && !kSoftcap ? alibi_band(p, at.batch, at.head) : INT_MAX);
+    const int band = entry_band<kSoftcap, kAlibi, kDropout>(p, at.batch, at.head);
+    const KvRange range = kv_range<C, kSplit>(p, seq, q_row0, q_rows, at.split, band);
     const int kv_begin = range.begin, n_blocks = range.end;
     const int mask_from = range.mask_from, below_keys = range.below_keys;
     const float alibi = kAlibi ? alibi_coefficient(p, at.batch, at.head) : 0.f;

@@ -99,6 +99,18 @@ __device__ __forceinline__ int alibi_band(const Params& p, int batch, int head) 
     return width > 0.f && width < 1e9f ? int(ceilf(width)) : INT_MAX;
 }
 
+// The band an entry takes: the *_alibi entries without softcap or dropout (the dropout entry
+// with ALiBi spilled 16 bytes on sm_80/86 with it, and launch.run bands no dropout call);
+// INT_MAX, folded away, in every other entry, whose code stays as without the band.
+template <bool kSoftcap, bool kAlibi, bool kDropout>
+__device__ __forceinline__ int entry_band(const Params& p, int batch, int head) {
+    if constexpr (kAlibi && !kSoftcap && !kDropout) {
+        return alibi_band(p, batch, head);
+    } else {
+        return INT_MAX;
+    }
+}
+
 template <class C, bool kSplit>
 __device__ __forceinline__ KvRange kv_range(const Params& p, const Sequence& seq, int q_row0,
                                             int q_rows, int split, int band = INT_MAX) {

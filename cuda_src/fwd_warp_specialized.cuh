@@ -248,9 +248,9 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
                 const CtaPlace at = place_of(t);
                 const Sequence seq = sequence<kKvcache>(p, at.batch);
                 const int q_row0 = at.q_block * C::kBr;
+                const int band = entry_band<kSoftcap, kAlibi, kDropout>(p, at.batch, at.head);
                 const KvRange range =
-                    kv_range<C, kSplit>(p, seq, q_row0, min(C::kBr, seq.len_q - q_row0), 0,
-                                        kAlibi && !kSoftcap ? alibi_band(p, at.batch, at.head) : INT_MAX);
+                    kv_range<C, kSplit>(p, seq, q_row0, min(C::kBr, seq.len_q - q_row0), 0, band);
                 const int n_steps = max(range.end - range.begin, 0);
                 mbarrier_arrive_expect_tx(&q_full[qb], C::kBr * C::kDHead * sizeof(elem_t));
                 tma_load_5d(smem_addr(sQ + qb * C::kBr * C::kDHead), p.tma_q, &q_full[qb], 0,
@@ -278,8 +278,8 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         const Sequence seq = sequence<kKvcache>(p, at.batch);
         const int q_row0 = at.q_block * C::kBr;
         const int q_rows = min(C::kBr, seq.len_q - q_row0);
-        const KvRange range = kv_range<C, kSplit>(p, seq, q_row0, q_rows, at.split,
-                                                  kAlibi && !kSoftcap ? alibi_band(p, at.batch, at.head) : INT_MAX);
+        const int band = entry_band<kSoftcap, kAlibi, kDropout>(p, at.batch, at.head);
+        const KvRange range = kv_range<C, kSplit>(p, seq, q_row0, q_rows, at.split, band);
         const int n_steps = max(range.end - range.begin, 0);
         auto block_of = [&](int i) { return C::kKvReverse ? range.end - 1 - i : range.begin + i; };
         const unsigned tid = threadIdx.x;
@@ -359,8 +359,8 @@ __device__ __forceinline__ void flash_fwd_ws(const Params& p) {
         const Sequence seq = sequence<kKvcache>(p, at.batch);
         const int q_row0 = at.q_block * C::kBr;
         const int q_rows = min(C::kBr, seq.len_q - q_row0);
-        const KvRange range = kv_range<C, kSplit>(p, seq, q_row0, q_rows, at.split,
-                                                  kAlibi && !kSoftcap ? alibi_band(p, at.batch, at.head) : INT_MAX);
+        const int band = entry_band<kSoftcap, kAlibi, kDropout>(p, at.batch, at.head);
+        const KvRange range = kv_range<C, kSplit>(p, seq, q_row0, q_rows, at.split, band);
         const int n_steps = max(range.end - range.begin, 0);
         // The KV block of step i: last to first (kv_reverse) or first to last.
         auto block_of = [&](int i) { return C::kKvReverse ? range.end - 1 - i : range.begin + i; };

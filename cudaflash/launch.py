@@ -98,7 +98,7 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
     # ALiBi's band (fwd_range.cuh): the bound is this call's tensors', so no plan replays it.
     band_bound = None
     if (alibi_band and alibi is not None and cache is None and seqused_k is None
-            and not softcap
+            and not softcap and dropout is None
             and heuristics.alibi_band_pays(seqlen_q, seqlen_k, n_heads, n_heads_k, kernel_window)):
         band_bound = alibi_score_bound(q, k, scale)
         plan_key = None
