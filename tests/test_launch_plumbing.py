@@ -868,3 +868,36 @@ def test_alibi_band_where_the_h100_measured_it_pays():
     assert heuristics.visible_keys_per_row(4096, 4096, (-1, 0)) == pytest.approx(2048, rel=1e-3)
     assert heuristics.visible_keys_per_row(100, 1000, (-1, -1)) == 1000
     assert heuristics.visible_keys_per_row(1000, 100, (-1, 0)) == 25  # (0 + 2 * 0 + 100) / 4
+
+
+def test_which_alibi_calls_take_the_band(fake, monkeypatch):
+    """launch.run passes the band's bound (Params.alibi_score_bound, a pointer) only for an
+    ALiBi call that asks for it (alibi_band: flash_attn_func and forward) where
+    heuristics.alibi_band_pays; never with dropout (its entries have no band: fwd_range.cuh's
+    entry_band), softcap or without ALiBi. A banded call records no plan."""
+    from cudaflash import _dropout, heuristics
+
+    q, k, v = qkv(b=2, sq=300, sk=300, h=4, hk=2)
+    slopes = torch.rand(4) + 0.1
+    drop = _dropout.Dropout(0.1, 26, 1 / 0.9, torch.zeros(1, dtype=torch.int64))
+
+    def bound_of(**kwargs):
+        fake.launches.clear()
+        internals.run(None, 0, q, k, v, None, 0.125, False, True, **kwargs)
+        return [x.params.alibi_score_bound for x in fake.launches]
+
+    monkeypatch.setattr(heuristics, "ALIBI_BAND_MIN_SCORES_PER_ROW", 0)
+    assert all(bound_of(alibi=slopes, alibi_band=True))
+    assert not any(bound_of(alibi=slopes))  # not asked: the kvcache and varlen paths
+    assert not any(bound_of(alibi=slopes, alibi_band=True, dropout=drop))
+    assert not any(bound_of(alibi=slopes, alibi_band=True, softcap=30.0))
+    assert not any(bound_of(alibi_band=True))
+    plans = {}
+    internals.run(None, 0, q, k, v, None, 0.125, False, True, ("banded",), plans=plans,
+                  alibi=slopes, alibi_band=True)
+    assert plans == {}
+    monkeypatch.setattr(heuristics, "ALIBI_BAND_MIN_SCORES_PER_ROW", 10**9)
+    assert not any(bound_of(alibi=slopes, alibi_band=True))  # too few scores per row read
+    internals.run(None, 0, q, k, v, None, 0.125, False, True, ("full",), plans=plans,
+                  alibi=slopes, alibi_band=True)
+    assert list(plans) == [("full",)]
