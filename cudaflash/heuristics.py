@@ -131,9 +131,9 @@ def effective_scheme(asked: str, seqlen_q: int, group: int, causal: bool,
 # ALiBi's band (fwd_range.cuh, launch.alibi_score_bound): the bound is a pass over q and k
 # (about 290 us for 2 x 64 MB on the H100: torch's row norms over a short last dim run far
 # below the memory's speed), paid back by the key blocks the band skips. Measured on the H100
-# (perf log, thirty-seventh session): at 1024 scores per norm row (non-causal 2k, causal 4k)
-# the banded forward was slower than the full one, at 2048 (non-causal 4k, causal 8k) 1.13-1.5x
-# faster, at 16k 1.9-2.3x.
+# (perf log, thirty-seventh session; ALiBi / plain, banded against full): at 1024 scores per
+# row read (non-causal 2k, causal 4k) 0.60-0.89 against 0.85-0.93, at 2048 (non-causal 4k,
+# causal 8k) 1.01-1.22 against 0.84-0.96, at 16k 1.7-2.2.
 ALIBI_BAND_MIN_SCORES_PER_ROW = 2048
 
 

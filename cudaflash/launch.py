@@ -98,8 +98,8 @@ def run(config, index: int, q, k, v, out, scale: float, causal: bool, want_lse: 
     # ALiBi's band (fwd_range.cuh): the bound is this call's tensors', so no plan replays it.
     band_bound = None
     if (alibi_band and alibi is not None and cache is None and seqused_k is None
-            and not softcap and dropout is None
-            and heuristics.alibi_band_pays(seqlen_q, seqlen_k, n_heads, n_heads_k, kernel_window)):
+            and not softcap and dropout is None and heuristics.alibi_band_pays(
+                seqlen_q, seqlen_k, n_heads, n_heads_k, kernel_window)):
         band_bound = alibi_score_bound(q, k, scale)
         plan_key = None
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
@@ -260,7 +260,8 @@ def launch_function(kernel: dispatch.Kernel, index: int, device: torch.device,
         maps = _tma.tensor_maps(*tma_tensors, kernel.block_rows, kernel.block_cols)
     fixed_params = (fixed_params + (num_splits, per_split)
                     + (NO_CACHE_ADDRESSING if cache is None else cache.params())
-                    + alibi_params(alibi) + (0 if alibi_bound is None else alibi_bound.data_ptr(),)
+                    + alibi_params(alibi)
+                    + (0 if alibi_bound is None else alibi_bound.data_ptr(),)
                     + dropout_params(dropout) + (int(maps is not None),))
     if num_splits == 1:
         role = (("forward_dropout" if alibi is None else "forward_dropout_alibi")
